@@ -1,0 +1,1 @@
+"""Tensor kernels: CPU references and their CUDA counterparts."""

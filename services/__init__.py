@@ -1,0 +1,1 @@
+"""One package per service, plus the meshserve command line."""

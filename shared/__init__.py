@@ -1,0 +1,1 @@
+"""Code shared by every service: schemas, config, engine, model."""

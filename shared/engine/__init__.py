@@ -1,0 +1,1 @@
+"""The serving engine: sequences, KV block manager, scheduler, sampler, runner."""

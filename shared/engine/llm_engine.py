@@ -1,0 +1,154 @@
+"""The engine: requests in, tokens out, one scheduled batch per step.
+
+    step():  schedule -> run the model on the batch -> append each new token -> check stops
+
+Detokenization and stop strings belong to whoever reads the tokens (the gateway in the mesh,
+OutputProcessor in process); they call abort() when a stop string matches.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .block_manager import BlockManager
+from .model_runner import ModelRunner
+from .sampler import TokenLogprobs
+from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from .sequence import SamplingParams, Sequence, SequenceStatus
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_bytes
+    kv_cache_bytes: int = 2 << 30
+    max_model_len: int | None = None  # None: the model's context length (at most 32768)
+    enable_prefix_caching: bool = True
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs | None]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+
+
+class RequestError(ValueError):
+    """A request the engine can never serve (too long, bad parameters)."""
+
+
+class LLMEngine:
+    def __init__(self, model, config: EngineConfig | None = None, eos_token_ids: list[int] | None = None,
+                 model_name: str = ""):
+        self.model = model
+        self.config = config = config or EngineConfig()
+        cfg = model.cfg
+        self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 32768)
+        per_block = (2 * cfg.num_hidden_layers * config.block_size * cfg.num_key_value_heads
+                     * cfg.head_dim * torch.finfo(model.dtype).bits // 8)
+        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // per_block)
+        self.kv_cache = torch.zeros(cfg.num_hidden_layers, 2, num_blocks * config.block_size,
+                                    cfg.num_key_value_heads, cfg.head_dim, dtype=model.dtype)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                          model_name)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.runner = ModelRunner(model, self.kv_cache, config.block_size)
+        self.eos_token_ids = set(eos_token_ids if eos_token_ids is not None else cfg.eos_token_ids)
+        self.requests: dict[str, Sequence] = {}
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> Sequence:
+        try:
+            params.validate()
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already running")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty")
+        vocab = self.model.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        if n + params.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
+                f"{n + params.max_tokens} ({n} in the prompt, {params.max_tokens} to generate)")
+        bm = self.block_manager
+        if bm.blocks_needed(n + params.max_tokens) > bm.num_blocks:
+            raise RequestError(f"the request needs {n + params.max_tokens} tokens of KV cache; "
+                               f"the pool holds {bm.num_blocks * bm.block_size}")
+        seq = Sequence(request_id, prompt_token_ids, params, arrival_time)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        seq = self.requests.pop(request_id, None)
+        if seq is not None and not seq.is_finished:
+            self.scheduler.finish(seq, reason)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        batch: ScheduledBatch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        results = self.runner.run(batch)
+        now = time.monotonic()
+        outputs = []
+        for seq, n, res in zip(batch.seqs, batch.num_tokens, results):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_computed_blocks(seq)
+            if res is None:
+                continue
+            token, logprobs = res
+            seq.token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = self._stop_reason(seq, token)
+            if reason:
+                self.scheduler.finish(seq, reason)
+                del self.requests[seq.request_id]
+            outputs.append(RequestOutput(seq.request_id, [token], [logprobs], reason is not None, reason,
+                                         seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens))
+        return outputs
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Runs prompts to completion; returns each one's output token ids (for tests and tools)."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+        seqs = [self.add_request(r, p, sp) for r, p, sp in zip(ids, prompts, plist)]
+        while self.has_unfinished():
+            self.step()
+        return [s.output_token_ids for s in seqs]
+
+    @property
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                "kv_usage": bm.usage, "num_blocks": bm.num_blocks, "prefix_queries": bm.prefix_queries,
+                "prefix_hits": bm.prefix_hits, "num_preemptions": self.scheduler.num_preemptions}
+
+
+__all__ = ["EngineConfig", "LLMEngine", "RequestError", "RequestOutput", "SamplingParams", "SequenceStatus"]

@@ -1,0 +1,69 @@
+"""Turns a scheduled batch into tensors, runs the model, samples the next tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from meshserve.kernels.paged_attention import AttentionMetadata, PrefillChunk
+
+from .sampler import TokenLogprobs, sample
+from .scheduler import ScheduledBatch
+
+
+def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Slot ids of token positions through block tables (works batched on the last axis)."""
+    blocks = torch.gather(block_table, -1, positions // block_size) if block_table.dim() > 1 \
+        else block_table[positions // block_size]
+    return blocks * block_size + positions % block_size
+
+
+class ModelRunner:
+    def __init__(self, model, kv_cache: torch.Tensor, block_size: int):
+        self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slot_mapping: list[int] = []
+        sample_rows: list[int] = []  # flattened index of each sequence's last token, if it samples
+        meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decodes=batch.num_decodes)
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            start, c = len(ids), seq.num_computed_tokens
+            ids.extend(seq.token_ids[c:c + n])
+            pos.extend(range(c, c + n))
+            bt = seq.block_table
+            slot_mapping.extend(bt[p // bs] * bs + p % bs for p in range(c, c + n))
+            sample_rows.append(start + n - 1 if c + n == seq.num_tokens else -1)
+            if i >= batch.num_decodes:
+                slots = None if c == 0 else _slots(torch.tensor(bt), torch.arange(c + n), bs)
+                meta.prefills.append(PrefillChunk(start, n, c + n, slots))
+        nd = batch.num_decodes
+        if nd:
+            ctx = [s.num_computed_tokens + 1 for s in batch.seqs[:nd]]
+            t = max(ctx)
+            nblk = -(-t // bs)
+            table = torch.zeros(nd, nblk, dtype=torch.long)
+            for i, s in enumerate(batch.seqs[:nd]):
+                row = s.block_table[:nblk]
+                table[i, :len(row)] = torch.tensor(row)
+            ar = torch.arange(t)
+            meta.decode_slots = _slots(table, ar.expand(nd, t), bs)
+            meta.decode_mask = (ar.unsqueeze(0) < torch.tensor(ctx).unsqueeze(1)).view(nd, 1, 1, t)
+        meta.slot_mapping = torch.tensor(slot_mapping, dtype=torch.long)
+        return torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta, sample_rows
+
+    def run(self, batch: ScheduledBatch) -> list[tuple[int, TokenLogprobs | None] | None]:
+        """The next token of each sequence of the batch (None for a chunk that ends mid-prompt)."""
+        ids, pos, meta, rows = self.prepare(batch)
+        hidden = self.model(ids, pos, meta, self.kv_cache)
+        which = [i for i, r in enumerate(rows) if r >= 0]
+        out: list[tuple[int, TokenLogprobs | None] | None] = [None] * len(rows)
+        if not which:
+            return out
+        logits = self.model.logits(hidden[[rows[i] for i in which]])
+        seqs = [batch.seqs[i] for i in which]
+        tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        for i, t, lp in zip(which, tokens, logprobs):
+            out[i] = (t, lp)
+        return out

@@ -1,0 +1,109 @@
+"""Iteration-level scheduling: which sequences run in the next step, and how many tokens each.
+
+Every step takes all running decodes first, then fills the rest of the token budget with
+prefill chunks (running ones, then waiting ones in arrival order). When blocks run out, the
+newest running sequence is preempted by recompute: its blocks are freed (their prefix-cache
+keys survive, so it often gets them back) and it returns to the head of the queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .block_manager import BlockManager
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 512  # token budget of one step
+    max_num_seqs: int = 64  # sequences in one step
+    prefill_chunk_size: int = 512  # most prompt tokens one sequence computes in one step
+
+
+@dataclass
+class ScheduledBatch:
+    """Sequences of one step, decodes (one new token) first, with how many tokens each computes."""
+
+    seqs: list[Sequence]
+    num_tokens: list[int]
+    num_decodes: int
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config, self.bm = config, block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.bm.free_seq(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        return min(seq.num_tokens - seq.num_computed_tokens, budget, self.config.prefill_chunk_size)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.config.max_num_batched_tokens
+        decodes: list[Sequence] = []
+        prefills: list[tuple[Sequence, int]] = []
+        preempted = False
+        # Running sequences: decodes first so a long prefill never stalls them.
+        order = sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1)
+        scheduled: set[int] = set()
+        for seq in order:
+            if budget <= 0 or seq.status is not SequenceStatus.RUNNING:
+                continue
+            n = self._chunk(seq, budget)
+            while not self.bm.allocate(seq, n):
+                victim = next((s for s in reversed(self.running) if id(s) not in scheduled), None)
+                self.running.remove(victim)
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                scheduled.add(id(seq))
+                budget -= n
+                (decodes.append(seq) if n == 1 else prefills.append((seq, n)))
+        # Waiting sequences, in order, while they fit (none after a preemption: no thrashing).
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            seq = self.waiting[0]
+            n = self._chunk(seq, budget)
+            if not self.bm.allocate(seq, n):
+                break
+            n = self._chunk(seq, budget)  # allocate() may have found a cached prefix
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            budget -= n
+            (decodes.append(seq) if n == 1 else prefills.append((seq, n)))
+        seqs = decodes + [s for s, _ in prefills]
+        return ScheduledBatch(seqs, [1] * len(decodes) + [n for _, n in prefills], len(decodes))
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.bm.free_seq(seq)

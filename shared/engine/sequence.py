@@ -1,0 +1,93 @@
+"""A request's state inside the engine: its tokens, its blocks, its sampling parameters."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; 0: the sampled token's; k: plus the top k
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def validate(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be non-negative")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < -1:
+            raise ValueError("top_k must be -1, 0 (off) or positive")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError("logprobs must be between 0 and 20")
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival_time: float | None = None):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)  # prompt + output
+        self.params = params
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of this sequence's full blocks
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_published_blocks = 0  # leading full blocks already offered to the prefix cache
+        self.num_cached_tokens = 0  # of the prompt, found in the prefix cache at admission
+        self.num_preemptions = 0
+        self.first_token_time: float | None = None
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, {self.status.value})")

@@ -1,0 +1,1 @@
+"""Model definition, configuration and weight loading."""

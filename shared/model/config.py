@@ -1,0 +1,59 @@
+"""Model hyper-parameters, read from a Hugging Face config.json or GGUF metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 puts biases on q/k/v
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    architecture: str = "llama"
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        arch = (d.get("architectures") or ["LlamaForCausalLM"])[0]
+        heads = d["num_attention_heads"]
+        eos = d.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        rope_scaling = d.get("rope_scaling")
+        rope_theta = d.get("rope_theta")
+        # Transformers 5 moved theta and scaling into rope_parameters.
+        rp = d.get("rope_parameters")
+        if isinstance(rp, dict):
+            rope_theta = rope_theta or rp.get("rope_theta")
+            if rp.get("rope_type", "default") != "default" and rope_scaling is None:
+                rope_scaling = dict(rp)
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-5),
+            rope_theta=rope_theta or 10000.0,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            attention_bias=d.get("attention_bias", "Qwen2" in arch),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            architecture=arch,
+        )
