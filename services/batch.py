@@ -1,0 +1,117 @@
+"""`meshserve batch`: the OpenAI Batch file format, run through the in-process engine.
+
+Every valid line is added to the engine at once, so they are served by continuous batching
+together; a bad line gets its own error result and the others still run. Results are written
+in input order.
+"""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from typing import IO
+
+import orjson
+
+from meshserve.shared.engine.llm import LLM, Completion
+from meshserve.shared.engine.llm_engine import RequestError
+from meshserve.shared.openai_protocol import (ChatCompletionRequest, OpenAIError, chat_logprobs, chat_response,
+                                              completion_logprobs, completion_response, new_id, parse_request,
+                                              usage)
+
+URLS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+
+def _result(custom_id, status: int, body: dict, error: dict | None = None) -> dict:
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
+            "response": {"status_code": status, "request_id": new_id("req"), "body": body}, "error": error}
+
+
+def _error_result(custom_id, e: OpenAIError) -> dict:
+    return _result(custom_id, e.status_code, e.body(), {"code": e.code or e.type, "message": e.message})
+
+
+def _read_line(line: bytes) -> dict:
+    try:
+        item = orjson.loads(line)
+    except orjson.JSONDecodeError as e:
+        raise OpenAIError(f"the line is not valid JSON: {e}") from None
+    if not isinstance(item, dict):
+        raise OpenAIError("each line must be a JSON object")
+    return item
+
+
+def _prepare(llm: LLM, item: dict, served: str):
+    """Turns one input line into (kind, request, prompt ids, sampling params); raises OpenAIError."""
+    if item.get("method", "POST") != "POST":
+        raise OpenAIError("method must be POST", param="method")
+    kind = URLS.get(item.get("url"))
+    if kind is None:
+        raise OpenAIError(f"url must be one of {sorted(URLS)}", param="url", code="invalid_url")
+    req = parse_request(kind, item.get("body"))
+    if req.model not in (None, served, llm.model_name):
+        raise OpenAIError(f"the model {req.model!r} does not exist; this batch serves {served!r}",
+                          status_code=404, param="model", code="model_not_found")
+    if isinstance(req, ChatCompletionRequest):
+        try:
+            prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(req.template_messages()),
+                                          add_special_tokens=False)
+        except Exception as e:  # a template that raises is the caller's doing
+            raise OpenAIError(f"could not apply the chat template: {e}", param="messages") from None
+        params = req.to_sampling_params(default_max=llm.engine.max_model_len - len(prompt))
+    else:
+        prompt = req.prompt if isinstance(req.prompt, list) else llm.tokenizer.encode(req.prompt)
+        params = req.to_sampling_params()
+    return kind, req, prompt, params
+
+
+def _body(llm: LLM, kind: str, served: str, c: Completion, want_logprobs: bool) -> dict:
+    u = usage(len(c.prompt_token_ids), len(c.token_ids), c.num_cached_tokens)
+    dec = llm.tokenizer.decode
+    if kind == "chat":
+        lp = chat_logprobs(c.token_ids, c.logprobs, dec) if want_logprobs else None
+        return chat_response(new_id("chatcmpl"), served, c.text, c.finish_reason, u, lp)
+    lp = completion_logprobs(c.token_ids, c.logprobs, dec) if want_logprobs else None
+    return completion_response(new_id("cmpl"), served, c.text, c.finish_reason, u, lp)
+
+
+def run_batch(llm: LLM, inp: IO[bytes], out: IO[bytes], served: str) -> tuple[int, int]:
+    """Returns (succeeded, failed)."""
+    results: list[dict | None] = []
+    pending: list[tuple[int, str, Completion, bool, object]] = []
+    for line in inp:
+        if not line.strip():
+            continue
+        cid = None
+        try:
+            item = _read_line(line)
+            cid = item.get("custom_id")
+            kind, req, prompt, params = _prepare(llm, item, served)
+            c = llm.add(prompt, params)
+            pending.append((len(results), kind, c, params.logprobs is not None, cid))
+            results.append(None)
+        except OpenAIError as e:
+            results.append(_error_result(cid, e))
+        except RequestError as e:
+            results.append(_error_result(cid, OpenAIError(str(e))))
+    llm.run()
+    for i, kind, c, want_lp, cid in pending:
+        results[i] = _result(cid, 200, _body(llm, kind, served, c, want_lp))
+    failed = 0
+    for r in results:
+        failed += r["response"]["status_code"] != 200
+        out.write(orjson.dumps(r) + b"\n")
+    return len(results) - failed, failed
+
+
+def main(args) -> int:
+    from meshserve.shared.engine.llm_engine import EngineConfig
+
+    llm = LLM(args.model, args.dtype, EngineConfig())
+    served = args.served_model_name or args.model
+    inp = sys.stdin.buffer if args.input == "-" else open(args.input, "rb")
+    out = sys.stdout.buffer if args.output == "-" else open(args.output, "wb")
+    with inp, out:
+        ok, failed = run_batch(llm, inp, out, served)
+    print(f"{ok} succeeded, {failed} failed", file=sys.stderr)
+    return 0

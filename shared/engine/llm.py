@@ -1,0 +1,101 @@
+"""The engine in one process, with its tokenizer: for the batch command, benchmarks and tests.
+
+In the mesh the gateway reads the token stream; here OutputProcessor does the same job:
+it detokenizes each request incrementally and ends it when a stop string appears.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..models_repo import DEFAULT_MODEL, load_model_files
+from ..model.llama import LlamaModel
+from ..tokenizer import IncrementalDetokenizer, Tokenizer
+from .llm_engine import EngineConfig, LLMEngine, RequestOutput
+from .sampler import TokenLogprobs
+from .sequence import SamplingParams
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Completion:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    arrival_time: float = 0.0
+    token_times: list[float] = field(default_factory=list)  # when each step's tokens came out
+
+
+class OutputProcessor:
+    """Turns engine outputs into text per request, and stops requests whose stop string appeared."""
+
+    def __init__(self, engine: LLMEngine, tokenizer: Tokenizer):
+        self.engine, self.tokenizer = engine, tokenizer
+        self.active: dict[str, tuple[Completion, IncrementalDetokenizer]] = {}
+
+    def add(self, completion: Completion, params: SamplingParams) -> None:
+        self.active[completion.request_id] = (completion, IncrementalDetokenizer(self.tokenizer, params.stop))
+
+    def process(self, outputs: list[RequestOutput]) -> list[Completion]:
+        """Applies one step's outputs; returns the completions that finished."""
+        now, done = time.monotonic(), []
+        for out in outputs:
+            c, detok = self.active[out.request_id]
+            c.token_ids += out.new_token_ids
+            c.logprobs += out.new_logprobs
+            c.token_times.append(now)
+            c.num_cached_tokens = out.num_cached_tokens
+            detok.add(out.new_token_ids)
+            finished, reason = out.finished, out.finish_reason
+            if detok.stopped and not finished:
+                self.engine.abort(out.request_id, "stop")
+                finished, reason = True, "stop"
+            if finished:
+                detok.flush()
+                c.text, c.finish_reason = detok.text, reason
+                del self.active[out.request_id]
+                done.append(c)
+        return done
+
+
+class LLM:
+    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "bfloat16", config: EngineConfig | None = None):
+        cfg, state_dict, self.tokenizer = load_model_files(model)
+        net = LlamaModel(cfg, DTYPES[dtype])
+        net.load_weights(state_dict)
+        del state_dict
+        eos = sorted(set(cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids))
+        self.model_name = model
+        self.engine = LLMEngine(net, config, eos_token_ids=eos, model_name=str(model))
+        self.outputs = OutputProcessor(self.engine, self.tokenizer)
+        self._next_id = 0
+
+    def add(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Completion:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if request_id is None:
+            request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
+        seq = self.engine.add_request(request_id, ids, params)
+        c = Completion(request_id, ids, arrival_time=seq.arrival_time)
+        self.outputs.add(c, params)
+        return c
+
+    def run(self) -> list[Completion]:
+        """Steps until every added request has finished; returns them in the order they finished."""
+        done = []
+        while self.engine.has_unfinished():
+            done += self.outputs.process(self.engine.step())
+        return done
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        completions = [self.add(p, sp) for p, sp in zip(prompts, plist)]
+        self.run()
+        return completions
