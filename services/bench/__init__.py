@@ -1,0 +1,1 @@
+"""Benchmarks: numbers measured side by side in one run, printed as JSON."""
