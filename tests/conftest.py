@@ -1,0 +1,34 @@
+"""Shared pytest fixtures.  Model fixtures are built with tests/tiny_model.py's
+``make_tiny_llama`` so every test suite (loader, engine, server) sees the same tiny model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tiny_model import make_tiny_llama
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    """A tiny random Llama (untied lm_head) with tokenizer, in Hugging Face format."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_tied(tmp_path_factory) -> Path:
+    """Same as tiny_llama but with tie_word_embeddings=True (no lm_head.weight on disk)."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-tied"), tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def default_model_file() -> Path:
+    """The default model's cached GGUF; skips when it has not been pulled (no network in tests)."""
+    from meshserve.shared import models_repo
+
+    path = models_repo.cached_path(models_repo.DEFAULT_MODEL)
+    if path is None:
+        pytest.skip(f"default model {models_repo.DEFAULT_MODEL!r} is not cached; pull it once with: "
+                    "python -c 'from meshserve.shared.models_repo import pull; pull()'")
+    return path

@@ -1,0 +1,49 @@
+"""`meshserve batch` as a user runs it: a real subprocess, the OpenAI Batch file format."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import orjson
+
+
+def test_batch_command(tiny_llama, tmp_path):
+    lines = [
+        {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 6, "temperature": 0}},
+        {"custom_id": "text", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "The quick brown fox", "max_tokens": 5, "temperature": 0, "logprobs": 2}},
+        {"custom_id": "ids", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": [5, 6, 7, 8], "max_tokens": 3, "temperature": 0.8, "seed": 3}},
+        {"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
+        {"custom_id": "bad-param", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "x", "top_p": 7}},
+        {"custom_id": "too-long", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "x", "max_tokens": 100000}},
+    ]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_bytes(b"\n".join(orjson.dumps(x) for x in lines) + b"\nnot json\n")
+    r = subprocess.run([sys.executable, "-m", "meshserve.services.cli", "batch", "-i", str(inp), "-o", str(out),
+                        "--model", str(tiny_llama), "--dtype", "float32", "--served-model-name", "tiny"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    results = [orjson.loads(x) for x in out.read_bytes().splitlines()]
+    assert [x["custom_id"] for x in results] == [x["custom_id"] for x in lines] + [None]
+    by = {x["custom_id"]: x for x in results}
+    for cid in ("chat", "text", "ids"):
+        assert by[cid]["response"]["status_code"] == 200 and by[cid]["error"] is None
+        body = by[cid]["response"]["body"]
+        assert body["model"] == "tiny" and body["usage"]["completion_tokens"] >= 1
+        assert body["choices"][0]["finish_reason"] in ("stop", "length")
+    assert by["chat"]["response"]["body"]["object"] == "chat.completion"
+    assert isinstance(by["chat"]["response"]["body"]["choices"][0]["message"]["content"], str)
+    lp = by["text"]["response"]["body"]["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == by["text"]["response"]["body"]["usage"]["completion_tokens"]
+    assert by["ids"]["response"]["body"]["usage"]["prompt_tokens"] == 4
+    for cid in ("bad-url", "bad-param", "too-long", None):
+        assert by[cid]["response"]["status_code"] == 400
+        assert by[cid]["response"]["body"]["error"]["message"]
+        assert by[cid]["error"]["message"]
+    assert "top_p" in by["bad-param"]["response"]["body"]["error"]["message"]
+    assert "3 succeeded, 4 failed" in r.stderr
