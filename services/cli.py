@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from meshserve.shared.models_repo import DEFAULT_MODEL
@@ -21,6 +22,58 @@ def _models(args) -> int:
     return 0
 
 
+ROLES = ("gateway", "scheduler", "prefill", "decode", "kv-pool", "model-loader")
+
+
+def _common(p: argparse.ArgumentParser, nats_default: str | None = "nats://127.0.0.1:4222") -> None:
+    p.add_argument("--nats-url", default=os.environ.get("MESHSERVE_NATS_URL", nats_default))
+    p.add_argument("--namespace", default=os.environ.get("MESHSERVE_NAMESPACE", "meshserve"),
+                   help="prefix of every NATS subject")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model name, HF directory or .gguf file")
+    p.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--node-id", default=os.environ.get("MESHSERVE_NODE_ID", "node0"),
+                   help="processes with one node id share memory (KV arena, weights)")
+
+
+def _serve(args) -> int:
+    import asyncio
+
+    import uvloop
+
+    role = args.role
+    if role == "gateway":
+        from meshserve.services.gateway.main import run as entry
+    elif role == "scheduler":
+        from meshserve.services.scheduler.main import main as entry
+    elif role == "kv-pool":
+        from meshserve.services.kv_pool.main import main as entry
+    elif role == "model-loader":
+        from meshserve.services.model_loader.main import main as entry
+    else:
+        from meshserve.services.worker.main import main as worker_main
+
+        def entry(a):
+            return worker_main(a, role)
+    uvloop.install()
+    asyncio.run(entry(args))
+    return 0
+
+
+def _add_role_arguments(role: str, p: argparse.ArgumentParser) -> None:
+    if role == "gateway":
+        from meshserve.services.gateway.main import add_arguments
+    elif role == "scheduler":
+        from meshserve.services.scheduler.main import add_arguments
+    elif role == "kv-pool":
+        from meshserve.services.kv_pool.main import add_arguments
+    elif role == "model-loader":
+        from meshserve.services.model_loader.main import add_arguments
+    else:
+        from meshserve.services.worker.main import add_arguments
+    add_arguments(p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshserve", description="An LLM inference mesh over NATS.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -33,21 +86,40 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     b.set_defaults(func=lambda a: __import__("meshserve.services.batch", fromlist=["main"]).main(a))
 
+    up = sub.add_parser("up", help="start the whole mesh on this machine (its own nats-server too)")
+    _common(up, nats_default=None)
+    from meshserve.services.launcher import add_arguments as up_arguments
+    up_arguments(up)
+    up.set_defaults(func=lambda a: __import__("meshserve.services.launcher", fromlist=["run"]).run(a))
+
+    serve = sub.add_parser("serve", help="run one service of the mesh")
+    roles = serve.add_subparsers(dest="role", required=True)
+    for role in ROLES:
+        rp = roles.add_parser(role, help=f"the {role} service", conflict_handler="resolve")
+        _common(rp)
+        _add_role_arguments(role, rp)
+        rp.set_defaults(func=_serve)
+
     m = sub.add_parser("models", help="the local model repository")
     m.add_argument("action", choices=["pull", "list"])
     m.add_argument("name", nargs="?", default=DEFAULT_MODEL)
     m.set_defaults(func=_models)
 
-    bench = sub.add_parser("bench-engine", help="the engine benchmark: meshserve vs Transformers, side by side")
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench = sub.add_parser("bench-engine", add_help=False,
+                           help="the engine benchmark: meshserve vs Transformers, side by side")
     bench.set_defaults(func=lambda a: __import__("meshserve.services.bench.engine_bench",
-                                                 fromlist=["main"]).main(a.rest))
+                                                 fromlist=["main"]).main(a.rest), passthrough=True)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if getattr(args, "passthrough", False):
+        args.rest = rest  # the subcommand parses its own options
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return args.func(args) or 0
 
 

@@ -69,8 +69,7 @@ class OutputProcessor:
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "bfloat16", config: EngineConfig | None = None):
         cfg, state_dict, self.tokenizer = load_model_files(model)
-        net = LlamaModel(cfg, DTYPES[dtype])
-        net.load_weights(state_dict)
+        net = LlamaModel.from_hf(cfg, state_dict, DTYPES[dtype])
         del state_dict
         eos = sorted(set(cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids))
         self.model_name = model

@@ -44,31 +44,45 @@ class RequestOutput:
     num_cached_tokens: int
 
 
+def kv_arena_shape(cfg, num_blocks: int, block_size: int) -> list[int]:
+    return [cfg.num_hidden_layers, 2, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim]
+
+
+def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+
+
 class RequestError(ValueError):
     """A request the engine can never serve (too long, bad parameters)."""
 
 
 class LLMEngine:
     def __init__(self, model, config: EngineConfig | None = None, eos_token_ids: list[int] | None = None,
-                 model_name: str = ""):
+                 model_name: str = "", kv_cache: torch.Tensor | None = None):
+        """kv_cache: an arena mapped from the kv-pool (the mesh); then the engine starts holding no
+        blocks and its owner leases them (block_manager.add_free)."""
         self.model = model
         self.config = config = config or EngineConfig()
         cfg = model.cfg
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 32768)
-        per_block = (2 * cfg.num_hidden_layers * config.block_size * cfg.num_key_value_heads
-                     * cfg.head_dim * torch.finfo(model.dtype).bits // 8)
-        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // per_block)
-        self.kv_cache = torch.zeros(cfg.num_hidden_layers, 2, num_blocks * config.block_size,
-                                    cfg.num_key_value_heads, cfg.head_dim, dtype=model.dtype)
+        if kv_cache is None:
+            num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // kv_bytes_per_block(
+                cfg, config.block_size, model.dtype))
+            kv_cache = torch.zeros(kv_arena_shape(cfg, num_blocks, config.block_size), dtype=model.dtype)
+            free = None
+        else:
+            num_blocks, free = kv_cache.shape[2] // config.block_size, []
+        self.kv_cache = kv_cache
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                          model_name)
+                                          model_name, free_blocks=free)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.runner = ModelRunner(model, self.kv_cache, config.block_size)
         self.eos_token_ids = set(eos_token_ids if eos_token_ids is not None else cfg.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> Sequence:
+                    arrival_time: float | None = None, output_token_ids: list[int] | None = None) -> Sequence:
+        """output_token_ids: tokens already generated elsewhere (a re-dispatch): recomputed, then continued."""
         try:
             params.validate()
         except ValueError as e:
@@ -89,10 +103,35 @@ class LLMEngine:
         if bm.blocks_needed(n + params.max_tokens) > bm.num_blocks:
             raise RequestError(f"the request needs {n + params.max_tokens} tokens of KV cache; "
                                f"the pool holds {bm.num_blocks * bm.block_size}")
-        seq = Sequence(request_id, prompt_token_ids, params, arrival_time)
+        seq = self.new_sequence(request_id, prompt_token_ids, params, arrival_time, output_token_ids)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
+
+    def new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     arrival_time: float | None = None, output_token_ids: list[int] | None = None) -> Sequence:
+        """A sequence that may continue output generated elsewhere, its seeded stream included."""
+        seq = Sequence(request_id, prompt_token_ids, params, arrival_time)
+        if output_token_ids:
+            seq.token_ids += output_token_ids
+            if seq.generator is not None:  # one draw per generated token, as the sampler does
+                for _ in output_token_ids:
+                    torch.empty(self.model.cfg.vocab_size).exponential_(generator=seq.generator)
+        return seq
+
+    def detach(self, request_id: str) -> tuple[Sequence, list[int], list[int]]:
+        """Takes a running sequence out of this engine with its KV blocks (prefill -> decode handoff).
+        Returns (sequence, block ids, block ids this engine keeps sharing)."""
+        seq = self.requests.pop(request_id)
+        self.scheduler.running.remove(seq)
+        blocks, shared = self.block_manager.detach_seq(seq)
+        return seq, blocks, shared
+
+    def adopt(self, seq: Sequence, block_ids: list[int], shared_ids: list[int]) -> None:
+        """Continues a sequence whose first num_computed_tokens are already in block_ids."""
+        self.block_manager.adopt_seq(seq, block_ids, shared_ids)
+        self.requests[seq.request_id] = seq
+        self.scheduler.adopt(seq)
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         seq = self.requests.pop(request_id, None)

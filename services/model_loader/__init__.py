@@ -1,0 +1,1 @@
+"""The model loader: one copy of each model's weights per node, in shared memory."""

@@ -1,0 +1,112 @@
+"""`meshserve serve model-loader`: loads each model once, into a shared-memory file every worker on
+the node maps, and answers `models.load` with where each tensor lives. Workers of one model on a
+node therefore hold one copy of the weights between them.
+
+Tiers: disk (the model cache) -> host memory (the shared file). Models stay loaded until the
+loader stops; at most --max-models stay resident, the least recently asked-for unloaded first
+(its file is unlinked: workers that still map it keep their mapping until they exit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import re
+import time
+from collections import OrderedDict
+
+from meshserve.shared import shm
+from meshserve.shared.bus import Bus
+from meshserve.shared.engine.llm import DTYPES
+from meshserve.shared.model.llama import fuse_hf_weights
+from meshserve.shared.models_repo import load_model_files, resolve
+from meshserve.shared.schemas import LoadRequest, TensorSpec, WeightsDescriptor
+from meshserve.shared.service import run_service
+
+log = logging.getLogger("meshserve.model_loader")
+
+
+def write_weights(name: str, weights: dict) -> tuple[str, list[TensorSpec]]:
+    """All tensors of a model into one shared file, each 64-byte aligned."""
+    specs, offset = [], 0
+    for key, t in weights.items():
+        specs.append(TensorSpec(name=key, dtype=shm.dtype_name(t.dtype), shape=list(t.shape), offset=offset))
+        offset = shm.aligned(offset + t.numel() * t.element_size())
+    path = shm.create(name, max(offset, 1))
+    buf = shm.map_bytes(path)
+    for spec, t in zip(specs, weights.values()):
+        shm.view(buf, spec.offset, spec.dtype, spec.shape).copy_(t)
+    return str(path), specs
+
+
+class ModelLoader:
+    def __init__(self, bus: Bus, node_id: str, max_models: int):
+        self.bus, self.node_id, self.max_models = bus, node_id, max_models
+        self.loaded: OrderedDict[tuple[str, str], asyncio.Future] = OrderedDict()
+
+    def _load(self, model: str, dtype: str) -> WeightsDescriptor:
+        t0 = time.monotonic()
+        cfg, sd, _ = load_model_files(model)
+        weights = fuse_hf_weights(cfg, sd, DTYPES[dtype])
+        del sd
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{model}-{dtype}")[-120:]
+        path, specs = write_weights(f"meshserve-{self.bus.subjects.ns}-{self.node_id}-weights-{safe}", weights)
+        log.info("loaded %s (%s) into %s in %.1fs", model, dtype, path, time.monotonic() - t0)
+        return WeightsDescriptor(model=model, path=path, config=dataclasses.asdict(cfg), tensors=specs,
+                                 tokenizer_path=str(resolve(model)))
+
+    async def get(self, req: LoadRequest) -> WeightsDescriptor:
+        key = (req.model, req.dtype)
+        fut = self.loaded.get(key)
+        if fut is None:
+            fut = asyncio.ensure_future(asyncio.to_thread(self._load, req.model, req.dtype))
+            self.loaded[key] = fut
+            while len(self.loaded) > self.max_models:
+                (old, _), old_fut = self.loaded.popitem(last=False)
+                if old_fut.done() and not old_fut.exception():
+                    shm.unlink(old_fut.result().path)
+        self.loaded.move_to_end(key)
+        try:
+            return await fut
+        except Exception:
+            self.loaded.pop(key, None)
+            raise
+
+    async def serve(self) -> None:
+        async def on_load(msg):
+            try:
+                desc = await self.get(LoadRequest.decode(msg.data))
+                await msg.respond(desc.encode())
+            except Exception as e:  # noqa: BLE001 - the asker must hear why
+                log.exception("load failed")
+                await Bus.respond_error(msg, f"cannot load {msg.data[:200]!r}: {e}")
+
+        async def on_list(msg):
+            import orjson
+            await msg.respond(orjson.dumps([{"model": m, "dtype": d, "ready": f.done()}
+                                            for (m, d), f in self.loaded.items()]))
+
+        await self.bus.nc.subscribe(self.bus.subjects.models("load"), cb=on_load)
+        await self.bus.nc.subscribe(self.bus.subjects.models("list"), cb=on_list)
+
+    def close(self) -> None:
+        for fut in self.loaded.values():
+            if fut.done() and not fut.exception():
+                shm.unlink(fut.result().path)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--max-models", type=int, default=4, help="models kept resident (LRU beyond)")
+    p.add_argument("--preload", action="store_true", help="load --model at start instead of on first ask")
+
+
+async def main(args) -> None:
+    async def start(bus: Bus):
+        loader = ModelLoader(bus, args.node_id, args.max_models)
+        await loader.serve()
+        if args.preload:
+            await loader.get(LoadRequest(model=args.model, dtype=args.dtype))
+        return loader.close
+
+    await run_service("model-loader", args, start)

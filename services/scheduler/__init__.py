@@ -1,0 +1,1 @@
+"""The scheduler: the global queue, routing, and recovery from lost workers."""

@@ -1,0 +1,231 @@
+"""`meshserve serve scheduler`: admits requests, routes them to workers, moves prefilled
+sequences to decode workers, and re-dispatches the requests of workers that disappear.
+
+It never sees tokens: the gateway owns each stream. When a worker goes silent, the scheduler
+tells the gateway of each of its requests ("worker_lost"); the gateway re-submits with the
+tokens the client already has, and a new worker recomputes and continues from there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import orjson
+
+from meshserve.shared.bus import Bus
+from meshserve.shared.engine.block_manager import prompt_block_hashes
+from meshserve.shared.schemas import (Abort, BlockRefs, BlockTransfer, Done, GenerateRequest, Handoff, Heartbeat,
+                                      KVEvent, SubmitReply, TokenChunk, TransferReply)
+from meshserve.shared.service import run_service
+from meshserve.shared.telemetry_hooks import span
+
+from .routing import WorkerView, pick_decode, pick_prefill
+
+log = logging.getLogger("meshserve.scheduler")
+
+
+@dataclass
+class Tracked:
+    req: GenerateRequest
+    worker: str | None  # who has it now (None: in a handoff, between workers)
+
+
+class Scheduler:
+    def __init__(self, bus: Bus, args):
+        self.bus, self.args = bus, args
+        self.workers: dict[str, WorkerView] = {}
+        self.requests: dict[str, Tracked] = {}
+        self.aborted: set[str] = set()
+
+    # -- views
+
+    def alive(self, model: str, roles: tuple[str, ...]) -> list[WorkerView]:
+        return [w for w in self.workers.values() if w.hb.role in roles and w.hb.model == model]
+
+    def prefill_candidates(self, model: str) -> list[WorkerView]:
+        # Dedicated prefill workers first; with none, decode workers prefill too (mixed role).
+        return self.alive(model, ("prefill", "mixed")) or self.alive(model, ("decode",))
+
+    def decode_candidates(self, model: str) -> list[WorkerView]:
+        return self.alive(model, ("decode", "mixed"))
+
+    def status(self) -> dict:
+        ws = list(self.workers.values())
+        models = {w.hb.model for w in ws}
+        ready = any(self.prefill_candidates(m) and (self.decode_candidates(m) or self.alive(m, ("prefill",)))
+                    for m in models)
+        total = max((w.hb.total_blocks for w in ws), default=1)
+        return {"ready": ready,
+                "workers": [{"id": w.hb.worker_id, "role": w.hb.role, "model": w.hb.model,
+                             "running": w.hb.num_running, "waiting": w.hb.num_waiting,
+                             "free_blocks": w.hb.free_blocks} for w in ws],
+                "num_running": sum(w.hb.num_running for w in ws),
+                "num_waiting": sum(w.hb.num_waiting for w in ws),
+                "kv_usage": sum(w.hb.held_blocks - w.hb.free_blocks for w in ws) / total,
+                "prefix_queries": sum(w.hb.prefix_queries for w in ws),
+                "prefix_hits": sum(w.hb.prefix_hits for w in ws),
+                "num_preemptions": sum(w.hb.num_preemptions for w in ws)}
+
+    # -- requests
+
+    async def submit(self, req: GenerateRequest) -> SubmitReply:
+        cands = self.prefill_candidates(req.model)
+        if not cands:
+            known = sorted({w.hb.model for w in self.workers.values()})
+            if known and req.model not in known:
+                return SubmitReply(ok=False, status_code=404, error=f"the model {req.model!r} does not exist; "
+                                   f"served: {known}")
+            return SubmitReply(ok=False, status_code=503, error="no worker is ready to serve this model yet")
+        max_len = min(w.hb.max_model_len for w in cands)
+        n = len(req.prompt_token_ids) + req.sampling.max_tokens
+        if n > max_len:
+            return SubmitReply(ok=False, status_code=400, error=(
+                f"this model's maximum context length is {max_len} tokens; the request asks for {n} "
+                f"({len(req.prompt_token_ids)} in the prompt, {req.sampling.max_tokens} to generate)"))
+        block_size = cands[0].hb.block_size
+        hashes = prompt_block_hashes(req.prompt_token_ids + req.output_token_ids, block_size, req.model)
+        w = pick_prefill(cands, hashes)
+        with span("scheduler.route", req.trace, request_id=req.request_id, worker=w.hb.worker_id):
+            self.requests[req.request_id] = Tracked(req, w.hb.worker_id)
+            w.assigned.add(req.request_id)
+            self.aborted.discard(req.request_id)
+            await self.bus.publish(self.bus.subjects.worker(w.hb.worker_id, "prefill"), req)
+        return SubmitReply(ok=True)
+
+    async def handoff(self, h: Handoff) -> None:
+        rid, src = h.request.request_id, h.from_worker
+        self._unassign(rid, src)
+        s = self.bus.subjects
+        if rid in self.aborted or rid not in self.requests:
+            # Nobody wants it any more: give the blocks back on the prefill worker's behalf.
+            await self.bus.publish(s.kv("release"), BlockRefs(worker_id=src, block_ids=h.block_ids))
+            self.requests.pop(rid, None)
+            return
+        dst = pick_decode(self.decode_candidates(h.request.model))
+        if dst is None:
+            dst = self.workers.get(src)  # no decode worker: the prefill worker decodes it itself
+        if dst is None:
+            await self._lost(self.requests.pop(rid).req)
+            return
+        with span("scheduler.handoff", h.request.trace, request_id=rid, src=src, dst=dst.hb.worker_id,
+                  blocks=len(h.block_ids)):
+            t = await self.bus.request(s.kv("transfer"), BlockTransfer(from_worker=src, to_worker=dst.hb.worker_id,
+                                                                      block_ids=h.block_ids), TransferReply)
+            if not t.ok:  # the prefill worker died and its blocks were reclaimed: start over
+                await self._lost(self.requests.pop(rid).req)
+                return
+            self.requests[rid].worker = dst.hb.worker_id
+            dst.assigned.add(rid)
+            await self.bus.publish(s.worker(dst.hb.worker_id, "adopt"), h)
+
+    def done(self, d: Done) -> None:
+        t = self.requests.get(d.request_id)
+        self._unassign(d.request_id, d.worker_id)
+        if t is not None and t.worker == d.worker_id:
+            del self.requests[d.request_id]
+
+    async def abort(self, a: Abort) -> None:
+        t = self.requests.get(a.request_id)
+        if t is None:
+            return
+        self.aborted.add(a.request_id)
+        if t.worker is not None:
+            await self.bus.publish(self.bus.subjects.worker(t.worker, "abort"), a)
+
+    def _unassign(self, rid: str, worker: str) -> None:
+        w = self.workers.get(worker)
+        if w is not None:
+            w.assigned.discard(rid)
+
+    async def _lost(self, req: GenerateRequest) -> None:
+        """Tells the gateway to re-submit; it knows which tokens the client already has."""
+        await self.bus.publish(req.stream_subject, TokenChunk(request_id=req.request_id, seq=-1, index=-1,
+                                                              token_ids=[], error="worker_lost"))
+
+    # -- workers
+
+    def heartbeat(self, hb: Heartbeat) -> None:
+        w = self.workers.get(hb.worker_id)
+        if w is None:
+            log.info("worker %s (%s, %s) joined", hb.worker_id, hb.role, hb.model)
+            self.workers[hb.worker_id] = WorkerView(hb)
+        else:
+            w.hb, w.last_seen = hb, time.monotonic()
+
+    def kv_event(self, ev: KVEvent) -> None:
+        w = self.workers.get(ev.worker_id)
+        if w is None:
+            return
+        if ev.cleared:
+            w.cached.clear()
+        w.cached.update(ev.stored)
+        w.cached.difference_update(ev.removed)
+
+    async def reap(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            now = time.monotonic()
+            for wid, w in list(self.workers.items()):
+                if now - w.last_seen > self.args.worker_timeout:
+                    del self.workers[wid]
+                    lost = [t for t in self.requests.values() if t.worker == wid]
+                    log.warning("worker %s silent for %.1fs: re-dispatching %d requests", wid, now - w.last_seen,
+                                len(lost))
+                    for t in lost:
+                        del self.requests[t.req.request_id]
+                        await self._lost(t.req)
+
+    async def serve(self) -> None:
+        s, nc = self.bus.subjects, self.bus.nc
+
+        async def on_submit(msg):
+            try:
+                reply = await self.submit(GenerateRequest.decode(msg.data))
+            except Exception as e:  # noqa: BLE001 - the gateway must hear why
+                log.exception("submit failed")
+                reply = SubmitReply(ok=False, status_code=500, error=f"scheduler error: {e}")
+            await msg.respond(reply.encode())
+
+        async def on_handoff(msg):
+            await self.handoff(Handoff.decode(msg.data))
+
+        async def on_done(msg):
+            self.done(Done.decode(msg.data))
+
+        async def on_abort(msg):
+            await self.abort(Abort.decode(msg.data))
+
+        async def on_heartbeat(msg):
+            self.heartbeat(Heartbeat.decode(msg.data))
+
+        async def on_event(msg):
+            self.kv_event(KVEvent.decode(msg.data))
+
+        async def on_status(msg):
+            await msg.respond(orjson.dumps(self.status()))
+
+        await nc.subscribe(s.submit, cb=on_submit)
+        await nc.subscribe(s.handoff, cb=on_handoff)
+        await nc.subscribe(s.done, cb=on_done)
+        await nc.subscribe(s.abort, cb=on_abort)
+        await nc.subscribe(s.heartbeat, cb=on_heartbeat)
+        await nc.subscribe(s.kv("events"), cb=on_event)
+        await nc.subscribe(s.scheduler_status, cb=on_status)
+        self.reaper = asyncio.ensure_future(self.reap())
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--worker-timeout", type=float, default=3.0,
+                   help="seconds without a heartbeat before a worker's requests are re-dispatched")
+
+
+async def main(args) -> None:
+    async def start(bus: Bus):
+        sched = Scheduler(bus, args)
+        await sched.serve()
+        return None
+
+    await run_service("scheduler", args, start)

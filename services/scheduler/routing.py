@@ -1,0 +1,52 @@
+"""Choosing workers. Pure functions over what heartbeats and KV events said, so they can be
+tested and read on their own.
+
+Prefill: cost = CACHE_WEIGHT x (prompt blocks not already cached on the worker) + load, where
+load counts the requests queued there in units of an average prompt's blocks. Traffic sharing a
+system prompt goes where the prompt is cached until that worker's queue outweighs the saving.
+Decode: the most free KV blocks, then the fewest running sequences.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from meshserve.shared.schemas import Heartbeat
+
+CACHE_WEIGHT = 1.0
+LOAD_WEIGHT = 8.0  # one queued request costs as much as recomputing 8 blocks (128 tokens)
+
+
+@dataclass
+class WorkerView:
+    hb: Heartbeat
+    last_seen: float = field(default_factory=time.monotonic)
+    cached: set[int] = field(default_factory=set)  # prefix-cache keys it reported
+    assigned: set[str] = field(default_factory=set)  # requests sent to it and not yet done
+
+    @property
+    def load(self) -> float:
+        return self.hb.num_waiting + len(self.assigned) + 0.25 * self.hb.num_running
+
+
+def uncached_blocks(prompt_hashes: list[int], cached: set[int]) -> int:
+    hit = 0
+    for h in prompt_hashes:  # a prefix: the first miss ends it
+        if h not in cached:
+            break
+        hit += 1
+    return len(prompt_hashes) - hit
+
+
+def prefill_cost(w: WorkerView, prompt_hashes: list[int]) -> float:
+    return CACHE_WEIGHT * uncached_blocks(prompt_hashes, w.cached) + LOAD_WEIGHT * w.load
+
+
+def pick_prefill(workers: list[WorkerView], prompt_hashes: list[int]) -> WorkerView | None:
+    return min(workers, key=lambda w: (prefill_cost(w, prompt_hashes), w.hb.worker_id), default=None)
+
+
+def pick_decode(workers: list[WorkerView]) -> WorkerView | None:
+    return max(workers, key=lambda w: (w.hb.free_blocks - 4 * len(w.assigned), -w.hb.num_running,
+                                       w.hb.worker_id), default=None)

@@ -1,0 +1,1 @@
+"""Prefill and decode workers: the same engine in different roles."""

@@ -1,0 +1,248 @@
+"""`meshserve serve prefill|decode`: the engine as a mesh worker.
+
+Roles:
+- prefill: computes prompts (chunked) into KV blocks of the node's shared arena, streams the first
+  token, then hands the sequence to a decode worker by block ids (no KV bytes move);
+- decode: adopts handed-off sequences and runs the continuous-batching loop, streaming tokens;
+- mixed: does both for its own requests (a decode worker takes prefills when the scheduler sends
+  them, e.g. when no prefill worker is up).
+
+Everything that changes the engine (new requests, adoptions, aborts) is queued by the NATS
+callbacks and applied between steps, at iteration boundaries. The step itself runs in a thread so
+heartbeats and messages keep flowing while it computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+from meshserve.shared import shm
+from meshserve.shared.bus import Bus
+from meshserve.shared.engine.llm_engine import EngineConfig, LLMEngine, RequestError, RequestOutput
+from meshserve.shared.engine.scheduler import SchedulerConfig
+from meshserve.shared.model.config import ModelConfig
+from meshserve.shared.model.llama import LlamaModel
+from meshserve.shared.schemas import (Abort, ArenaDescriptor, BlockRefs, Done, GenerateRequest, Handoff,
+                                      Heartbeat, KVEvent, LeaseReply, LeaseRequest, LoadRequest, Logprob,
+                                      TokenChunk, WeightsDescriptor)
+from meshserve.shared.service import run_service
+from meshserve.shared.telemetry_hooks import span
+
+log = logging.getLogger("meshserve.worker")
+
+
+class Worker:
+    def __init__(self, bus: Bus, args, role: str):
+        self.bus, self.args, self.role = bus, args, role
+        self.id = f"{role}-{args.node_id}-{uuid.uuid4().hex[:8]}"
+        self.inbox: list[tuple[str, object]] = []
+        self.wake = asyncio.Event()
+        self.streams: dict[str, GenerateRequest] = {}  # request id -> its request (stream subject)
+        self.chunk_seq: dict[str, int] = {}
+        self.to_hand_off: set[str] = set()  # prefilled here, to pass on after the first token
+        self.tasks: list[asyncio.Task] = []
+
+    # -- start-up: map the weights and the KV arena, lease blocks
+
+    async def start(self) -> None:
+        a, s = self.args, self.bus.subjects
+        w = await self.bus.request(s.models("load"), LoadRequest(model=a.model, dtype=a.dtype),
+                                   WeightsDescriptor, timeout=900)
+        buf = shm.map_bytes(w.path)
+        weights = {t.name: shm.view(buf, t.offset, t.dtype, t.shape) for t in w.tensors}
+        cfg = ModelConfig(**w.config)
+        model = LlamaModel(cfg, weights, pack=a.pack_weights)
+        arena = await self.bus.request(s.kv("arena"), LeaseRequest(worker_id=self.id, num_blocks=0),
+                                       ArenaDescriptor, timeout=900)
+        kv = shm.view(shm.map_bytes(arena.path), 0, arena.dtype, arena.shape)
+        sched = SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
+                                prefill_chunk_size=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs)
+        self.engine = LLMEngine(model, EngineConfig(block_size=arena.block_size, max_model_len=a.max_model_len,
+                                                    scheduler=sched),
+                                model_name=a.served_model_name or a.model, kv_cache=kv)
+        self.served = a.served_model_name or a.model
+        await self._lease(a.lease_blocks)
+        await self.bus.publish(s.kv("events"), KVEvent(worker_id=self.id, cleared=True))
+        for verb, cb in (("prefill", self._on_request), ("adopt", self._on_adopt), ("abort", self._on_abort)):
+            await self.bus.nc.subscribe(s.worker(self.id, verb), cb=cb)
+        self.tasks = [asyncio.ensure_future(self._heartbeats()), asyncio.ensure_future(self._loop())]
+        log.info("worker %s ready: %s, %d KV blocks of the arena leased", self.id, self.role,
+                 self.engine.block_manager.num_free_blocks)
+
+    async def stop(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        bm = self.engine.block_manager
+        held = [b for b in range(bm.num_blocks) if bm.ref_count[b]] + list(bm.free) + list(bm.free_shared)
+        if held:
+            await self.bus.publish(self.bus.subjects.kv("release"), BlockRefs(worker_id=self.id, block_ids=held))
+        await self.bus.nc.flush()
+
+    # -- messages in (applied between steps)
+
+    async def _on_request(self, msg) -> None:
+        self.inbox.append(("request", GenerateRequest.decode(msg.data)))
+        self.wake.set()
+
+    async def _on_adopt(self, msg) -> None:
+        self.inbox.append(("adopt", Handoff.decode(msg.data)))
+        self.wake.set()
+
+    async def _on_abort(self, msg) -> None:
+        self.inbox.append(("abort", Abort.decode(msg.data)))
+        self.wake.set()
+
+    async def _apply_inbox(self) -> None:
+        inbox, self.inbox = self.inbox, []
+        for kind, m in inbox:
+            if kind == "request":
+                await self._add(m)
+            elif kind == "adopt":
+                self._adopt(m)
+            else:
+                self.engine.abort(m.request_id, m.reason)
+                if self.streams.pop(m.request_id, None) is not None:
+                    await self._done(m.request_id, m.reason)
+
+    async def _add(self, req: GenerateRequest) -> None:
+        try:
+            with span("worker.queue", req.trace, worker=self.id, request_id=req.request_id):
+                self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling.to_params(),
+                                        arrival_time=time.monotonic(), output_token_ids=req.output_token_ids)
+        except RequestError as e:
+            await self.bus.publish(req.stream_subject, TokenChunk(
+                request_id=req.request_id, seq=0, index=len(req.output_token_ids), token_ids=[], finished=True,
+                finish_reason="error", error=str(e), worker_id=self.id))
+            await self._done(req.request_id, "error")
+            return
+        self.streams[req.request_id] = req
+        self.chunk_seq.setdefault(req.request_id, 0)
+        if self.role == "prefill":
+            self.to_hand_off.add(req.request_id)
+
+    def _adopt(self, h: Handoff) -> None:
+        req = h.request
+        seq = self.engine.new_sequence(req.request_id, req.prompt_token_ids, req.sampling.to_params(),
+                                       time.monotonic(), h.token_ids[len(req.prompt_token_ids):])
+        seq.num_computed_tokens = h.num_computed_tokens
+        seq.num_cached_tokens = h.num_cached_tokens
+        self.engine.adopt(seq, h.block_ids, h.shared_block_ids)
+        self.streams[req.request_id] = req
+        self.chunk_seq[req.request_id] = h.next_seq
+
+    # -- the loop
+
+    async def _loop(self) -> None:
+        while True:
+            await self._apply_inbox()
+            if not self.engine.has_unfinished():
+                self.wake.clear()
+                if not self.inbox:
+                    await self.wake.wait()
+                continue
+            await self._keep_blocks()
+            outputs = await asyncio.to_thread(self.engine.step)
+            await self._publish(outputs)
+            await self._flush_block_changes()
+
+    async def _publish(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            req = self.streams.get(out.request_id)
+            if req is None:
+                continue
+            seq_no = self.chunk_seq[out.request_id]
+            self.chunk_seq[out.request_id] = seq_no + 1
+            lps = None if req.sampling.logprobs is None else [Logprob.of(lp) for lp in out.new_logprobs]
+            await self.bus.publish(req.stream_subject, TokenChunk(
+                request_id=out.request_id, seq=seq_no, index=out.num_output_tokens - len(out.new_token_ids),
+                token_ids=out.new_token_ids, logprobs=lps, finished=out.finished, finish_reason=out.finish_reason,
+                num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
+                worker_id=self.id))
+            if out.finished:
+                del self.streams[out.request_id]
+                self.to_hand_off.discard(out.request_id)
+                await self._done(out.request_id, out.finish_reason)
+            elif out.request_id in self.to_hand_off:
+                await self._hand_off(out.request_id)
+
+    async def _hand_off(self, request_id: str) -> None:
+        """Prefill is done: pass the sequence on by block ids. The blocks this worker keeps in its
+        prefix cache get one more reference first, so the pool never frees them under anyone."""
+        self.to_hand_off.discard(request_id)
+        req = self.streams.pop(request_id)
+        seq, blocks, shared = self.engine.detach(request_id)
+        s = self.bus.subjects
+        if shared:
+            await self.bus.publish(s.kv("retain"), BlockRefs(worker_id=self.id, block_ids=shared))
+        with span("worker.handoff", req.trace, worker=self.id, request_id=request_id, blocks=len(blocks)):
+            await self.bus.publish(s.handoff, Handoff(
+                request=req, token_ids=seq.token_ids, block_ids=blocks, shared_block_ids=shared,
+                num_computed_tokens=seq.num_computed_tokens, num_cached_tokens=seq.num_cached_tokens,
+                next_seq=self.chunk_seq.pop(request_id), from_worker=self.id, node_id=self.args.node_id))
+
+    async def _done(self, request_id: str, reason: str | None) -> None:
+        self.chunk_seq.pop(request_id, None)
+        await self.bus.publish(self.bus.subjects.done, Done(request_id=request_id, worker_id=self.id,
+                                                            finish_reason=reason))
+
+    # -- blocks: keep enough leased for the next step, give back the surplus
+
+    def _blocks_wanted(self) -> int:
+        e = self.engine
+        return len(e.scheduler.running) + e.config.scheduler.max_num_batched_tokens // e.config.block_size + 2
+
+    async def _lease(self, n: int) -> int:
+        r = await self.bus.request(self.bus.subjects.kv("lease"), LeaseRequest(worker_id=self.id, num_blocks=n),
+                                   LeaseReply, timeout=10)
+        self.engine.block_manager.add_free(r.block_ids)
+        return len(r.block_ids)
+
+    async def _keep_blocks(self) -> None:
+        bm, want = self.engine.block_manager, self._blocks_wanted()
+        if bm.num_free_blocks < want:
+            await self._lease(max(want - bm.num_free_blocks, self.args.lease_blocks // 4))
+        elif bm.num_free_blocks > want + 2 * self.args.lease_blocks and not self.engine.scheduler.waiting:
+            surplus = bm.take_surplus(bm.num_free_blocks - want - self.args.lease_blocks)
+            bm.to_release.extend(surplus)
+
+    async def _flush_block_changes(self) -> None:
+        bm, s = self.engine.block_manager, self.bus.subjects
+        stored, removed = bm.drain_events()
+        if stored or removed:
+            await self.bus.publish(s.kv("events"), KVEvent(worker_id=self.id, stored=stored, removed=removed))
+        released = bm.drain_releases()
+        if released:
+            await self.bus.publish(s.kv("release"), BlockRefs(worker_id=self.id, block_ids=released))
+
+    async def _heartbeats(self) -> None:
+        while True:
+            e, bm = self.engine, self.engine.block_manager
+            await self.bus.publish(self.bus.subjects.heartbeat, Heartbeat(
+                worker_id=self.id, role=self.role, model=self.served, node_id=self.args.node_id,
+                num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting) + len(self.inbox),
+                free_blocks=bm.num_free_blocks, held_blocks=bm.num_held_blocks, total_blocks=bm.num_blocks, block_size=bm.block_size,
+                max_model_len=e.max_model_len, prefix_queries=bm.prefix_queries, prefix_hits=bm.prefix_hits,
+                num_preemptions=e.scheduler.num_preemptions, time=time.time()))
+            await asyncio.sleep(self.args.heartbeat_interval)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--lease-blocks", type=int, default=256, help="blocks leased from the kv-pool at a time")
+    p.add_argument("--pack-weights", action="store_true",
+                   help="keep a private, faster-layout copy of the projections (costs memory per worker)")
+    p.add_argument("--heartbeat-interval", type=float, default=0.5)
+
+
+async def main(args, role: str) -> None:
+    async def start(bus: Bus):
+        worker = Worker(bus, args, role)
+        await worker.start()
+        return worker.stop
+
+    await run_service(role, args, start)

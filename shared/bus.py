@@ -1,0 +1,86 @@
+"""NATS plumbing shared by every service: connecting, typed publish/request, trace headers.
+
+Messages are pydantic models (shared/schemas.py) encoded with orjson. NATS gives no delivery
+guarantee beyond "at most once" and no backpressure, so callers that must not lose anything
+check sequence numbers and use timeouts; this module only keeps the calls short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import TypeVar
+
+import nats
+import orjson
+from nats.aio.client import Client
+
+from .schemas import Message
+from .subjects import DEFAULT_NAMESPACE, Subjects
+
+log = logging.getLogger(__name__)
+M = TypeVar("M", bound=Message)
+
+DEFAULT_NATS_URL = os.environ.get("MESHSERVE_NATS_URL", "nats://127.0.0.1:4222")
+
+
+async def _on_error(e: Exception) -> None:
+    log.debug("nats: %s", e)
+
+
+async def _on_disconnect() -> None:
+    log.info("nats: disconnected, reconnecting")
+
+
+class Bus:
+    """One service's connection to the mesh."""
+
+    def __init__(self, nc: Client, namespace: str = DEFAULT_NAMESPACE):
+        self.nc = nc
+        self.subjects = Subjects(namespace)
+
+    @classmethod
+    async def connect(cls, url: str = DEFAULT_NATS_URL, name: str = "meshserve",
+                      namespace: str | None = None, connect_timeout: float = 30.0) -> "Bus":
+        """Connects, retrying until the server is up (services may start before nats-server)."""
+        deadline = asyncio.get_running_loop().time() + connect_timeout
+        while True:
+            try:
+                nc = await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                                        connect_timeout=2, allow_reconnect=True, error_cb=_on_error,
+                                        disconnected_cb=_on_disconnect)
+                break
+            except Exception as e:  # noqa: BLE001 - nats raises several kinds while the server starts
+                if asyncio.get_running_loop().time() > deadline:
+                    raise ConnectionError(f"cannot reach NATS at {url}: {e}") from e
+                await asyncio.sleep(0.2)
+        return cls(nc, namespace or os.environ.get("MESHSERVE_NAMESPACE", DEFAULT_NAMESPACE))
+
+    @property
+    def max_payload(self) -> int:
+        return self.nc.max_payload
+
+    async def publish(self, subject: str, msg: Message | bytes, headers: dict[str, str] | None = None) -> None:
+        data = msg if isinstance(msg, bytes) else msg.encode()
+        if len(data) > self.nc.max_payload:
+            raise ValueError(f"message of {len(data)} bytes on {subject} exceeds the server's max_payload "
+                             f"({self.nc.max_payload}); it must be sent in chunks")
+        await self.nc.publish(subject, data, headers=headers or None)
+
+    async def request(self, subject: str, msg: Message, reply: type[M], timeout: float = 10.0,
+                      headers: dict[str, str] | None = None) -> M:
+        resp = await self.nc.request(subject, msg.encode(), timeout=timeout, headers=headers or None)
+        if resp.data.startswith(b'{"error"'):
+            raise RuntimeError(f"{subject}: {orjson.loads(resp.data)['error']}")
+        return reply.decode(resp.data)
+
+    @staticmethod
+    async def respond_error(msg, error: str) -> None:
+        await msg.respond(orjson.dumps({"error": error}))
+
+    async def close(self) -> None:
+        try:
+            await self.nc.drain()
+        except Exception:  # noqa: BLE001 - closing an already-broken connection
+            pass

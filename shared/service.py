@@ -1,0 +1,39 @@
+"""What every service process does around its own work: connect to the bus, set up logging and
+tracing, run until SIGTERM or Ctrl-C, then clean up and drain the connection."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable
+
+from .bus import Bus
+from .telemetry_hooks import init_tracing, shutdown_tracing
+
+log = logging.getLogger("meshserve.service")
+
+Cleanup = Callable[[], Awaitable[None] | None] | None
+
+
+async def run_service(name: str, args, start: Callable[[Bus], Awaitable[Cleanup]]) -> None:
+    init_tracing(name)
+    bus = await Bus.connect(args.nats_url, name=f"{name}-{os.getpid()}", namespace=args.namespace)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    cleanup = None
+    try:
+        cleanup = await start(bus)
+        log.info("%s ready (pid %d)", name, os.getpid())
+        await stop.wait()
+    finally:
+        if cleanup is not None:
+            res = cleanup()
+            if asyncio.iscoroutine(res):
+                await res
+        await bus.close()
+        shutdown_tracing()
+        log.info("%s stopped", name)
