@@ -61,6 +61,7 @@ class Launcher:
     def __init__(self, args):
         self.args = args
         self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.cmds: dict[str, list[str]] = {}
         self.tmp = Path(tempfile.mkdtemp(prefix="meshserve-up-"))
 
     def spawn(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
@@ -70,7 +71,22 @@ class Launcher:
         p = subprocess.Popen(cmd, preexec_fn=_die_with_parent, start_new_session=True,
                              env={**os.environ, **(env or {})})
         self.procs.append((name, p))
+        self.cmds[name] = cmd
         return p
+
+    def supervise(self) -> str | None:
+        """Restarts workers that died (their requests are re-dispatched by the scheduler meanwhile);
+        returns the name of a core service that died, which ends the mesh."""
+        for i, (name, p) in enumerate(self.procs):
+            if p.poll() is None:
+                continue
+            if not name.startswith(("prefill-", "decode-")):
+                return name
+            log.warning("%s exited with code %s: restarting it", name, p.returncode)
+            self.procs.pop(i)
+            self.spawn(name, self.cmds[name])
+            return None
+        return None
 
     def serve_cmd(self, role: str, *extra: str) -> list[str]:
         a = self.args
@@ -117,7 +133,7 @@ class Launcher:
             time.sleep(0.5)
         return False
 
-    def stop(self, grace: float = 10.0) -> None:
+    def stop(self, grace: float = 35.0) -> None:  # the gateway gives in-flight requests 30 s
         # Services first (they release blocks and drain over NATS), nats-server last.
         for name, p in reversed(self.procs):
             if p.poll() is None and name != "nats-server":
@@ -159,10 +175,10 @@ def run(args) -> int:
         print(f"meshserve is serving {args.model} at http://{args.host}:{args.port}/v1 "
               f"(NATS {args.nats_url}, namespace {args.namespace!r}); Ctrl-C stops it", flush=True)
         while True:
-            for name, p in launcher.procs:
-                if p.poll() is not None:
-                    log.error("%s exited with code %s; stopping the mesh", name, p.returncode)
-                    return 1
+            dead = launcher.supervise()
+            if dead:
+                log.error("%s exited; stopping the mesh", dead)
+                return 1
             time.sleep(0.5)
     except KeyboardInterrupt:
         log.info("stopping")

@@ -13,6 +13,7 @@ import os
 from typing import TypeVar
 
 import nats
+import nats.errors
 import orjson
 from nats.aio.client import Client
 
@@ -70,7 +71,19 @@ class Bus:
 
     async def request(self, subject: str, msg: Message, reply: type[M], timeout: float = 10.0,
                       headers: dict[str, str] | None = None) -> M:
-        resp = await self.nc.request(subject, msg.encode(), timeout=timeout, headers=headers or None)
+        """One request/reply. A service that is not subscribed yet (start-up order) is waited for,
+        within the same timeout, instead of failing at once with "no responders"."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            try:
+                resp = await self.nc.request(subject, msg.encode(), timeout=max(0.05, deadline - loop.time()),
+                                             headers=headers or None)
+                break
+            except nats.errors.NoRespondersError:
+                if loop.time() + 0.2 > deadline:
+                    raise
+                await asyncio.sleep(0.2)
         if resp.data.startswith(b'{"error"'):
             raise RuntimeError(f"{subject}: {orjson.loads(resp.data)['error']}")
         return reply.decode(resp.data)

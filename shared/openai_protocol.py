@@ -194,3 +194,24 @@ def chat_response(rid: str, model: str, text: str, finish_reason: str | None, us
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                          "logprobs": logprobs, "finish_reason": finish_reason}],
             "usage": usage_}
+
+
+# Streaming: the chunks of one response share its id and `created`, so the caller passes both.
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None = None,
+                     logprobs: dict | None = None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None = None,
+               logprobs: dict | None = None) -> dict:
+    """`delta` is {"role": "assistant", "content": ...} in the first chunk, {"content": ...} after, {} at the end."""
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+
+def usage_chunk(rid: str, object_: str, model: str, created: int, usage_: dict) -> dict:
+    """The last chunk when stream_options.include_usage is set: no choices, only usage (as OpenAI sends)."""
+    return {"id": rid, "object": object_, "created": created, "model": model, "choices": [], "usage": usage_}

@@ -30,8 +30,7 @@ def tiny(tiny_llama):
     from transformers import AutoModelForCausalLM
 
     cfg, sd = load_hf_dir(tiny_llama)
-    model = LlamaModel(cfg, torch.float32)
-    model.load_weights(sd)
+    model = LlamaModel.from_hf(cfg, sd, torch.float32)
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
     prompts = make_prompts(cfg.vocab_size)
     ref = []
@@ -164,8 +163,7 @@ def test_stop_strings_and_detokenization_in_process(tiny_llama, tiny):
 def test_bfloat16_runs_and_mostly_agrees(tiny_llama, tiny):
     _, _, prompts, ref = tiny
     cfg, sd = load_hf_dir(tiny_llama)
-    model = LlamaModel(cfg, torch.bfloat16)
-    model.load_weights(sd)
+    model = LlamaModel.from_hf(cfg, sd, torch.bfloat16)
     got = engine(model, chunk=64).generate(prompts, SamplingParams(max_tokens=8, temperature=0))
     # bf16 rounds differently from fp32; the first tokens should still mostly agree.
     assert sum(g[0] == r[0] for g, r in zip(got, ref)) >= len(ref) * 0.8

@@ -61,6 +61,7 @@ class Scheduler:
         return {"ready": ready,
                 "workers": [{"id": w.hb.worker_id, "role": w.hb.role, "model": w.hb.model,
                              "running": w.hb.num_running, "waiting": w.hb.num_waiting,
+                             "assigned": len(w.assigned),
                              "free_blocks": w.hb.free_blocks} for w in ws],
                 "num_running": sum(w.hb.num_running for w in ws),
                 "num_waiting": sum(w.hb.num_waiting for w in ws),

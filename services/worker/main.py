@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-import uuid
 
 from meshserve.shared import shm
 from meshserve.shared.bus import Bus
@@ -37,7 +37,7 @@ log = logging.getLogger("meshserve.worker")
 class Worker:
     def __init__(self, bus: Bus, args, role: str):
         self.bus, self.args, self.role = bus, args, role
-        self.id = f"{role}-{args.node_id}-{uuid.uuid4().hex[:8]}"
+        self.id = f"{role}-{args.node_id}-{os.getpid()}"  # unique per node, and names the process
         self.inbox: list[tuple[str, object]] = []
         self.wake = asyncio.Event()
         self.streams: dict[str, GenerateRequest] = {}  # request id -> its request (stream subject)

@@ -1,0 +1,293 @@
+"""Request handling shared by the HTTP and NATS front ends: validate, tokenize, submit, then turn the
+token stream into an OpenAI response (one body, or streaming chunks). The front ends only frame it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Literal
+
+import orjson
+
+from meshserve.shared.bus import Bus
+from meshserve.shared.engine.sampler import TokenLogprobs
+from meshserve.shared.engine.sequence import SamplingParams
+from meshserve.shared.openai_protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, chat_chunk,
+                                              chat_logprobs, chat_response, completion_chunk, completion_logprobs,
+                                              completion_response, parse_request, usage, usage_chunk)
+from meshserve.shared.schemas import Abort, GenerateRequest, Logprob, Sampling, TokenChunk
+from meshserve.shared.tokenizer import IncrementalDetokenizer, Tokenizer
+
+from .metrics import GatewayMetrics
+from .streams import RequestStream, TokenStreams, submit
+
+log = logging.getLogger(__name__)
+
+Kind = Literal["completions", "chat"]
+PRIORITIES = ("interactive", "normal", "background")
+STATUS_TIMEOUT = 1.0
+
+
+@dataclass
+class Prepared:
+    kind: Kind
+    request: CompletionRequest | ChatCompletionRequest
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: str
+
+
+@dataclass
+class Delta:
+    """What one in-order chunk adds to the response."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None
+    finish_reason: str | None
+
+
+def _token_logprobs(lps: list[Logprob | None] | None, n: int) -> list[TokenLogprobs | None] | None:
+    if lps is None:
+        return None
+    return [None if lp is None else TokenLogprobs(lp.logprob, [tuple(t) for t in lp.top]) for lp in lps[:n]]
+
+
+class Gateway:
+    """What both front ends call; holds the connection, the tokenizer and the token streams."""
+
+    def __init__(self, bus: Bus, tokenizer: Tokenizer, served_model_name: str, streams: TokenStreams,
+                 metrics: GatewayMetrics, max_model_len: int = 8192, stream_timeout: float = 300.0):
+        self.bus, self.tokenizer, self.served_model_name = bus, tokenizer, served_model_name
+        self.streams, self.metrics = streams, metrics
+        self.max_model_len, self.stream_timeout = max_model_len, stream_timeout
+        self.created = int(time.time())
+        self._background: set[asyncio.Task] = set()
+
+    # -- validation and tokenization
+
+    def prepare(self, kind: Kind, body) -> Prepared:
+        """Raises OpenAIError(4xx) for anything wrong with the request."""
+        req = parse_request(kind, body)
+        if req.model not in (None, self.served_model_name):
+            raise OpenAIError(f"the model {req.model!r} does not exist; this server serves "
+                              f"{self.served_model_name!r}", 404, param="model", code="model_not_found")
+        priority = body.get("priority", "normal")
+        if priority not in PRIORITIES:
+            raise OpenAIError(f"priority must be one of {', '.join(PRIORITIES)}", param="priority")
+        if isinstance(req, ChatCompletionRequest):
+            try:
+                text = self.tokenizer.apply_chat_template(req.template_messages(),
+                                                          add_generation_prompt=req.add_generation_prompt)
+            except Exception as e:  # noqa: BLE001 - a template that raises is the caller's doing
+                raise OpenAIError(f"could not apply the chat template: {e}", param="messages") from None
+            prompt = self.tokenizer.encode(text, add_special_tokens=False)
+            self._check_length(prompt, "messages")
+            params = req.to_sampling_params(default_max=self.max_model_len - len(prompt))
+        else:
+            if isinstance(req.prompt, list):
+                prompt = list(req.prompt)
+                vocab = self.tokenizer.vocab_size
+                if any(not 0 <= t < vocab for t in prompt):
+                    raise OpenAIError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+            else:
+                prompt = self.tokenizer.encode(req.prompt)
+            if not prompt:
+                raise OpenAIError("the prompt encodes to no tokens", param="prompt")
+            self._check_length(prompt, "prompt")
+            params = req.to_sampling_params()
+        try:
+            params.validate()
+        except ValueError as e:
+            raise OpenAIError(str(e)) from None
+        return Prepared(kind, req, prompt, params, priority)
+
+    def _check_length(self, prompt: list[int], param: str) -> None:
+        """The scheduler checks too (with max_tokens); this keeps a chat's default max_tokens positive."""
+        if len(prompt) >= self.max_model_len:
+            raise OpenAIError(f"the prompt has {len(prompt)} tokens; this model's maximum context length is "
+                              f"{self.max_model_len} tokens, output included", param=param,
+                              code="context_length_exceeded")
+
+    # -- submission
+
+    async def submit(self, kind: Kind, body) -> "Generation":
+        """Validates and submits; raises OpenAIError before anything is sent to the client.
+        The caller must `close()` the returned Generation."""
+        p = self.prepare(kind, body)
+        arrival = time.time()
+        request = GenerateRequest(
+            request_id=uuid.uuid4().hex, model=self.served_model_name, prompt_token_ids=p.prompt_token_ids,
+            sampling=Sampling.from_params(p.params), priority=p.priority, stream_subject=self.streams.subject,
+            arrival_time=arrival, trace={})
+        stream = self.streams.open(request)
+        try:
+            await submit(self.bus, request)
+        except OpenAIError as e:
+            self.streams.close(request.request_id)
+            if e.status_code == 503:  # the reply may be what got lost: make sure nothing runs
+                self.abort(request.request_id)
+            raise
+        except BaseException:
+            self.streams.close(request.request_id)
+            self.abort(request.request_id)
+            raise
+        self.metrics.queue.observe(time.time() - arrival)
+        self.metrics.prompt_tokens.inc(len(p.prompt_token_ids))
+        return Generation(self, p, request, stream)
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Publishes Abort from a task of its own: callers are often being cancelled."""
+        async def publish():
+            try:
+                await self.bus.publish(self.bus.subjects.abort, Abort(request_id=request_id, reason=reason))
+            except Exception as e:  # noqa: BLE001 - nothing more to do for a gone request
+                log.warning("could not publish Abort for %s: %s", request_id, e)
+
+        task = asyncio.get_running_loop().create_task(publish())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- the scheduler's view
+
+    async def scheduler_status(self, timeout: float = STATUS_TIMEOUT) -> dict | None:
+        """The scheduler's status reply, or None when it does not answer in time."""
+        try:
+            msg = await self.bus.nc.request(self.bus.subjects.scheduler_status, b"{}", timeout=timeout)
+            status = orjson.loads(msg.data)
+            return status if isinstance(status, dict) else None
+        except Exception:  # noqa: BLE001 - no responders, timeout, garbage: all mean "not ready"
+            return None
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{
+            "id": self.served_model_name, "object": "model", "created": self.created, "owned_by": "meshserve",
+            "root": self.served_model_name, "parent": None, "max_model_len": self.max_model_len}]}
+
+
+class Generation:
+    """One submitted request: reads its token stream and builds the response."""
+
+    def __init__(self, gw: Gateway, prepared: Prepared, request: GenerateRequest, stream: RequestStream):
+        self.gw, self.prepared, self.request, self._stream = gw, prepared, request, stream
+        self.kind = prepared.kind
+        self.stream = prepared.request.stream
+        prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
+        self.id = f"{prefix}-{request.request_id}"
+        self.created = int(time.time())
+        self.model = gw.served_model_name
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs | None] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.num_cached_tokens = 0
+        self._detok = IncrementalDetokenizer(gw.tokenizer, stop=prepared.params.stop)
+        self._want_logprobs = prepared.params.logprobs is not None
+        self._last_token_time: float | None = None
+        self._closed = False
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def close(self) -> None:
+        """Stops listening; aborts the request unless it finished (client gone, error, timeout)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.gw.streams.close(self.request.request_id)
+        if not self.done:
+            self.gw.abort(self.request.request_id)
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """The response as in-order deltas; the last one has a finish_reason. Raises OpenAIError."""
+        while not self.done:
+            try:
+                chunk = await self._stream.next(self.gw.stream_timeout)
+            except asyncio.TimeoutError:
+                raise OpenAIError(f"no tokens arrived for {self.gw.stream_timeout:g} s; the request was aborted",
+                                  504, type="server_error", code="timeout") from None
+            yield await self._apply(chunk)
+
+    async def _apply(self, chunk: TokenChunk) -> Delta:
+        now = time.time()
+        if chunk.num_cached_tokens:
+            self.num_cached_tokens = chunk.num_cached_tokens
+        seen = len(self._detok.token_ids)
+        text = self._detok.add(chunk.token_ids)
+        n = len(self._detok.token_ids) - seen  # fewer than sent when a stop string ended the output
+        token_ids, logprobs = chunk.token_ids[:n], _token_logprobs(chunk.logprobs, n)
+        finish = None
+        if self._detok.stopped:
+            finish = "stop"
+            if not chunk.finished:
+                self.gw.abort(self.request.request_id, reason="stop")
+        elif chunk.finished:
+            text += self._detok.flush()
+            finish = chunk.finish_reason or "stop"
+        self.token_ids += token_ids
+        if self._want_logprobs:
+            self.logprobs += logprobs if logprobs is not None else [None] * len(token_ids)
+        self.text += text
+        m = self.gw.metrics
+        if token_ids:
+            if self._last_token_time is None:
+                m.ttft.observe(now - self.request.arrival_time)
+            else:
+                m.observe_itl(now - self._last_token_time, len(token_ids))
+            self._last_token_time = now
+            m.generation_tokens.inc(len(token_ids))
+        if finish:
+            self.finish_reason = finish
+            m.e2e.observe(now - self.request.arrival_time)
+            m.finished(finish)
+        return Delta(text, token_ids, logprobs, finish)
+
+    def usage(self) -> dict:
+        return usage(len(self.request.prompt_token_ids), len(self.token_ids), self.num_cached_tokens)
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs | None] | None,
+                  text_offset: int) -> dict | None:
+        if not self._want_logprobs:
+            return None
+        lps = logprobs if logprobs is not None else [None] * len(token_ids)
+        decode = self.gw.tokenizer.decode
+        if self.kind == "chat":
+            return chat_logprobs(token_ids, lps, decode)
+        return completion_logprobs(token_ids, lps, decode, text_offset)
+
+    async def body(self) -> dict:
+        """The whole (non-streaming) response."""
+        async for _ in self.deltas():
+            pass
+        lp = self._logprobs(self.token_ids, self.logprobs, 0)
+        build = chat_response if self.kind == "chat" else completion_response
+        return build(self.id, self.model, self.text, self.finish_reason, self.usage(), lp)
+
+    async def chunks(self) -> AsyncIterator[dict]:
+        """The streaming response, chunk by chunk (OpenAI's JSON); raises OpenAIError mid-stream."""
+        include_usage = bool(self.prepared.request.stream_options and
+                             self.prepared.request.stream_options.include_usage)
+        first, offset = True, 0
+        async for d in self.deltas():
+            if not (d.text or d.finish_reason or (self._want_logprobs and d.token_ids)):
+                continue  # nothing to say yet (a held-back stop-string prefix, half a character)
+            lp = self._logprobs(d.token_ids, d.logprobs, offset)
+            offset += len(d.text)
+            if self.kind == "chat":
+                delta = {"role": "assistant", "content": d.text} if first else (
+                    {"content": d.text} if d.text else {})
+                chunk = chat_chunk(self.id, self.model, self.created, delta, d.finish_reason, lp)
+            else:
+                chunk = completion_chunk(self.id, self.model, self.created, d.text, d.finish_reason, lp)
+            if include_usage:
+                chunk["usage"] = None  # as OpenAI: every chunk has the key, only the last one a value
+            first = False
+            yield chunk
+        if include_usage:
+            obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+            yield usage_chunk(self.id, obj, self.model, self.created, self.usage())

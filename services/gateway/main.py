@@ -1,0 +1,162 @@
+"""`meshserve serve gateway`: HTTP (uvicorn) and the NATS API in one event loop.
+
+Shutdown on SIGTERM/SIGINT: stop taking NATS requests, let uvicorn finish the HTTP ones (up to
+GRACE seconds), finish the NATS ones, then drain the connection so nothing published is lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+
+# Only light imports here: the CLI imports this module to build its parser.
+from meshserve.shared.models_repo import DEFAULT_MODEL, resolve
+from meshserve.shared.subjects import DEFAULT_NAMESPACE
+
+log = logging.getLogger("meshserve.gateway")
+
+GRACE = 30.0  # seconds in-flight requests get at shutdown
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nats-url", default=None,
+                        help="NATS server (default: $MESHSERVE_NATS_URL or nats://127.0.0.1:4222)")
+    parser.add_argument("--namespace", default=os.environ.get("MESHSERVE_NAMESPACE", DEFAULT_NAMESPACE),
+                        help="subject namespace of the mesh (default: %(default)s)")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP address (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="model name, HF directory or .gguf file; only its tokenizer is loaded here")
+    parser.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
+    parser.add_argument("--max-model-len", type=int, default=8192,
+                        help="context length; a chat without max_tokens may fill it (default: %(default)s)")
+    parser.add_argument("--stream-timeout", type=float, default=300.0,
+                        help="fail a request when no token arrives for this many seconds (default: %(default)s)")
+
+
+def load_tokenizer(model: str):
+    """The model's tokenizer without its weights: tokenizer.json of an HF directory, or the GGUF metadata."""
+    from meshserve.shared.tokenizer import Tokenizer
+
+    path = resolve(model)
+    if path.is_dir():
+        if (path / "tokenizer.json").is_file():
+            return Tokenizer.from_hf_dir(path)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) != 1:
+            raise ValueError(f"{path} has no tokenizer.json and {len(ggufs)} .gguf files (need exactly one)")
+        path = ggufs[0]
+    if path.suffix.lower() != ".gguf":
+        raise ValueError(f"don't know how to read a tokenizer from {path}")
+    return Tokenizer.from_gguf(path)
+
+
+def _server(config):
+    """uvicorn, minus its signal handling: run() handles signals for the whole process, and
+    uvicorn's would re-raise SIGTERM after serving, killing us before NATS is drained."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
+
+    return Server(config)
+
+
+async def _announce(server, served: str) -> None:
+    while not server.started:
+        if server.should_exit:
+            return
+        await asyncio.sleep(0.05)
+    for s in server.servers:
+        for sock in s.sockets:
+            host, port = sock.getsockname()[:2]
+            log.info("gateway serving %s on http://%s:%d/v1", served, host, port)
+
+
+def with_defaults(args) -> argparse.Namespace:
+    """`args` with every option it lacks at its default (callers may build their own namespace)."""
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return argparse.Namespace(**{**vars(p.parse_args([])), **vars(args)})
+
+
+async def run(args) -> int:
+    """Serves until SIGTERM/SIGINT; returns the exit status."""
+    import uvicorn
+
+    from meshserve.shared.bus import DEFAULT_NATS_URL, Bus
+
+    from .app import create_app
+    from .handler import Gateway
+    from .metrics import GatewayMetrics
+    from .nats_api import NatsAPI
+    from .streams import GATEWAY_ID, TokenStreams
+
+    args = with_defaults(args)
+    served = args.served_model_name or args.model
+    tokenizer = load_tokenizer(args.model)
+    bus = await Bus.connect(args.nats_url or DEFAULT_NATS_URL, name=f"meshserve-gateway-{GATEWAY_ID[:8]}",
+                            namespace=args.namespace)
+    streams = TokenStreams(bus, GATEWAY_ID)
+    await streams.start()
+    gw = Gateway(bus, tokenizer, served, streams, GatewayMetrics(served), max_model_len=args.max_model_len,
+                 stream_timeout=args.stream_timeout)
+    nats_api = NatsAPI(gw)
+    await nats_api.start()
+
+    config = uvicorn.Config(create_app(gw), host=args.host, port=args.port, loop="uvloop", lifespan="off",
+                            log_config=None, access_log=False, timeout_graceful_shutdown=int(GRACE))
+    server = _server(config)
+
+    loop = asyncio.get_running_loop()
+    background: set[asyncio.Task] = set()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if server.should_exit:
+            server.force_exit = True
+            return
+        log.info("%s: shutting down", sig.name)
+        server.should_exit = True
+        task = loop.create_task(nats_api.stop_accepting())
+        background.add(task)
+        task.add_done_callback(background.discard)
+
+    handled = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not the main thread
+            loop.add_signal_handler(sig, on_signal, sig)
+            handled.append(sig)
+    announce = loop.create_task(_announce(server, served))
+    try:
+        await server.serve()
+    finally:
+        announce.cancel()
+        for sig in handled:
+            loop.remove_signal_handler(sig)
+        await nats_api.stop(GRACE)
+        await streams.stop()
+        await bus.close()
+        log.info("gateway stopped")
+    return 0 if server.started else 1
+
+
+def main(args) -> int:
+    """Sync entry for the CLI: runs `run` on uvloop."""
+    import uvloop
+
+    return uvloop.run(run(args))
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    p = argparse.ArgumentParser(prog="python -m meshserve.services.gateway.main",
+                                description="The meshserve gateway (OpenAI API over HTTP and NATS).")
+    add_arguments(p)
+    sys.exit(main(p.parse_args()))

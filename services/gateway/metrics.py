@@ -1,0 +1,78 @@
+"""Prometheus metrics under vLLM's names (prefix `meshserve:`), so vLLM dashboards work unchanged.
+
+Latencies are measured here, where the client's experience is. Scheduler-wide numbers (running,
+waiting, KV usage, prefix cache, preemptions) are asked of the scheduler at scrape time.
+
+`request_queue_time_seconds` is an approximation: the time from arrival until the scheduler
+accepted the submission. The gateway cannot see when a worker actually starts the request.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# vLLM's buckets.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0]
+REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+# scheduler status key -> gauge name
+STATUS_GAUGES = {
+    "num_running": ("meshserve:num_requests_running", "Requests running on the workers."),
+    "num_waiting": ("meshserve:num_requests_waiting", "Requests waiting to be scheduled."),
+    "kv_usage": ("meshserve:kv_cache_usage_perc", "KV-cache usage, 0 to 1."),
+    "prefix_queries": ("meshserve:prefix_cache_queries", "Prefix-cache queries (tokens), all workers."),
+    "prefix_hits": ("meshserve:prefix_cache_hits", "Prefix-cache hits (tokens), all workers."),
+    "num_preemptions": ("meshserve:num_preemptions", "Preemptions, all workers."),
+}
+
+
+class GatewayMetrics:
+    """A private registry, so several gateways (or tests) in one process do not collide."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        labels = ["model_name"]
+        self.ttft = Histogram("meshserve:time_to_first_token_seconds", "Time to first token.", labels,
+                              buckets=TTFT_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("meshserve:inter_token_latency_seconds", "Time between output tokens.", labels,
+                             buckets=ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("meshserve:e2e_request_latency_seconds", "Arrival to last token.", labels,
+                             buckets=REQUEST_BUCKETS, registry=r).labels(model_name)
+        self.queue = Histogram("meshserve:request_queue_time_seconds",
+                               "Arrival until the scheduler accepted the request (approximation).", labels,
+                               buckets=REQUEST_BUCKETS, registry=r).labels(model_name)
+        self.prompt_tokens = Counter("meshserve:prompt_tokens", "Prompt tokens submitted.", labels,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter("meshserve:generation_tokens", "Tokens generated.", labels,
+                                         registry=r).labels(model_name)
+        self._success = Counter("meshserve:request_success", "Finished requests.", labels + ["finished_reason"],
+                                registry=r)
+        self._model = model_name
+        self._status = {key: Gauge(name, doc, labels, registry=r).labels(model_name)
+                        for key, (name, doc) in STATUS_GAUGES.items()}
+
+    def observe_itl(self, seconds: float, num_tokens: int) -> None:
+        """A chunk of several tokens counts as that many tokens, evenly spaced."""
+        for _ in range(num_tokens):
+            self.itl.observe(seconds / num_tokens)
+
+    def finished(self, reason: str) -> None:
+        self._success.labels(self._model, reason).inc()
+
+    def refresh(self, status: dict | None) -> None:
+        """Sets the scheduler gauges; leaves them as they were when the scheduler did not answer."""
+        if not status:
+            return
+        for key, gauge in self._status.items():
+            value = status.get(key)
+            if isinstance(value, (int, float)):
+                gauge.set(value)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,201 @@
+"""The token-stream demultiplexer: one NATS subscription per gateway, one ordered stream per request.
+
+Every worker publishes the TokenChunks of this gateway's requests on one subject. Chunks of one
+request can come from several publishers (a prefill worker then a decode worker, or a replacement
+after a worker died), and NATS orders messages only per publisher, so a chunk can arrive early
+(a gap: held until the missing tokens arrive) or twice (a repeat: dropped). `index` (position of
+the chunk's first token in the output) is what decides, so the client sees every token once, in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+import nats.errors
+
+from meshserve.shared.bus import Bus
+from meshserve.shared.openai_protocol import OpenAIError
+from meshserve.shared.schemas import GenerateRequest, SubmitReply, TokenChunk
+
+log = logging.getLogger(__name__)
+
+GATEWAY_ID = uuid.uuid4().hex  # names this process's token subject
+WORKER_LOST = "worker_lost"
+MAX_RESUBMITS = 3  # a request that kills workers should not take the whole mesh down with it
+SUBMIT_TIMEOUT = 5.0
+
+
+async def confirm_subscriptions(nc) -> None:
+    """Returns once the server has every subscription made so far on `nc`.
+
+    One flush is not enough: nats-py (2.16) writes the flush's PING straight to the socket while a
+    SUB may still wait in its send buffer, so the PONG can come back before the SUB is read, and
+    messages published meanwhile by other connections are lost. By the second PING the buffer has
+    been written (the flusher was woken before the first PING went out).
+    """
+    await nc.flush()
+    await nc.flush()
+
+
+def error_type(status_code: int) -> str:
+    return "invalid_request_error" if status_code < 500 else "server_error"
+
+
+def mesh_failure(error: str) -> OpenAIError:
+    """A chunk's error as the client sees it: 503 when the mesh lacks capacity, else 500."""
+    status = 503 if any(w in error.lower() for w in ("no worker", "no_worker", "unavailable", "overload")) else 500
+    return OpenAIError(f"generation failed: {error}", status, type=error_type(status))
+
+
+async def submit(bus: Bus, request: GenerateRequest) -> None:
+    """Hands a request to the scheduler; raises OpenAIError when it is refused or nobody answers."""
+    try:
+        reply = await bus.request(bus.subjects.submit, request, SubmitReply, timeout=SUBMIT_TIMEOUT)
+    except (nats.errors.NoRespondersError, nats.errors.TimeoutError, asyncio.TimeoutError):
+        raise OpenAIError("no scheduler is available to serve the request", 503, type="server_error") from None
+    except nats.errors.Error as e:
+        raise OpenAIError(f"the mesh is unreachable: {e}", 503, type="server_error") from None
+    except RuntimeError as e:  # the scheduler answered with an error instead of a SubmitReply
+        raise OpenAIError(f"the scheduler failed: {e}", 500, type="server_error") from None
+    if not reply.ok:
+        status = reply.status_code if reply.status_code >= 400 else 500
+        raise OpenAIError(reply.error or "the scheduler refused the request", status, type=error_type(status))
+
+
+class RequestStream:
+    """The in-order chunks of one request. `feed` runs in the subscription callback and never
+    awaits; the request's handler reads with `next`."""
+
+    def __init__(self, bus: Bus, request: GenerateRequest):
+        self.bus = bus
+        self.request = request
+        self.token_ids: list[int] = []  # accepted so far, in order: what the client gets
+        self.finished = False
+        self.resubmits = 0
+        self._held: dict[int, TokenChunk] = {}
+        self._queue: asyncio.Queue[TokenChunk | OpenAIError] = asyncio.Queue()
+        self._lost_workers: set[str] = set()
+        self._tasks: set[asyncio.Task] = set()
+
+    async def next(self, timeout: float) -> TokenChunk:
+        """The next in-order chunk (trimmed of repeats); raises OpenAIError when the request failed
+        and TimeoutError when nothing arrived for `timeout` seconds."""
+        item = await asyncio.wait_for(self._queue.get(), timeout)
+        if isinstance(item, OpenAIError):
+            raise item
+        return item
+
+    def feed(self, chunk: TokenChunk) -> None:
+        if self.finished or (chunk.worker_id and chunk.worker_id in self._lost_workers):
+            return  # a dead (or declared dead) worker's late chunks would race its replacement's
+        if chunk.error:
+            if chunk.error == WORKER_LOST and not chunk.finished:
+                self._worker_lost(chunk)
+            else:
+                self._fail(mesh_failure(chunk.error))
+            return
+        if chunk.index > len(self.token_ids):
+            self._held[chunk.index] = chunk
+            return
+        self._accept(chunk)
+        while self._held and not self.finished:
+            ready = sorted(i for i in self._held if i <= len(self.token_ids))
+            if not ready:
+                break
+            for i in ready:
+                self._accept(self._held.pop(i))
+
+    def _accept(self, chunk: TokenChunk) -> None:
+        """`chunk.index` <= tokens received: keep only its new tokens."""
+        if self.finished:
+            return
+        skip = len(self.token_ids) - chunk.index
+        if skip > 0:
+            if skip >= len(chunk.token_ids) and not chunk.finished:
+                return  # a pure repeat
+            chunk = chunk.model_copy(update={
+                "index": len(self.token_ids), "token_ids": chunk.token_ids[skip:],
+                "logprobs": None if chunk.logprobs is None else chunk.logprobs[skip:]})
+        self.token_ids += chunk.token_ids
+        if chunk.finished:
+            self.finished = True
+            self._held.clear()
+        self._queue.put_nowait(chunk)
+
+    def _fail(self, error: OpenAIError) -> None:
+        self.finished = True
+        self._held.clear()
+        self._queue.put_nowait(error)
+
+    def _worker_lost(self, chunk: TokenChunk) -> None:
+        """Re-submits the request with the tokens the client already has; the new worker goes on
+        from there. Held chunks came from the dead worker and are dropped: the new one may differ."""
+        if chunk.worker_id:
+            self._lost_workers.add(chunk.worker_id)
+        self._held.clear()
+        self.resubmits += 1
+        if self.resubmits > MAX_RESUBMITS:
+            self._fail(OpenAIError(f"the request lost its worker {self.resubmits} times; giving up",
+                                   503, type="server_error"))
+            return
+        again = self.request.model_copy(update={"output_token_ids": list(self.token_ids)})
+        log.warning("request %s lost worker %s after %d tokens; re-submitting", self.request.request_id,
+                    chunk.worker_id or "?", len(self.token_ids))
+        task = asyncio.get_running_loop().create_task(self._resubmit(again))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _resubmit(self, request: GenerateRequest) -> None:
+        try:
+            await submit(self.bus, request)
+        except OpenAIError as e:
+            if not self.finished:
+                self._fail(e)
+
+
+class TokenStreams:
+    """Routes this gateway's token subject to the open RequestStreams by request_id."""
+
+    def __init__(self, bus: Bus, gateway_id: str = GATEWAY_ID):
+        self.bus = bus
+        self.subject = bus.subjects.tokens(gateway_id)
+        self._streams: dict[str, RequestStream] = {}
+        self._sub = None
+
+    async def start(self) -> None:
+        # Generous pending limits: a slow consumer here would drop tokens of every request at once.
+        self._sub = await self.bus.nc.subscribe(self.subject, cb=self._on_message,
+                                                pending_msgs_limit=1 << 20, pending_bytes_limit=1 << 30)
+        await confirm_subscriptions(self.bus.nc)  # before any request is submitted
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except nats.errors.Error:
+                pass
+            self._sub = None
+
+    def open(self, request: GenerateRequest) -> RequestStream:
+        """Registers before the request is submitted, so its first chunk cannot be missed."""
+        stream = RequestStream(self.bus, request)
+        self._streams[request.request_id] = stream
+        return stream
+
+    def close(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    async def _on_message(self, msg) -> None:
+        try:
+            chunk = TokenChunk.decode(msg.data)
+        except Exception:  # noqa: BLE001 - a bad message must not stop the subscription
+            log.warning("dropping an undecodable message on %s", self.subject)
+            return
+        stream = self._streams.get(chunk.request_id)
+        if stream is not None:
+            stream.feed(chunk)

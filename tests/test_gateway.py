@@ -1,0 +1,528 @@
+"""The gateway alone, against a real nats-server: validation and errors over HTTP and NATS, the
+token-stream demultiplexer, and whole responses parsed by the official openai client.
+
+The end-to-end tests here use a stand-in that answers scheduler.submit and publishes scripted
+TokenChunks; that is only to test the gateway without the rest of the mesh (the real mesh has its own
+end-to-end tests). The stand-in's behaviour is picked by the request's seed (see StandIn).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from meshserve.services.gateway.streams import TokenStreams, confirm_subscriptions
+from meshserve.shared.bus import Bus
+from meshserve.shared.schemas import (Abort, GenerateRequest, Logprob, Sampling, SubmitReply, TokenChunk)
+from meshserve.shared.tokenizer import Tokenizer
+
+NATS_SERVER = Path(sys.executable).parent / "nats-server"
+NS = "gwtest"
+SERVED = "tiny"
+SCRIPT = " The quick brown fox jumps over the lazy dog. Hello world!"
+EOS = 2
+# StandIn modes, chosen by the request's seed
+NORMAL, SHUFFLED, LOSES_WORKER, SLOW, SILENT = None, 1, 2, 3, 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(cond, timeout: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def nats_url():
+    port = free_port()
+    proc = subprocess.Popen([str(NATS_SERVER), "-a", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def up():
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return True
+        except OSError:
+            return False
+
+    wait_for(up, 10, "nats-server")
+    yield f"nats://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama) -> Tokenizer:
+    return Tokenizer.from_hf_dir(tiny_llama)
+
+
+@pytest.fixture(scope="module")
+def gateway(nats_url, tiny_llama, tmp_path_factory):
+    """A real gateway process; its base URL. Stopped with SIGTERM, which must exit cleanly."""
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("gateway") / "gateway.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "meshserve.services.gateway.main", "--nats-url", nats_url, "--namespace", NS,
+             "--port", str(port), "--model", str(tiny_llama), "--served-model-name", SERVED,
+             "--max-model-len", "128", "--stream-timeout", "2"], stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+
+    def up():
+        assert proc.poll() is None, log_path.read_text()
+        try:
+            return httpx.get(f"{base}/v1/models", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(up, 60, "the gateway")
+    yield base
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0, log_path.read_text()
+    assert "gateway serving tiny on http://127.0.0.1" in log_path.read_text()
+
+
+def run_async(coro, timeout: float = 20):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+# ------------------------------------------------------------------ errors, no mesh behind
+
+
+def check_error(r: httpx.Response, status: int, param: str | None = None, code: str | None = None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+
+
+BAD = [
+    ("/v1/completions", b"{not json", None, None),
+    ("/v1/completions", b"[1, 2]", None, None),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": 9}', "temperature", None),
+    ("/v1/completions", b'{"prompt": "hi", "top_p": 0}', "top_p", None),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": "ten"}', "max_tokens", None),
+    ("/v1/completions", b'{"prompt": "hi", "n": 2}', "n", None),
+    ("/v1/completions", b'{"max_tokens": 3}', "prompt", None),
+    ("/v1/completions", b'{"prompt": [1000000]}', "prompt", None),
+    ("/v1/completions", b'{"prompt": "hi", "priority": "urgent"}', "priority", None),
+    ("/v1/completions", b'{"prompt": "' + b"hello " * 200 + b'"}', "prompt", "context_length_exceeded"),
+    ("/v1/chat/completions", b'{"messages": []}', "messages", None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "wizard", "content": "hi"}]}', None, None),
+    ("/v1/chat/completions", b'{"messages": "hi"}', "messages", None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, '
+                             b'"top_logprobs": 99}', "top_logprobs", None),
+]
+
+
+@pytest.mark.parametrize("path,body,param,code", BAD)
+def test_bad_requests_are_400(gateway, path, body, param, code):
+    r = httpx.post(gateway + path, content=body, headers={"content-type": "application/json"})
+    check_error(r, 400, param, code)
+
+
+def test_unknown_model_is_404(gateway):
+    r = httpx.post(f"{gateway}/v1/chat/completions",
+                   json={"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]})
+    check_error(r, 404, "model", "model_not_found")
+    check_error(httpx.get(f"{gateway}/v1/nowhere"), 404)
+    check_error(httpx.get(f"{gateway}/v1/completions"), 405)
+
+
+def test_no_scheduler_is_503(gateway):
+    r = httpx.post(f"{gateway}/v1/completions", json={"model": SERVED, "prompt": "hi"})
+    check_error(r, 503)
+    check_error(httpx.get(f"{gateway}/health"), 503)
+
+
+def test_models(gateway):
+    r = httpx.get(f"{gateway}/v1/models")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "list" and [m["id"] for m in body["data"]] == [SERVED]
+    assert body["data"][0]["object"] == "model"
+    models = openai.OpenAI(base_url=f"{gateway}/v1", api_key="x", max_retries=0).models.list()
+    assert [m.id for m in models.data] == [SERVED]
+
+
+def test_nats_api_errors(gateway, nats_url):
+    async def go():
+        bus = await Bus.connect(nats_url, namespace=NS)
+        try:
+            s = bus.subjects
+            r = await bus.nc.request(s.completions, b"{oops", timeout=5)
+            assert orjson.loads(r.data)["error"]["message"] and r.headers["Meshserve-Status"] == "400"
+            r = await bus.nc.request(s.chat_completions, orjson.dumps({"model": "gpt-9", "messages": [
+                {"role": "user", "content": "hi"}]}), timeout=5)
+            assert orjson.loads(r.data)["error"]["code"] == "model_not_found"
+            assert r.headers["Meshserve-Status"] == "404"
+            # streaming: the error, then [DONE]
+            inbox = bus.nc.new_inbox()
+            sub = await bus.nc.subscribe(inbox)
+            await confirm_subscriptions(bus.nc)
+            await bus.nc.publish(s.completions, orjson.dumps({"prompt": "hi", "top_p": 0, "stream": True}),
+                                 reply=inbox)
+            first = await sub.next_msg(timeout=5)
+            assert orjson.loads(first.data)["error"]["param"] == "top_p"
+            assert (await sub.next_msg(timeout=5)).data == b"[DONE]"
+        finally:
+            await bus.close()
+
+    run_async(go())
+
+
+# ------------------------------------------------------------------ the demultiplexer
+
+
+def chunk(rid: str, seq: int, index: int, tokens: list[int], **kw) -> TokenChunk:
+    return TokenChunk(request_id=rid, seq=seq, index=index, token_ids=tokens, **kw)
+
+
+def gen_request(rid: str, subject: str) -> GenerateRequest:
+    return GenerateRequest(request_id=rid, model=SERVED, prompt_token_ids=[5, 6, 7], sampling=Sampling(),
+                           stream_subject=subject, arrival_time=time.time())
+
+
+async def read_all(stream, n_chunks: int | None = None) -> list[TokenChunk]:
+    out = []
+    while not (out and out[-1].finished) and (n_chunks is None or len(out) < n_chunks):
+        out.append(await stream.next(5))
+    return out
+
+
+def test_demux_dedupes_and_holds_gaps(nats_url):
+    async def go():
+        bus, pub = await Bus.connect(nats_url, namespace=NS), await Bus.connect(nats_url, namespace=NS)
+        streams = TokenStreams(bus, "demux-test")
+        await streams.start()
+        try:
+            a, b = streams.open(gen_request("a", streams.subject)), streams.open(gen_request("b", streams.subject))
+            lp = [Logprob(logprob=-float(i)) for i in range(3)]
+            for c in [chunk("a", 0, 0, [10, 11]),
+                      chunk("b", 0, 0, [20]),
+                      chunk("a", 2, 4, [14], finished=True, finish_reason="length"),  # a gap: held
+                      chunk("a", 0, 0, [10, 11]),  # a repeat: dropped
+                      chunk("a", 1, 1, [11, 12, 13], logprobs=lp),  # overlaps: only 12, 13 are new
+                      chunk("b", 1, 1, [21], finished=True, finish_reason="stop"),
+                      chunk("nobody", 0, 0, [1])]:
+                await pub.publish(streams.subject, c)
+            got_a, got_b = await read_all(a), await read_all(b)
+            assert [(c.index, c.token_ids) for c in got_a] == [(0, [10, 11]), (2, [12, 13]), (4, [14])]
+            assert [x.logprob for x in got_a[1].logprobs] == [-1.0, -2.0]
+            assert got_a[-1].finish_reason == "length" and a.token_ids == [10, 11, 12, 13, 14]
+            assert [c.token_ids for c in got_b] == [[20], [21]] and got_b[-1].finish_reason == "stop"
+            # an error fails the request
+            c = streams.open(gen_request("c", streams.subject))
+            await pub.publish(streams.subject, chunk("c", 0, 0, [], error="out of memory", finished=True))
+            with pytest.raises(Exception, match="out of memory") as e:
+                await c.next(5)
+            assert e.value.status_code == 500
+        finally:
+            await streams.stop()
+            await bus.close()
+            await pub.close()
+
+    run_async(go())
+
+
+def test_demux_resubmits_when_the_worker_is_lost(nats_url):
+    async def go():
+        bus, worker = await Bus.connect(nats_url, namespace="lost"), await Bus.connect(nats_url, namespace="lost")
+        submits: list[GenerateRequest] = []
+
+        async def on_submit(msg):
+            submits.append(GenerateRequest.decode(msg.data))
+            await msg.respond(SubmitReply(ok=True).encode())
+
+        await worker.nc.subscribe(worker.subjects.submit, cb=on_submit)
+        await confirm_subscriptions(worker.nc)
+        streams = TokenStreams(bus, "lost-test")
+        await streams.start()
+        try:
+            req = gen_request("r", streams.subject)
+            s = streams.open(req)
+            pub = lambda c: worker.publish(streams.subject, c)  # noqa: E731
+            await pub(chunk("r", 0, 0, [10, 11], worker_id="w1"))
+            await pub(chunk("r", 2, 3, [13], worker_id="w1"))  # held, then dropped: w1 dies before index 2
+            await pub(chunk("r", 3, 2, [], worker_id="w1", error="worker_lost"))
+            assert [c.token_ids for c in await read_all(s, 1)] == [[10, 11]]
+            wait = asyncio.get_running_loop().time() + 5
+            while not submits and asyncio.get_running_loop().time() < wait:
+                await asyncio.sleep(0.01)
+            assert len(submits) == 1
+            again = submits[0]
+            assert again.request_id == "r" and again.output_token_ids == [10, 11]
+            assert again.prompt_token_ids == req.prompt_token_ids and again.stream_subject == streams.subject
+            await pub(chunk("r", 1, 2, [99], worker_id="w1"))  # late, from the dead worker: ignored
+            await pub(chunk("r", 0, 2, [12, 13], worker_id="w2"))
+            await pub(chunk("r", 1, 4, [14], worker_id="w2", finished=True, finish_reason="stop"))
+            rest = await read_all(s)
+            assert [c.token_ids for c in rest] == [[12, 13], [14]] and s.token_ids == [10, 11, 12, 13, 14]
+        finally:
+            await streams.stop()
+            await bus.close()
+            await worker.close()
+
+    run_async(go())
+
+
+# ------------------------------------------------------------------ whole responses, stand-in mesh
+
+
+class StandIn:
+    """Answers scheduler.submit (ok) and scheduler.status (ready), and "generates" SCRIPT's tokens,
+    two per chunk, on the request's stream subject; records aborts. The seed picks a behaviour:
+    SHUFFLED sends chunks out of order and repeated, LOSES_WORKER reports worker_lost after two
+    chunks then continues when re-submitted, SLOW waits 0.2 s per chunk, SILENT sends nothing."""
+
+    def __init__(self, nats_url: str, tokenizer: Tokenizer):
+        self.url = nats_url
+        self.script = tokenizer.encode(SCRIPT, add_special_tokens=False)
+        self.submits: list[GenerateRequest] = []
+        self.aborts: list[Abort] = []
+        self.tasks: set[asyncio.Task] = set()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
+        return self
+
+    def __exit__(self, *exc):
+        asyncio.run_coroutine_threadsafe(self._stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    async def _start(self):
+        self.bus = bus = await Bus.connect(self.url, namespace=NS)
+        s = bus.subjects
+        await bus.nc.subscribe(s.submit, cb=self._on_submit)
+        await bus.nc.subscribe(s.abort, cb=self._on_abort)
+        await bus.nc.subscribe(s.scheduler_status, cb=self._on_status)
+        await confirm_subscriptions(bus.nc)
+
+    async def _stop(self):
+        for t in self.tasks:
+            t.cancel()
+        await self.bus.close()
+
+    async def _on_abort(self, msg):
+        self.aborts.append(Abort.decode(msg.data))
+
+    async def _on_status(self, msg):
+        await msg.respond(orjson.dumps({"ready": True, "workers": ["w1"], "num_running": 2, "num_waiting": 1,
+                                        "kv_usage": 0.25, "prefix_queries": 10, "prefix_hits": 4,
+                                        "num_preemptions": 0}))
+
+    async def _on_submit(self, msg):
+        req = GenerateRequest.decode(msg.data)
+        self.submits.append(req)
+        await msg.respond(SubmitReply(ok=True).encode())
+        task = asyncio.get_running_loop().create_task(self._generate(req))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def aborted(self, rid: str) -> Abort | None:
+        return next((a for a in self.aborts if a.request_id == rid), None)
+
+    def expected_tokens(self, max_tokens: int) -> list[int]:
+        return self.script[:max_tokens] if max_tokens <= len(self.script) else self.script + [EOS]
+
+    async def _generate(self, req: GenerateRequest):
+        mode, k = req.sampling.seed, req.sampling.logprobs
+        tokens = self.expected_tokens(req.sampling.max_tokens)
+        reason = "length" if req.sampling.max_tokens <= len(self.script) else "stop"
+        start = len(req.output_token_ids)
+        worker = "w2" if start else "w1"
+        chunks = []
+        for seq, i in enumerate(range(start, len(tokens), 2)):
+            ids = tokens[i:i + 2]
+            lps = None if k is None else [Logprob(logprob=-0.5, top=[(t, -0.5), (t + 1, -1.5)][:k]) for t in ids]
+            last = i + 2 >= len(tokens)
+            chunks.append(TokenChunk(request_id=req.request_id, seq=seq, index=i, token_ids=ids, logprobs=lps,
+                                     finished=last, finish_reason=reason if last else None,
+                                     num_prompt_tokens=len(req.prompt_token_ids), num_cached_tokens=3,
+                                     worker_id=worker))
+        if mode == SILENT:
+            return
+        if mode == SHUFFLED and len(chunks) >= 3:
+            chunks = [chunks[0], chunks[2], chunks[1], chunks[1], chunks[0]] + chunks[2:]
+        if mode == LOSES_WORKER and not start:
+            chunks = chunks[:2] + [TokenChunk(request_id=req.request_id, seq=2, index=4, token_ids=[],
+                                              worker_id=worker, error="worker_lost")]
+        for c in chunks:
+            await asyncio.sleep(0.2 if mode == SLOW else 0.005)
+            if self.aborted(req.request_id):
+                return
+            await self.bus.publish(req.stream_subject, c)
+
+
+@pytest.fixture
+def mesh(nats_url, tokenizer):
+    with StandIn(nats_url, tokenizer) as m:
+        yield m
+
+
+@pytest.fixture
+def client(gateway):
+    return openai.OpenAI(base_url=f"{gateway}/v1", api_key="x", max_retries=0, timeout=20)
+
+
+def test_completion_non_streaming(client, mesh, tokenizer):
+    prompt = "Hello there"
+    r = client.completions.create(model=SERVED, prompt=prompt, max_tokens=5, logprobs=2)
+    want = mesh.expected_tokens(5)
+    assert r.choices[0].text == tokenizer.decode(want) and r.choices[0].finish_reason == "length"
+    assert r.object == "text_completion" and r.model == SERVED and r.id.startswith("cmpl-")
+    assert r.usage.prompt_tokens == len(tokenizer.encode(prompt)) and r.usage.completion_tokens == 5
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 5
+    assert r.usage.prompt_tokens_details.cached_tokens == 3
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 5 and lp.token_logprobs == [-0.5] * 5 and len(lp.top_logprobs[0]) == 2
+    sub = mesh.submits[-1]
+    assert sub.model == SERVED and sub.priority == "normal" and sub.trace == {}
+    assert sub.prompt_token_ids == tokenizer.encode(prompt) and sub.sampling.logprobs == 2
+    # token ids as the prompt, a priority, and the end of the output (EOS) as finish
+    r = client.completions.create(model=SERVED, prompt=[5, 6, 7], max_tokens=100, temperature=0.5, top_p=0.9,
+                                  extra_body={"priority": "interactive", "top_k": 7})
+    assert r.choices[0].text == tokenizer.decode(mesh.script) and r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens == 3 and r.usage.completion_tokens == len(mesh.script) + 1
+    sub = mesh.submits[-1]
+    assert sub.priority == "interactive" and sub.prompt_token_ids == [5, 6, 7]
+    assert (sub.sampling.temperature, sub.sampling.top_p, sub.sampling.top_k, sub.sampling.max_tokens) == \
+        (0.5, 0.9, 7, 100)
+
+
+def test_chat_streaming_with_usage(client, mesh, tokenizer):
+    stream = client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "Hi"}],
+                                            stream=True, stream_options={"include_usage": True}, seed=SHUFFLED,
+                                            logprobs=True, top_logprobs=1)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == tokenizer.decode(mesh.script)  # out of order and repeated on the wire, not here
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(mesh.script) + 1
+    assert all(c.usage is None for c in chunks[:-1])
+    n_lp = sum(len(c.choices[0].logprobs.content) for c in chunks if c.choices and c.choices[0].logprobs)
+    assert n_lp == len(mesh.script) + 1  # one per token, EOS included
+    prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}]),
+                              add_special_tokens=False)
+    assert chunks[-1].usage.prompt_tokens == len(prompt) and mesh.submits[-1].prompt_token_ids == prompt
+    assert mesh.submits[-1].sampling.max_tokens == 128 - len(prompt)  # no max_tokens: fill the context
+    # not streamed
+    r = client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "Hi"}],
+                                       max_completion_tokens=4)
+    assert r.choices[0].message.content == tokenizer.decode(mesh.script[:4])
+    assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens == 4
+
+
+def test_stop_string_ends_the_response_and_aborts(client, mesh, tokenizer):
+    r = client.completions.create(model=SERVED, prompt="x", max_tokens=50, stop=["fox"], seed=SLOW)
+    assert r.choices[0].text == SCRIPT.split("fox")[0] and r.choices[0].finish_reason == "stop"
+    rid = mesh.submits[-1].request_id
+    assert wait_for(lambda: mesh.aborted(rid), 5, "the stop Abort").reason == "stop"
+    stream = client.completions.create(model=SERVED, prompt="x", max_tokens=50, stop="lazy", stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == SCRIPT.split("lazy")[0]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert wait_for(lambda: mesh.aborted(mesh.submits[-1].request_id), 5, "the stop Abort").reason == "stop"
+
+
+def test_lost_worker_is_invisible_to_the_client(client, mesh, tokenizer):
+    stream = client.completions.create(model=SERVED, prompt="x", max_tokens=9, seed=LOSES_WORKER, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == tokenizer.decode(mesh.script[:9])
+    first, again = mesh.submits[-2:]
+    assert first.request_id == again.request_id and again.output_token_ids == mesh.script[:4]
+
+
+def test_silent_mesh_times_out_and_aborts(gateway, mesh):
+    r = httpx.post(f"{gateway}/v1/completions", json={"prompt": "x", "seed": SILENT}, timeout=10)
+    check_error(r, 504, code="timeout")
+    assert wait_for(lambda: mesh.aborted(mesh.submits[-1].request_id), 5, "the timeout Abort").reason == "abort"
+
+
+def test_client_disconnect_aborts(gateway, mesh):
+    with httpx.stream("POST", f"{gateway}/v1/completions",
+                      json={"prompt": "x", "max_tokens": 20, "seed": SLOW, "stream": True}) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())
+    assert wait_for(lambda: mesh.aborted(mesh.submits[-1].request_id), 5, "the disconnect Abort")
+    with pytest.raises(httpx.ReadTimeout):  # not streamed: the client gives up waiting
+        httpx.post(f"{gateway}/v1/completions", json={"prompt": "x", "max_tokens": 20, "seed": SLOW}, timeout=0.5)
+    assert wait_for(lambda: mesh.aborted(mesh.submits[-1].request_id), 5, "the disconnect Abort")
+
+
+def test_nats_api_serves_like_http(gateway, nats_url, mesh, tokenizer):
+    async def go():
+        bus = await Bus.connect(nats_url, namespace=NS)
+        try:
+            body = {"model": SERVED, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6}
+            r = await bus.nc.request(bus.subjects.chat_completions, orjson.dumps(body), timeout=10)
+            reply = orjson.loads(r.data)
+            assert reply["object"] == "chat.completion" and reply["usage"]["completion_tokens"] == 6
+            assert reply["choices"][0]["message"]["content"] == tokenizer.decode(mesh.script[:6])
+            inbox = bus.nc.new_inbox()
+            sub = await bus.nc.subscribe(inbox)
+            await confirm_subscriptions(bus.nc)
+            await bus.nc.publish(bus.subjects.completions, orjson.dumps(
+                {"prompt": "x", "max_tokens": 6, "stream": True, "stream_options": {"include_usage": True}}),
+                reply=inbox)
+            msgs = []
+            while not msgs or msgs[-1] != b"[DONE]":
+                msgs.append((await sub.next_msg(timeout=10)).data)
+            chunks = [orjson.loads(m) for m in msgs[:-1]]
+            assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == \
+                tokenizer.decode(mesh.script[:6])
+            assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+        finally:
+            await bus.close()
+
+    run_async(go())
+
+
+def test_health_and_metrics_with_a_scheduler(gateway, mesh, client):
+    r = httpx.get(f"{gateway}/health")
+    assert r.status_code == 200 and r.json()["scheduler"]["ready"] is True
+    client.completions.create(model=SERVED, prompt="x", max_tokens=3)
+    text = httpx.get(f"{gateway}/metrics").text
+    for line in ('meshserve:num_requests_running{model_name="tiny"} 2.0',
+                 'meshserve:kv_cache_usage_perc{model_name="tiny"} 0.25',
+                 'meshserve:prefix_cache_hits{model_name="tiny"} 4.0',
+                 'meshserve:request_success_total{finished_reason="length",model_name="tiny"}'):
+        assert line in text, line
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds"):
+        assert f"meshserve:{name}_count" in text
+    assert 'meshserve:prompt_tokens_total{model_name="tiny"}' in text
+    assert 'meshserve:generation_tokens_total{model_name="tiny"}' in text
+
+
+def test_still_serving_after_everything(gateway, mesh, client):
+    assert httpx.get(f"{gateway}/v1/models").status_code == 200
+    assert client.completions.create(model=SERVED, prompt="x", max_tokens=2).usage.completion_tokens == 2
