@@ -10,7 +10,7 @@ import signal
 from collections.abc import Awaitable, Callable
 
 from .bus import Bus
-from .telemetry_hooks import init_tracing, shutdown_tracing
+from . import telemetry
 
 log = logging.getLogger("meshserve.service")
 
@@ -18,7 +18,7 @@ Cleanup = Callable[[], Awaitable[None] | None] | None
 
 
 async def run_service(name: str, args, start: Callable[[Bus], Awaitable[Cleanup]]) -> None:
-    init_tracing(name)
+    telemetry.init_tracing(name)
     bus = await Bus.connect(args.nats_url, name=f"{name}-{os.getpid()}", namespace=args.namespace)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -35,5 +35,5 @@ async def run_service(name: str, args, start: Callable[[Bus], Awaitable[Cleanup]
             if asyncio.iscoroutine(res):
                 await res
         await bus.close()
-        shutdown_tracing()
+        telemetry.shutdown()
         log.info("%s stopped", name)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import threading
 from typing import Any
 
@@ -59,6 +60,9 @@ class _NoopSpan:
 
     def is_recording(self) -> bool:
         return False
+
+    def end(self, end_time: int | None = None) -> None:
+        pass
 
 
 NOOP_SPAN = _NoopSpan()
@@ -136,6 +140,37 @@ def _recording_span(name: str, carrier: dict[str, str] | None, attributes: dict[
     # None is not a valid OTel attribute value; callers pass optional fields as they are.
     attrs = {k: v for k, v in attributes.items() if v is not None}
     return _tracer.start_as_current_span(name, context=ctx, attributes=attrs or None)
+
+
+def record(name: str, carrier: dict[str, str] | None, start: float, end: float | None = None,
+           **attributes: Any) -> None:
+    """A span for an interval that is over (or ends now), timed by time.time() stamps: for work
+    that spans many engine steps (queue wait, prefill, decode), where no block encloses it."""
+    if _tracer is None:
+        return
+    ctx = _propagator.extract(carrier, context=_otel_context.get_current()) if carrier else None
+    attrs = {k: v for k, v in attributes.items() if v is not None}
+    sp = _tracer.start_span(name, context=ctx, attributes=attrs or None, start_time=int(start * 1e9))
+    sp.end(end_time=int((end if end is not None else time.time()) * 1e9))
+
+
+def start(name: str, carrier: dict[str, str] | None = None, **attributes: Any):
+    """A span to end later with `.end()` (the gateway's request span lives across awaits)."""
+    if _tracer is None:
+        return NOOP_SPAN
+    ctx = _propagator.extract(carrier, context=_otel_context.get_current()) if carrier else None
+    attrs = {k: v for k, v in attributes.items() if v is not None}
+    return _tracer.start_span(name, context=ctx, attributes=attrs or None)
+
+
+def inject_span(sp, carrier: dict[str, str] | None = None) -> dict[str, str]:
+    """The traceparent naming `sp` (rather than the current span)."""
+    if carrier is None:
+        carrier = {}
+    if _tracer is not None:
+        from opentelemetry import trace as _trace
+        _propagator.inject(carrier, context=_trace.set_span_in_context(sp))
+    return carrier
 
 
 def inject(carrier: dict[str, str] | None = None) -> dict[str, str]:

@@ -32,7 +32,9 @@ def reference(tiny_llama):
 
 @pytest.fixture(scope="module")
 def mesh(tiny_llama, tmp_path_factory):
-    m = Mesh(tiny_llama, tmp_path_factory.mktemp("mesh"), prefill=2, decode=2)
+    tmp = tmp_path_factory.mktemp("mesh")
+    m = Mesh(tiny_llama, tmp, prefill=2, decode=2, env={"MESHSERVE_TRACE_FILE": str(tmp / "spans.jsonl")})
+    m.trace_file = tmp / "spans.jsonl"
     try:
         yield m.wait_ready()
     finally:
@@ -138,6 +140,21 @@ def test_handoff_moves_block_ids_not_tensors(mesh, reference, tiny_llama):
     assert handoff < 16 * len(prompt) + 4096 < kv_bytes
     request_bytes = sum(v for k, v in seen.items() if not k.startswith(("workers.", "kv.events")))
     assert request_bytes < kv_bytes / 2, seen
+
+
+def test_one_trace_across_every_process(mesh):
+    client = OpenAI(base_url=mesh.url + "/v1", api_key="unused")
+    client.completions.create(model=mesh.model, prompt="A traced request", max_tokens=4, temperature=0)
+    time.sleep(1.0)  # the decode span is written when the worker publishes the last token
+    spans = [orjson.loads(line) for line in mesh.trace_file.read_bytes().splitlines()]
+    last = max((s for s in spans if s["name"] == "gateway.request"), key=lambda s: s["start"])
+    trace = [s for s in spans if s["trace_id"] == last["trace_id"]]
+    services = {s["service"] for s in trace}
+    names = {s["name"] for s in trace}
+    assert {"gateway", "scheduler", "prefill", "decode"} <= services, trace
+    assert {"gateway.request", "queue", "prefill", "kv.handoff", "decode"} <= names, names
+    pids = {s["attributes"].get("worker") for s in trace if s["name"] in ("prefill", "decode")}
+    assert len(pids) == 2  # prefill and decode ran in different processes
 
 
 def test_bad_input_leaves_the_mesh_healthy(mesh):

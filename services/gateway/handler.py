@@ -13,6 +13,7 @@ from typing import AsyncIterator, Literal
 
 import orjson
 
+from meshserve.shared import telemetry
 from meshserve.shared.bus import Bus
 from meshserve.shared.engine.sampler import TokenLogprobs
 from meshserve.shared.engine.sequence import SamplingParams
@@ -120,25 +121,32 @@ class Gateway:
         The caller must `close()` the returned Generation."""
         p = self.prepare(kind, body)
         arrival = time.time()
+        rid = uuid.uuid4().hex
+        span = telemetry.start("gateway.request", None, request_id=rid, model=self.served_model_name,
+                               prompt_tokens=len(p.prompt_token_ids))
         request = GenerateRequest(
-            request_id=uuid.uuid4().hex, model=self.served_model_name, prompt_token_ids=p.prompt_token_ids,
+            request_id=rid, model=self.served_model_name, prompt_token_ids=p.prompt_token_ids,
             sampling=Sampling.from_params(p.params), priority=p.priority, stream_subject=self.streams.subject,
-            arrival_time=arrival, trace={})
+            arrival_time=arrival, trace=telemetry.inject_span(span))
         stream = self.streams.open(request)
         try:
             await submit(self.bus, request)
         except OpenAIError as e:
+            span.end()
             self.streams.close(request.request_id)
             if e.status_code == 503:  # the reply may be what got lost: make sure nothing runs
                 self.abort(request.request_id)
             raise
         except BaseException:
+            span.end()
             self.streams.close(request.request_id)
             self.abort(request.request_id)
             raise
         self.metrics.queue.observe(time.time() - arrival)
         self.metrics.prompt_tokens.inc(len(p.prompt_token_ids))
-        return Generation(self, p, request, stream)
+        gen = Generation(self, p, request, stream)
+        gen.span = span
+        return gen
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         """Publishes Abort from a task of its own: callers are often being cancelled."""
@@ -174,6 +182,7 @@ class Generation:
 
     def __init__(self, gw: Gateway, prepared: Prepared, request: GenerateRequest, stream: RequestStream):
         self.gw, self.prepared, self.request, self._stream = gw, prepared, request, stream
+        self.span = telemetry.NOOP_SPAN  # the gateway.request span, ended by close()
         self.kind = prepared.kind
         self.stream = prepared.request.stream
         prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
@@ -199,6 +208,7 @@ class Generation:
         if self._closed:
             return
         self._closed = True
+        self.span.end()
         self.gw.streams.close(self.request.request_id)
         if not self.done:
             self.gw.abort(self.request.request_id)

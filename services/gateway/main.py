@@ -99,7 +99,10 @@ async def run(args) -> int:
     from .nats_api import NatsAPI
     from .streams import GATEWAY_ID, TokenStreams
 
+    from meshserve.shared import telemetry
+
     args = with_defaults(args)
+    telemetry.init_tracing("gateway")
     served = args.served_model_name or args.model
     tokenizer = load_tokenizer(args.model)
     bus = await Bus.connect(args.nats_url or DEFAULT_NATS_URL, name=f"meshserve-gateway-{GATEWAY_ID[:8]}",
@@ -143,6 +146,7 @@ async def run(args) -> int:
         await nats_api.stop(GRACE)
         await streams.stop()
         await bus.close()
+        telemetry.shutdown()
         log.info("gateway stopped")
     return 0 if server.started else 1
 

@@ -20,7 +20,7 @@ from meshserve.shared.engine.block_manager import prompt_block_hashes
 from meshserve.shared.schemas import (Abort, BlockRefs, BlockTransfer, Done, GenerateRequest, Handoff, Heartbeat,
                                       KVEvent, SubmitReply, TokenChunk, TransferReply)
 from meshserve.shared.service import run_service
-from meshserve.shared.telemetry_hooks import span
+from meshserve.shared.telemetry import span
 
 from .routing import WorkerView, pick_decode, pick_prefill
 

@@ -29,7 +29,7 @@ from meshserve.shared.schemas import (Abort, ArenaDescriptor, BlockRefs, Done, G
                                       Heartbeat, KVEvent, LeaseReply, LeaseRequest, LoadRequest, Logprob,
                                       TokenChunk, WeightsDescriptor)
 from meshserve.shared.service import run_service
-from meshserve.shared.telemetry_hooks import span
+from meshserve.shared import telemetry
 
 log = logging.getLogger("meshserve.worker")
 
@@ -44,6 +44,8 @@ class Worker:
         self.chunk_seq: dict[str, int] = {}
         self.to_hand_off: set[str] = set()  # prefilled here, to pass on after the first token
         self.tasks: list[asyncio.Task] = []
+        self.received: dict[str, float] = {}  # wall clock, for the queue and prefill spans
+        self.decode_start: dict[str, float] = {}
 
     # -- start-up: map the weights and the KV arena, lease blocks
 
@@ -104,14 +106,15 @@ class Worker:
                 self._adopt(m)
             else:
                 self.engine.abort(m.request_id, m.reason)
+                self.received.pop(m.request_id, None)
+                self.decode_start.pop(m.request_id, None)
                 if self.streams.pop(m.request_id, None) is not None:
                     await self._done(m.request_id, m.reason)
 
     async def _add(self, req: GenerateRequest) -> None:
         try:
-            with span("worker.queue", req.trace, worker=self.id, request_id=req.request_id):
-                self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling.to_params(),
-                                        arrival_time=time.monotonic(), output_token_ids=req.output_token_ids)
+            self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling.to_params(),
+                                    arrival_time=time.monotonic(), output_token_ids=req.output_token_ids)
         except RequestError as e:
             await self.bus.publish(req.stream_subject, TokenChunk(
                 request_id=req.request_id, seq=0, index=len(req.output_token_ids), token_ids=[], finished=True,
@@ -119,6 +122,7 @@ class Worker:
             await self._done(req.request_id, "error")
             return
         self.streams[req.request_id] = req
+        self.received[req.request_id] = time.time()
         self.chunk_seq.setdefault(req.request_id, 0)
         if self.role == "prefill":
             self.to_hand_off.add(req.request_id)
@@ -132,6 +136,7 @@ class Worker:
         self.engine.adopt(seq, h.block_ids, h.shared_block_ids)
         self.streams[req.request_id] = req
         self.chunk_seq[req.request_id] = h.next_seq
+        self.decode_start[req.request_id] = time.time()
 
     # -- the loop
 
@@ -155,6 +160,7 @@ class Worker:
                 continue
             seq_no = self.chunk_seq[out.request_id]
             self.chunk_seq[out.request_id] = seq_no + 1
+            self._trace(req, out)
             lps = None if req.sampling.logprobs is None else [Logprob.of(lp) for lp in out.new_logprobs]
             await self.bus.publish(req.stream_subject, TokenChunk(
                 request_id=out.request_id, seq=seq_no, index=out.num_output_tokens - len(out.new_token_ids),
@@ -168,6 +174,25 @@ class Worker:
             elif out.request_id in self.to_hand_off:
                 await self._hand_off(out.request_id)
 
+    def _trace(self, req: GenerateRequest, out: RequestOutput) -> None:
+        """Spans for the queue wait, the prefill and the decode of a request, once each is over."""
+        if not telemetry.enabled():
+            return
+        rid, now = req.request_id, time.time()
+        received = self.received.pop(rid, None)
+        if received is not None:  # this step produced the request's first token here
+            seq = self.engine.requests.get(rid)
+            scheduled = seq.first_scheduled_time if seq is not None and seq.first_scheduled_time else received
+            attrs = dict(worker=self.id, request_id=rid)
+            telemetry.record("queue", req.trace, received, scheduled, **attrs)
+            telemetry.record("prefill", req.trace, scheduled, now, prompt_tokens=out.num_prompt_tokens,
+                             cached_tokens=out.num_cached_tokens, **attrs)
+            if self.role != "prefill":
+                self.decode_start[rid] = now
+        if out.finished and rid in self.decode_start:
+            telemetry.record("decode", req.trace, self.decode_start.pop(rid), now, worker=self.id, request_id=rid,
+                             output_tokens=out.num_output_tokens)
+
     async def _hand_off(self, request_id: str) -> None:
         """Prefill is done: pass the sequence on by block ids. The blocks this worker keeps in its
         prefix cache get one more reference first, so the pool never frees them under anyone."""
@@ -177,7 +202,7 @@ class Worker:
         s = self.bus.subjects
         if shared:
             await self.bus.publish(s.kv("retain"), BlockRefs(worker_id=self.id, block_ids=shared))
-        with span("worker.handoff", req.trace, worker=self.id, request_id=request_id, blocks=len(blocks)):
+        with telemetry.span("kv.handoff", req.trace, worker=self.id, request_id=request_id, blocks=len(blocks)):
             await self.bus.publish(s.handoff, Handoff(
                 request=req, token_ids=seq.token_ids, block_ids=blocks, shared_block_ids=shared,
                 num_computed_tokens=seq.num_computed_tokens, num_cached_tokens=seq.num_cached_tokens,

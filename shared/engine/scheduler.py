@@ -8,6 +8,7 @@ keys survive, so it often gets them back) and it returns to the head of the queu
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -94,6 +95,8 @@ class Scheduler:
                 break
             n = self._chunk(seq, budget)  # allocate() may have found a cached prefix
             self.waiting.popleft()
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.time()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             budget -= n

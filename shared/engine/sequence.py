@@ -64,6 +64,7 @@ class Sequence:
         self.num_cached_tokens = 0  # of the prompt, found in the prefix cache at admission
         self.num_preemptions = 0
         self.first_token_time: float | None = None
+        self.first_scheduled_time: float | None = None  # wall clock, for the queue-wait span
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
