@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
                            help="the engine benchmark: meshserve vs Transformers, side by side")
     bench.set_defaults(func=lambda a: __import__("meshserve.services.bench.engine_bench",
                                                  fromlist=["main"]).main(a.rest), passthrough=True)
+    bm = sub.add_parser("bench-mesh", add_help=False,
+                        help="the mesh benchmark: meshserve up vs the in-process engine, side by side")
+    bm.set_defaults(func=lambda a: __import__("meshserve.services.bench.mesh_bench",
+                                              fromlist=["main"]).main(a.rest), passthrough=True)
     return p
 
 

@@ -262,10 +262,16 @@ def add_arguments(p) -> None:
     p.add_argument("--pack-weights", action="store_true",
                    help="keep a private, faster-layout copy of the projections (costs memory per worker)")
     p.add_argument("--heartbeat-interval", type=float, default=0.5)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores, or "
+                   "$MESHSERVE_WORKER_THREADS)")
 
 
 async def main(args, role: str) -> None:
     async def start(bus: Bus):
+        threads = args.threads or int(os.environ.get("MESHSERVE_WORKER_THREADS", "0"))
+        if threads:
+            import torch
+            torch.set_num_threads(threads)
         worker = Worker(bus, args, role)
         await worker.start()
         return worker.stop

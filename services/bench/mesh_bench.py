@@ -1,0 +1,150 @@
+"""The mesh benchmark: the same workload through `meshserve up` (HTTP, streaming) and through the
+in-process engine, side by side in one run.
+
+    meshserve bench-mesh [--model M] [--dtype bfloat16] [--prefill 0 --decode 1] [--json OUT]
+
+Reports output tokens/s, TTFT and inter-token latency for both, the TTFT the mesh adds, and the
+CPU time the gateway spends per streamed token (tokenizing, detokenizing, SSE: the token stream's
+cost on the client-facing side), plus the whole mesh's CPU per token against the engine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+
+from meshserve.services.bench.engine_bench import engine_mixed, mixed_workload, summarize
+from meshserve.shared.models_repo import DEFAULT_MODEL
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> dict[int, str]:
+    out = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout
+    kids = {}
+    for line in out.splitlines():
+        p, pp, args = line.split(None, 2)
+        if int(pp) == pid:
+            kids[int(p)] = "gateway" if "serve gateway" in args else args.split("serve ")[-1].split()[0] \
+                if "serve " in args else "nats-server"
+    return kids
+
+
+async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], n: int) -> dict:
+    t0 = time.monotonic()
+    times = []
+    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    async with client.stream("POST", url + "/v1/completions", json=body, timeout=None) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                times.append(time.monotonic())
+    return {"start": t0, "times": times}
+
+
+async def mesh_mixed(url: str, model: str, work) -> dict:
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=len(work) + 4)) as client:
+        await _one(client, url, model, work[0][0][:8], 2)  # warm up
+        t0 = time.monotonic()
+        res = await asyncio.gather(*[_one(client, url, model, p, o) for p, o in work])
+        total = time.monotonic() - t0
+    ttfts = [r["times"][0] - r["start"] for r in res]
+    itls = [b - a for r in res for a, b in zip(r["times"], r["times"][1:])]
+    # One SSE event per token (the gateway sends a chunk per engine step, one token each here).
+    return summarize(total, sum(len(r["times"]) for r in res), ttfts, itls)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="meshserve bench-mesh", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--prefill", type=int, default=0)
+    ap.add_argument("--decode", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+
+    from meshserve.shared.engine.llm import LLM
+
+    res: dict = {"command": "meshserve bench-mesh " + " ".join(argv if argv is not None else sys.argv[1:]),
+                 "model": a.model, "dtype": a.dtype, "mesh": {"prefill": a.prefill, "decode": a.decode}}
+    port = _port()
+    cmd = [sys.executable, "-m", "meshserve.services.cli", "up", "--model", a.model, "--dtype", a.dtype,
+           "--port", str(port), "--nats-port", str(_port()), "--prefill", str(a.prefill), "--decode", str(a.decode)]
+    env = dict(os.environ)
+    if a.threads:
+        env["MESHSERVE_WORKER_THREADS"] = str(a.threads)
+    up = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        else:
+            raise RuntimeError("the mesh did not become healthy")
+        from meshserve.shared.tokenizer import Tokenizer  # noqa: F401 - vocabulary for the workload
+        from meshserve.shared.models_repo import load_model_files
+        cfg, _, tok = load_model_files(a.model)
+        work = mixed_workload(a.num_requests, a.seed, cfg.vocab_size, set(cfg.eos_token_ids) | {0})
+        kids = _children(up.pid)
+        cpu0 = {p: _cpu_seconds(p) for p in kids}
+        res["meshserve_mesh"] = asyncio.run(mesh_mixed(url, a.model, work))
+        cpu = {}
+        for p, name in kids.items():
+            cpu[name] = cpu.get(name, 0.0) + _cpu_seconds(p) - cpu0[p]
+        tokens = res["meshserve_mesh"]["output_tokens"]
+        res["meshserve_mesh"]["cpu_s"] = cpu
+        res["meshserve_mesh"]["gateway_cpu_ms_per_token"] = 1000 * cpu.get("gateway", 0.0) / tokens
+        res["meshserve_mesh"]["mesh_cpu_ms_per_token"] = 1000 * sum(cpu.values()) / tokens
+    finally:
+        up.send_signal(2)
+        up.wait(120)
+    if not a.skip_engine:
+        llm = LLM(a.model, a.dtype)
+        t_cpu = time.process_time()
+        res["meshserve_engine"] = engine_mixed(llm, work)
+        res["meshserve_engine"]["cpu_ms_per_token"] = (1000 * (time.process_time() - t_cpu)
+                                                       / res["meshserve_engine"]["output_tokens"])
+        m, e = res["meshserve_mesh"], res["meshserve_engine"]
+        res["ratios"] = {"mesh_vs_engine_output_tok_s": m["output_tok_s"] / e["output_tok_s"],
+                         "ttft_p50_added_s": m["ttft_p50_s"] - e["ttft_p50_s"],
+                         "cpu_ms_per_token_added": m["mesh_cpu_ms_per_token"] - e["cpu_ms_per_token"]}
+    text = json.dumps(res, indent=2)
+    print(text)
+    if a.json:
+        with open(a.json, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
