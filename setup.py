@@ -9,5 +9,5 @@ packages = ["meshserve"] + [f"meshserve.{p}" for p in find_packages(include=[f"{
 setup(
     packages=packages,
     package_dir={"meshserve": "meshserve", **{f"meshserve.{r}": r for r in ROOTS}},
-    package_data={"meshserve.kernels": ["cuda/*.cu"], "meshserve.services": ["bench/workloads/*"]},
+    package_data={"meshserve.kernels": ["cuda/*.cu", "cpu/*.cpp"], "meshserve.services": ["bench/workloads/*"]},
 )

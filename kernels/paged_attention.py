@@ -9,6 +9,11 @@ slot = block_id * block_size + offset. Two operations touch it on the hot path:
 A step's tokens are flattened: all decode tokens first (one per sequence), then the prefill
 chunks. Decodes run as one padded batch; each prefill chunk runs on its own. The CUDA backend
 implements the same functions over the same metadata; this file is its oracle.
+
+On the CPU the decodes go to a compiled kernel (kernels/cpu/paged_attention.cpp, loaded by
+paged_attention_cpu.py) that reads keys and values straight from the arena through the block
+tables; the gather + SDPA below stays as its oracle and as the fallback when it cannot be built or
+MESHSERVE_DISABLE_CPU_KERNELS=1.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from . import paged_attention_cpu
 
 
 @dataclass
@@ -35,33 +42,75 @@ class AttentionMetadata:
     num_decodes: int = 0
     decode_slots: torch.Tensor | None = None  # [num_decodes, max_context] slot ids (padded)
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_context] True where valid
+    # For the compiled decode kernel (decode_slots/decode_mask are then not built):
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64 (padded, valid ids)
+    decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64, context incl. the new token
+    block_size: int = 0
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """k, v: [num_tokens, kv_heads, head_dim] written into k_cache/v_cache[slot_mapping]."""
-    k_cache.index_copy_(0, slot_mapping, k)
-    v_cache.index_copy_(0, slot_mapping, v)
+def decode_kernel(kv: torch.Tensor):
+    """The compiled CPU decode kernel's module when decodes over this arena run it, else None (the
+    gather + SDPA reference, which needs decode_slots/decode_mask)."""
+    if kv.device.type != "cpu" or kv.dtype not in (torch.float32, torch.bfloat16) or not kv.is_contiguous():
+        return None
+    return paged_attention_cpu.load()
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [num_tokens, q_heads, head_dim]; k, v: this step's new keys/values (already written).
+def use_decode_kernel(kv: torch.Tensor) -> bool:
+    return decode_kernel(kv) is not None
+
+
+def decode_slots_and_mask(block_tables: torch.Tensor, context_lens: torch.Tensor,
+                          block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference path's padded slot ids [nd, T] and validity mask [nd, 1, 1, T] from block tables."""
+    nd, t = block_tables.shape[0], int(context_lens.max())
+    pos = torch.arange(t)
+    slots = torch.gather(block_tables, 1, (pos // block_size).expand(nd, t)) * block_size + pos % block_size
+    return slots, (pos.unsqueeze(0) < context_lens.unsqueeze(1)).view(nd, 1, 1, t)
+
+
+def write_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """kv: one layer's arena [2, num_slots, kv_heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim]."""
+    kv[0].index_copy_(0, slot_mapping, k)
+    kv[1].index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [num_tokens, q_heads, head_dim]; k, v: this step's new keys/values (already written to kv).
 
     Returns [num_tokens, q_heads * head_dim]."""
     n, hq, d = q.shape
-    hkv = k_cache.shape[1]
-    out = torch.empty(n, hq * d, dtype=q.dtype)
+    hkv = kv.shape[2]
+    k_cache, v_cache = kv[0], kv[1]
     nd = meta.num_decodes
-    if nd:
+    kernel = decode_kernel(kv) if nd and meta.decode_block_tables is not None else None
+    if kernel is not None:
+        # Reads K/V through the block tables; q may be a strided view (rows of the fused qkv).
+        out = torch.empty(n, hq * d, dtype=q.dtype)
+        qd = q[:nd] if q.stride(2) == 1 else q[:nd].contiguous()
+        kernel.paged_decode_attention(
+            out[:nd].view(nd, hq, d), qd, kv, meta.decode_block_tables, meta.decode_context_lens,
+            meta.block_size, scale)
+        if nd == n:
+            return out
+    elif nd:
+        slots, mask = meta.decode_slots, meta.decode_mask
+        if slots is None:  # metadata made for the kernel
+            slots, mask = decode_slots_and_mask(meta.decode_block_tables, meta.decode_context_lens,
+                                                meta.block_size)
         # Grouped-query trick: the query heads sharing a KV head become the "query length" axis,
-        # so no KV head is ever repeated.
+        # so no KV head is ever repeated. Keys and values come out of the arena in one gather.
         qd = q[:nd].view(nd, hkv, hq // hkv, d)
-        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [nd, hkv, T, d]
-        vd = v_cache[meta.decode_slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+        kvd = kv[:, slots].transpose(2, 3)  # [2, nd, hkv, T, d]
+        o = F.scaled_dot_product_attention(qd, kvd[0], kvd[1], attn_mask=mask, scale=scale)
+        if nd == n:
+            return o.reshape(nd, hq * d)
+        out = torch.empty(n, hq * d, dtype=q.dtype)
         out[:nd] = o.reshape(nd, hq * d)
+    else:
+        out = torch.empty(n, hq * d, dtype=q.dtype)
     for p in meta.prefills:
         qp = q[p.start:p.start + p.length].transpose(0, 1).unsqueeze(0)  # [1, hq, L, d]
         if p.slots is None:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from meshserve.kernels.paged_attention import use_decode_kernel
+
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .sampler import TokenLogprobs
@@ -73,6 +75,7 @@ class LLMEngine:
         else:
             num_blocks, free = kv_cache.shape[2] // config.block_size, []
         self.kv_cache = kv_cache
+        use_decode_kernel(kv_cache[0])  # builds the compiled attention kernel now, not on the first request
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           model_name, free_blocks=free)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)

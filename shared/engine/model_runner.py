@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from meshserve.kernels.paged_attention import AttentionMetadata, PrefillChunk
+from meshserve.kernels.paged_attention import AttentionMetadata, PrefillChunk, use_decode_kernel
 
 from .sampler import TokenLogprobs, sample
 from .scheduler import ScheduledBatch
@@ -47,9 +47,11 @@ class ModelRunner:
             for i, s in enumerate(batch.seqs[:nd]):
                 row = s.block_table[:nblk]
                 table[i, :len(row)] = torch.tensor(row)
-            ar = torch.arange(t)
-            meta.decode_slots = _slots(table, ar.expand(nd, t), bs)
-            meta.decode_mask = (ar.unsqueeze(0) < torch.tensor(ctx).unsqueeze(1)).view(nd, 1, 1, t)
+            meta.decode_block_tables, meta.decode_context_lens, meta.block_size = table, torch.tensor(ctx), bs
+            if not use_decode_kernel(self.kv_cache):  # the reference path gathers through slot ids
+                ar = torch.arange(t)
+                meta.decode_slots = _slots(table, ar.expand(nd, t), bs)
+                meta.decode_mask = (ar.unsqueeze(0) < meta.decode_context_lens.unsqueeze(1)).view(nd, 1, 1, t)
         meta.slot_mapping = torch.tensor(slot_mapping, dtype=torch.long)
         return torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta, sample_rows
 

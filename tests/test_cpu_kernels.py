@@ -1,0 +1,140 @@
+"""The compiled CPU decode-attention kernel (kernels/cpu/paged_attention.cpp) against its oracle,
+the gather + SDPA reference path of paged_attention(), on random arenas with shuffled block tables."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshserve.kernels import paged_attention_cpu
+from meshserve.kernels.paged_attention import (AttentionMetadata, PrefillChunk, paged_attention,
+                                               use_decode_kernel)
+
+CONTEXT_LENS = [1, 15, 16, 17, 1000]
+ATOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if paged_attention_cpu.disabled():
+        pytest.skip("MESHSERVE_DISABLE_CPU_KERNELS is set: the CPU kernels are not built")
+    mod = paged_attention_cpu.load()
+    if mod is None:
+        pytest.skip("the CPU paged-attention kernel cannot be built here (no C++ compiler or ninja?); "
+                    "see the warning logged by meshserve.kernels.paged_attention_cpu")
+    return mod
+
+
+def make_case(ctx_lens: list[int], hkv: int, group: int, d: int, block_size: int, dtype: torch.dtype,
+              seed: int = 0):
+    """A random arena and, per sequence, a shuffled set of distinct blocks, padded with random ids."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-c // block_size) for c in ctx_lens]
+    num_blocks = sum(need) + 7  # some blocks belong to nobody
+    kv = torch.randn(2, num_blocks * block_size, hkv, d, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g)
+    max_blocks = max(need) + 2
+    table = torch.randint(0, num_blocks, (len(ctx_lens), max_blocks), generator=g)
+    used = 0
+    for i, nb in enumerate(need):
+        table[i, :nb] = perm[used:used + nb]
+        used += nb
+    q = torch.randn(len(ctx_lens), hkv * group, d, generator=g).to(dtype)
+    return q, kv, table, torch.tensor(ctx_lens, dtype=torch.long)
+
+
+def reference(q, kv, table, ctx, block_size, scale, prefills=(), k=None, v=None):
+    """paged_attention()'s gather + SDPA path (slot ids and mask built here, no block tables)."""
+    nd, t = len(ctx), int(ctx.max())
+    pos = torch.arange(t)
+    slots = table[:, pos // block_size] * block_size + pos % block_size
+    mask = (pos.unsqueeze(0) < ctx.unsqueeze(1)).view(nd, 1, 1, t)
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decodes=nd,
+                             decode_slots=slots, decode_mask=mask, prefills=list(prefills))
+    return paged_attention(q, k, v, kv, meta, scale)
+
+
+def run_kernel(kernel, q, kv, table, ctx, block_size, scale):
+    out = torch.empty_like(q)
+    kernel.paged_decode_attention(out, q, kv, table, ctx, block_size, scale)
+    return out.reshape(q.shape[0], -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_kernel_matches_reference(kernel, dtype, group, block_size, batch):
+    hkv, d = (3, 64) if group == 3 else (2, 64)
+    scale = d ** -0.5
+    if batch == 1:
+        cases = [[c] for c in CONTEXT_LENS]
+    else:  # every length appears, in a shuffled order
+        order = torch.randperm(batch, generator=torch.Generator().manual_seed(batch)).tolist()
+        cases = [[CONTEXT_LENS[i % len(CONTEXT_LENS)] for i in order]]
+    for seed, lens in enumerate(cases):
+        q, kv, table, ctx = make_case(lens, hkv, group, d, block_size, dtype, seed)
+        want = reference(q, kv, table, ctx, block_size, scale)
+        got = run_kernel(kernel, q, kv, table, ctx, block_size, scale)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), want.float(), atol=ATOL[dtype], rtol=0,
+                                   msg=lambda m: f"context lengths {lens}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("d", [16, 32, 40, 128])  # 40 takes the plain-loop path
+def test_head_dims(kernel, dtype, d):
+    lens = [17, 1, 300, 16]
+    q, kv, table, ctx = make_case(lens, 2, 4, d, 16, dtype, seed=d)
+    scale = d ** -0.5
+    torch.testing.assert_close(run_kernel(kernel, q, kv, table, ctx, 16, scale).float(),
+                               reference(q, kv, table, ctx, 16, scale).float(), atol=ATOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_paged_attention_dispatch(kernel, dtype):
+    """Through paged_attention(): strided q (a view of the fused qkv rows), decodes then a prefill
+    chunk, metadata with block tables only. Matches the reference path."""
+    hkv, group, d, bs = 3, 3, 64, 16
+    lens = [5, 1000, 33]
+    _, kv, table, ctx = make_case(lens + [40], hkv, group, d, bs, dtype, seed=7)
+    table, ctx = table[:3], ctx[:3]
+    g = torch.Generator().manual_seed(1)
+    n = len(lens) + 4  # 3 decodes, then a 4-token prefill chunk whose context is cached
+    qkv = torch.randn(n, (group + 2) * hkv, d, generator=g).to(dtype)
+    q, k, v = qkv[:, :group * hkv], qkv[:, group * hkv:(group + 1) * hkv], qkv[:, (group + 1) * hkv:]
+    assert not q.is_contiguous()
+    pslots = torch.randperm(kv.shape[1], generator=g)[:40]
+    prefill = PrefillChunk(start=3, length=4, context_len=40, slots=pslots)
+    scale = d ** -0.5
+    want = reference(q, kv, table, ctx, bs, scale, [prefill], k, v)
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decodes=3,
+                             decode_block_tables=table, decode_context_lens=ctx, block_size=bs,
+                             prefills=[prefill])
+    assert use_decode_kernel(kv)
+    got = paged_attention(q, k, v, kv, meta, scale)
+    torch.testing.assert_close(got.float(), want.float(), atol=ATOL[dtype], rtol=0)
+    # Decodes only (the kernel writes the whole output).
+    meta.prefills, want_d = [], want[:3]
+    torch.testing.assert_close(paged_attention(q[:3], k[:3], v[:3], kv, meta, scale).float(),
+                               want_d.float(), atol=ATOL[dtype], rtol=0)
+
+
+def test_reference_from_block_tables(monkeypatch):
+    """With the kernels disabled, metadata carrying only block tables still runs (reference path)."""
+    monkeypatch.setenv("MESHSERVE_DISABLE_CPU_KERNELS", "1")
+    q, kv, table, ctx = make_case([1, 17, 40], 2, 2, 16, 8, torch.float32, seed=3)
+    assert not use_decode_kernel(kv)
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decodes=3,
+                             decode_block_tables=table, decode_context_lens=ctx, block_size=8)
+    torch.testing.assert_close(paged_attention(q, None, None, kv, meta, 0.25),
+                               reference(q, kv, table, ctx, 8, 0.25), atol=1e-6, rtol=0)
+
+
+def test_bad_block_table_is_rejected(kernel):
+    q, kv, table, ctx = make_case([20], 1, 1, 16, 8, torch.float32)
+    table[0, 1] = kv.shape[1] // 8  # one past the last block
+    with pytest.raises(RuntimeError, match="outside the arena"):
+        kernel.paged_decode_attention(torch.empty_like(q), q, kv, table, ctx, 8, 0.25)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        kernel.paged_decode_attention(torch.empty_like(q), q, kv, table[:, :1], ctx, 8, 0.25)
