@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -39,27 +40,33 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def _children(pid: int) -> dict[int, str]:
+    """The launcher's children by service name."""
     out = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout
     kids = {}
     for line in out.splitlines():
         p, pp, args = line.split(None, 2)
         if int(pp) == pid:
-            kids[int(p)] = "gateway" if "serve gateway" in args else args.split("serve ")[-1].split()[0] \
-                if "serve " in args else "nats-server"
+            m = re.search(r"cli serve (\S+)", args)
+            kids[int(p)] = m.group(1) if m else "nats-server"
     return kids
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], n: int) -> dict:
     t0 = time.monotonic()
-    times = []
+    times, tokens = [], 0
     body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+            "stream": True, "stream_options": {"include_usage": True}}
     async with client.stream("POST", url + "/v1/completions", json=body, timeout=None) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("choices"):
                 times.append(time.monotonic())
-    return {"start": t0, "times": times}
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    return {"start": t0, "times": times, "tokens": tokens}
 
 
 async def mesh_mixed(url: str, model: str, work) -> dict:
@@ -70,8 +77,9 @@ async def mesh_mixed(url: str, model: str, work) -> dict:
         total = time.monotonic() - t0
     ttfts = [r["times"][0] - r["start"] for r in res]
     itls = [b - a for r in res for a, b in zip(r["times"], r["times"][1:])]
-    # One SSE event per token (the gateway sends a chunk per engine step, one token each here).
-    return summarize(total, sum(len(r["times"]) for r in res), ttfts, itls)
+    # ITL is measured between SSE events: the gateway holds back bytes of an incomplete UTF-8
+    # character, so an event can carry two tokens (the token count comes from `usage`).
+    return summarize(total, sum(r["tokens"] for r in res), ttfts, itls)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill", type=int, default=0)
     ap.add_argument("--decode", type=int, default=1)
     ap.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    ap.add_argument("--pack-weights", action="store_true", help="workers keep a private packed weight copy")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
@@ -91,10 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     from meshserve.shared.engine.llm import LLM
 
     res: dict = {"command": "meshserve bench-mesh " + " ".join(argv if argv is not None else sys.argv[1:]),
-                 "model": a.model, "dtype": a.dtype, "mesh": {"prefill": a.prefill, "decode": a.decode}}
+                 "model": a.model, "dtype": a.dtype,
+                 "mesh": {"prefill": a.prefill, "decode": a.decode, "pack_weights": a.pack_weights}}
     port = _port()
     cmd = [sys.executable, "-m", "meshserve.services.cli", "up", "--model", a.model, "--dtype", a.dtype,
-           "--port", str(port), "--nats-port", str(_port()), "--prefill", str(a.prefill), "--decode", str(a.decode)]
+           "--port", str(port), "--nats-port", str(_port()), "--prefill", str(a.prefill), "--decode", str(a.decode)] + (["--pack-weights"] if a.pack_weights else [])
     env = dict(os.environ)
     if a.threads:
         env["MESHSERVE_WORKER_THREADS"] = str(a.threads)
