@@ -75,11 +75,13 @@ async def mesh_mixed(url: str, model: str, work) -> dict:
         t0 = time.monotonic()
         res = await asyncio.gather(*[_one(client, url, model, p, o) for p, o in work])
         total = time.monotonic() - t0
+    failed = sum(1 for r in res if not r["times"])
+    res = [r for r in res if r["times"]]
     ttfts = [r["times"][0] - r["start"] for r in res]
     itls = [b - a for r in res for a, b in zip(r["times"], r["times"][1:])]
     # ITL is measured between SSE events: the gateway holds back bytes of an incomplete UTF-8
     # character, so an event can carry two tokens (the token count comes from `usage`).
-    return summarize(total, sum(r["tokens"] for r in res), ttfts, itls)
+    return summarize(total, sum(r["tokens"] for r in res), ttfts, itls) | {"failed": failed}
 
 
 def main(argv: list[str] | None = None) -> int:
