@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-batch", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--skip-hf", action="store_true", help="measure meshserve only")
+    ap.add_argument("--only", choices=["batch1", "mixed"], default=None, help="run one measurement")
     ap.add_argument("--json", default=None, help="also write the result here")
     a = ap.parse_args(argv)
 
@@ -151,19 +152,25 @@ def main(argv: list[str] | None = None) -> int:
                                                                  "processor": platform.processor()},
                  "workload": {"requests": len(work), "prompt_tokens": sum(len(p) for p, _ in work),
                               "output_tokens": sum(o for _, o in work), "seed": a.seed}}
-    res["meshserve"] = {"batch1": engine_batch1(llm, prompt1, a.batch1_tokens), "mixed": engine_mixed(llm, work),
-                        "config": {"max_num_batched_tokens": sched.max_num_batched_tokens,
+    do_b1, do_mixed = a.only in (None, "batch1"), a.only in (None, "mixed")
+    res["meshserve"] = {"config": {"max_num_batched_tokens": sched.max_num_batched_tokens,
                                    "max_num_seqs": sched.max_num_seqs}}
+    if do_b1:
+        res["meshserve"]["batch1"] = engine_batch1(llm, prompt1, a.batch1_tokens)
+    if do_mixed:
+        res["meshserve"]["mixed"] = engine_mixed(llm, work)
     print(json.dumps(res["meshserve"]), file=sys.stderr)
     if not a.skip_hf:
         del llm
         m = load_hf(a.model, a.dtype)
-        res["transformers"] = {"batch1": hf_batch1(m, prompt1, a.batch1_tokens),
-                               "static": hf_static(m, work, a.hf_batch) | {"batch_size": a.hf_batch}}
-        ours, theirs = res["meshserve"], res["transformers"]
-        res["ratios"] = {
-            "batch1_decode": ours["batch1"]["decode_tok_s"] / theirs["batch1"]["decode_tok_s"],
-            "mixed_output_tok_s": ours["mixed"]["output_tok_s"] / theirs["static"]["output_tok_s"]}
+        ours, theirs, res["ratios"] = res["meshserve"], {}, {}
+        if do_b1:
+            theirs["batch1"] = hf_batch1(m, prompt1, a.batch1_tokens)
+            res["ratios"]["batch1_decode"] = ours["batch1"]["decode_tok_s"] / theirs["batch1"]["decode_tok_s"]
+        if do_mixed:
+            theirs["static"] = hf_static(m, work, a.hf_batch) | {"batch_size": a.hf_batch}
+            res["ratios"]["mixed_output_tok_s"] = ours["mixed"]["output_tok_s"] / theirs["static"]["output_tok_s"]
+        res["transformers"] = theirs
     text = json.dumps(res, indent=2)
     print(text)
     if a.json:
