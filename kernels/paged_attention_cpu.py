@@ -80,6 +80,10 @@ def load() -> ModuleType | None:
         try:
             from torch.utils.cpp_extension import load as load_extension
 
+            # pip's ninja lives beside this interpreter; an unactivated venv does not have it on PATH.
+            bindir = str(Path(sys.executable).parent)
+            if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+                os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
             directory = build_dir()
             if directory is not None:
                 directory.mkdir(parents=True, exist_ok=True)
