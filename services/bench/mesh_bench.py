@@ -130,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         kids = _children(up.pid)
         cpu0 = {p: _cpu_seconds(p) for p in kids}
         res["meshserve_mesh"] = asyncio.run(mesh_mixed(url, a.model, work))
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        res["meshserve_mesh"]["preemptions"] = sum(
+            float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+            if line.startswith("meshserve:num_preemptions"))
         cpu = {}
         for p, name in kids.items():
             cpu[name] = cpu.get(name, 0.0) + _cpu_seconds(p) - cpu0[p]

@@ -15,6 +15,7 @@ heartbeats and messages keep flowing while it computes.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import time
@@ -44,6 +45,9 @@ class Worker:
         self.chunk_seq: dict[str, int] = {}
         self.to_hand_off: set[str] = set()  # prefilled here, to pass on after the first token
         self.tasks: list[asyncio.Task] = []
+        # Steps always run on this one thread: OpenMP keeps one warm thread team per calling
+        # thread, and a pool that hands steps to different threads multiplies the spinning teams.
+        self.stepper = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self.received: dict[str, float] = {}  # wall clock, for the queue and prefill spans
         self.decode_start: dict[str, float] = {}
 
@@ -149,7 +153,7 @@ class Worker:
                     await self.wake.wait()
                 continue
             await self._keep_blocks()
-            outputs = await asyncio.to_thread(self.engine.step)
+            outputs = await asyncio.get_running_loop().run_in_executor(self.stepper, self.engine.step)
             await self._publish(outputs)
             await self._flush_block_changes()
 
