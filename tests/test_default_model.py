@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from oracle import hf_greedy
 
 from meshserve.shared.engine.llm_engine import EngineConfig, LLMEngine
 from meshserve.shared.engine.scheduler import SchedulerConfig
@@ -35,13 +36,7 @@ def setup(default_model_file):
     prompts.append(prompts[-1] + tok.encode(" and more"))
     hf = AutoModelForCausalLM.from_pretrained(str(default_model_file.parent), gguf_file=default_model_file.name,
                                               dtype=torch.float32).eval()
-    ref = []
-    with torch.inference_mode():
-        for p in prompts:
-            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=cfg.eos_token_ids,
-                              pad_token_id=0)
-            ref.append(out[0, len(p):].tolist())
+    ref = hf_greedy(hf, prompts, MAX_NEW, cfg.eos_token_ids)
     return model, prompts, ref
 
 

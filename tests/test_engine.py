@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from oracle import hf_greedy
 
 from meshserve.shared.engine.llm import LLM
 from meshserve.shared.engine.llm_engine import EngineConfig, LLMEngine, RequestError
@@ -33,13 +34,7 @@ def tiny(tiny_llama):
     model = LlamaModel.from_hf(cfg, sd, torch.float32)
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
     prompts = make_prompts(cfg.vocab_size)
-    ref = []
-    with torch.inference_mode():
-        for p in prompts:
-            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=cfg.eos_token_ids,
-                              pad_token_id=0)
-            ref.append(out[0, len(p):].tolist())
+    ref = hf_greedy(hf, prompts, MAX_NEW, cfg.eos_token_ids)
     return model, hf, prompts, ref
 
 
