@@ -144,7 +144,8 @@ def test_handoff_moves_block_ids_not_tensors(mesh, reference, tiny_llama):
 
 def test_one_trace_across_every_process(mesh):
     client = OpenAI(base_url=mesh.url + "/v1", api_key="unused")
-    client.completions.create(model=mesh.model, prompt="A traced request", max_tokens=4, temperature=0)
+    # Longer than --short-prefill, so a prefill worker computes it and hands it to a decode worker.
+    client.completions.create(model=mesh.model, prompt=" ".join(PROMPTS), max_tokens=4, temperature=0)
     time.sleep(1.0)  # the decode span is written when the worker publishes the last token
     spans = [orjson.loads(line) for line in mesh.trace_file.read_bytes().splitlines()]
     last = max((s for s in spans if s["name"] == "gateway.request"), key=lambda s: s["start"])

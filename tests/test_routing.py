@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from meshserve.services.scheduler.routing import (LOAD_WEIGHT, WorkerView, pick_decode, pick_prefill,
-                                                   uncached_blocks)
+from meshserve.services.scheduler.routing import (LOAD_WEIGHT, WorkerView, pick_decode,
+                                                   pick_idle_for_short_prompt, pick_prefill, uncached_blocks)
 from meshserve.shared.engine.block_manager import prompt_block_hashes
 from meshserve.shared.schemas import Heartbeat
 
@@ -41,3 +41,11 @@ def test_decode_goes_to_free_blocks_then_fewest_running():
     a, b, c = view("a", "decode", free=50), view("b", "decode", free=200, running=9), view("c", "decode", free=200)
     assert pick_decode([a, b, c]) is c
     assert pick_decode([]) is None
+
+
+def test_idle_decode_worker_takes_short_prompts_only():
+    idle, busy = view("idle", "decode"), view("busy", "decode", waiting=2)
+    assert pick_idle_for_short_prompt([busy, idle], 20, 32, []) is idle
+    assert pick_idle_for_short_prompt([busy, idle], 200, 32, []) is None  # long: a prefill worker's job
+    idle.assigned = {"r1"}
+    assert pick_idle_for_short_prompt([busy, idle], 20, 32, []) is None  # nobody is idle now

@@ -22,7 +22,7 @@ from meshserve.shared.schemas import (Abort, BlockRefs, BlockTransfer, Done, Gen
 from meshserve.shared.service import run_service
 from meshserve.shared.telemetry import span
 
-from .routing import WorkerView, pick_decode, pick_prefill
+from .routing import WorkerView, pick_decode, pick_idle_for_short_prompt, pick_prefill
 
 log = logging.getLogger("meshserve.scheduler")
 
@@ -88,7 +88,9 @@ class Scheduler:
                 f"({len(req.prompt_token_ids)} in the prompt, {req.sampling.max_tokens} to generate)"))
         block_size = cands[0].hb.block_size
         hashes = prompt_block_hashes(req.prompt_token_ids + req.output_token_ids, block_size, req.model)
-        w = pick_prefill(cands, hashes)
+        n_prompt = len(req.prompt_token_ids) + len(req.output_token_ids)
+        w = (pick_idle_for_short_prompt(self.alive(req.model, ("decode",)), n_prompt, self.args.short_prefill,
+                                        hashes) or pick_prefill(cands, hashes))
         with span("scheduler.route", req.trace, request_id=req.request_id, worker=w.hb.worker_id):
             self.requests[req.request_id] = Tracked(req, w.hb.worker_id)
             w.assigned.add(req.request_id)
@@ -221,6 +223,8 @@ class Scheduler:
 def add_arguments(p) -> None:
     p.add_argument("--worker-timeout", type=float, default=3.0,
                    help="seconds without a heartbeat before a worker's requests are re-dispatched")
+    p.add_argument("--short-prefill", type=int, default=32,
+                   help="prompts up to this many tokens may be prefilled by an idle decode worker (0: never)")
 
 
 async def main(args) -> None:

@@ -47,6 +47,16 @@ def pick_prefill(workers: list[WorkerView], prompt_hashes: list[int]) -> WorkerV
     return min(workers, key=lambda w: (prefill_cost(w, prompt_hashes), w.hb.worker_id), default=None)
 
 
+def pick_idle_for_short_prompt(decoders: list[WorkerView], prompt_len: int, limit: int,
+                               prompt_hashes: list[int]) -> WorkerView | None:
+    """A decode worker with nothing queued may prefill a short prompt itself: a few tokens cost
+    less to compute in its next step than a handoff costs to arrange (mixed role)."""
+    if prompt_len > limit:
+        return None
+    idle = [w for w in decoders if w.hb.num_waiting == 0 and not w.assigned]
+    return pick_prefill(idle, prompt_hashes)
+
+
 def pick_decode(workers: list[WorkerView]) -> WorkerView | None:
     return max(workers, key=lambda w: (w.hb.free_blocks - 4 * len(w.assigned), -w.hb.num_running,
                                        w.hb.worker_id), default=None)
