@@ -11,7 +11,7 @@ chunks. Decodes run as one padded batch; each prefill chunk runs on its own. The
 implements the same functions over the same metadata; this file is its oracle.
 
 On the CPU the decodes go to a compiled kernel (kernels/cpu/paged_attention.cpp, loaded by
-paged_attention_cpu.py) that reads keys and values straight from the arena through the block
+cpu/paged_attention.cpp) that reads keys and values straight from the arena through the block
 tables; the gather + SDPA below stays as its oracle and as the fallback when it cannot be built or
 MESHSERVE_DISABLE_CPU_KERNELS=1.
 """
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import paged_attention_cpu
+from . import cpu_build
 
 
 @dataclass
@@ -54,7 +54,7 @@ def decode_kernel(kv: torch.Tensor):
     gather + SDPA reference, which needs decode_slots/decode_mask)."""
     if kv.device.type != "cpu" or kv.dtype not in (torch.float32, torch.bfloat16) or not kv.is_contiguous():
         return None
-    return paged_attention_cpu.load()
+    return cpu_build.load("meshserve_paged_attention_cpu", "paged_attention.cpp")
 
 
 def use_decode_kernel(kv: torch.Tensor) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshserve.kernels import paged_attention_cpu
+from meshserve.kernels import cpu_build
 from meshserve.kernels.paged_attention import (AttentionMetadata, PrefillChunk, paged_attention,
                                                use_decode_kernel)
 
@@ -16,12 +16,12 @@ ATOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 @pytest.fixture(scope="module")
 def kernel():
-    if paged_attention_cpu.disabled():
+    if cpu_build.disabled():
         pytest.skip("MESHSERVE_DISABLE_CPU_KERNELS is set: the CPU kernels are not built")
-    mod = paged_attention_cpu.load()
+    mod = cpu_build.load("meshserve_paged_attention_cpu", "paged_attention.cpp")
     if mod is None:
         pytest.skip("the CPU paged-attention kernel cannot be built here (no C++ compiler or ninja?); "
-                    "see the warning logged by meshserve.kernels.paged_attention_cpu")
+                    "see the warning logged by meshserve.kernels.cpu_build")
     return mod
 
 
@@ -138,3 +138,34 @@ def test_bad_block_table_is_rejected(kernel):
         kernel.paged_decode_attention(torch.empty_like(q), q, kv, table, ctx, 8, 0.25)
     with pytest.raises(RuntimeError, match="does not fit"):
         kernel.paged_decode_attention(torch.empty_like(q), q, kv, table[:, :1], ctx, 8, 0.25)
+
+
+# -- small-batch bf16 projections (kernels/cpu/gemv.cpp) against F.linear
+
+
+def gemv_or_skip():
+    from meshserve.kernels.linear import gemv_kernel
+
+    mod = gemv_kernel()
+    if mod is None:
+        pytest.skip("the bf16 GEMV kernel is not available here (disabled, not buildable, or no AVX-512 BF16)")
+    return mod
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (4099, 576), (7, 64), (13, 40)])
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_matches_linear(n, k, m, with_bias):
+    from meshserve.kernels.linear import Linear
+
+    gemv_or_skip()
+    g = torch.Generator().manual_seed(n * 31 + k + m)
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    x = torch.randn(m, k, generator=g).bfloat16()
+    lin = Linear(w, b, pack=False)
+    assert lin.gemv is not None
+    want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    got = lin(x).float()
+    # fp32 accumulation, then one rounding to bf16: within a couple of bf16 ulps of the exact value
+    assert torch.allclose(got, want, rtol=2 ** -7, atol=1e-2)

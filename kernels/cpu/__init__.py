@@ -1,2 +1,2 @@
 """Hand-written CPU kernels (C++ torch extensions compiled on first use); see the loaders next to
-the Python references, e.g. meshserve.kernels.paged_attention_cpu."""
+the Python references, e.g. meshserve.kernels.cpu_build."""

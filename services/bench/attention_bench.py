@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from meshserve.kernels import paged_attention_cpu
+from meshserve.kernels import cpu_build
 from meshserve.kernels.paged_attention import AttentionMetadata, decode_slots_and_mask, paged_attention
 
 
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
         }
         want = paged_attention(q, None, None, kv, ref_meta, scale)
         t = time.perf_counter()
-        kernel = paged_attention_cpu.load()
+        kernel = cpu_build.load("meshserve_paged_attention_cpu", "paged_attention.cpp")
         result["kernel_load_s"] = round(time.perf_counter() - t, 2)
         if kernel is None:
             result["kernel_ms"] = None

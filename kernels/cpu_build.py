@@ -1,8 +1,8 @@
-"""Loader of the compiled CPU decode-attention kernel (kernels/cpu/paged_attention.cpp).
+"""Builds and loads the compiled CPU kernels (kernels/cpu/*.cpp), one torch extension each.
 
-``load()`` compiles the extension on first use (tens of seconds, once per machine: the build is
-cached) and returns the module, or None when it cannot be built (no compiler, no ninja, ...); the
-caller then takes the reference path in paged_attention.py. A warning is logged once.
+``load(name, source)`` compiles an extension on first use (seconds, once per machine: the build
+is cached) and returns the module, or None when it cannot be built (no compiler, no ninja, ...);
+the caller then takes its Python reference path. A warning is logged once per extension.
 
 ``MESHSERVE_DISABLE_CPU_KERNELS=1`` forces the reference path.
 
@@ -27,14 +27,12 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "cpu" / "paged_attention.cpp"
-NAME = "meshserve_paged_attention_cpu"
+SOURCES = Path(__file__).resolve().parent / "cpu"
 CFLAGS = ["-O3", "-fopenmp", "-march=native"]
 LDFLAGS = ["-fopenmp"]
 
 _lock = threading.Lock()
-_tried = False
-_module: ModuleType | None = None
+_modules: dict[str, ModuleType | None] = {}  # name -> module, or None once a build failed
 
 
 def disabled() -> bool:
@@ -64,19 +62,18 @@ def build_dir() -> Path | None:
         root = (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "meshserve"
     torch_version = torch.__version__.split("+")[0].replace(".", "")
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
-    return root / "torch_extensions" / f"{py}-torch{torch_version}-{_cpu_tag()}" / NAME
+    return root / "torch_extensions" / f"{py}-torch{torch_version}-{_cpu_tag()}"
 
 
-def load() -> ModuleType | None:
-    """The compiled module (``paged_decode_attention``), or None when disabled or unbuildable."""
-    global _tried, _module
+def load(name: str, source: str) -> ModuleType | None:
+    """The compiled module `name` built from kernels/cpu/`source`, or None when disabled or unbuildable."""
     if disabled():
         return None
-    if _tried:
-        return _module
+    if name in _modules:
+        return _modules[name]
     with _lock:
-        if _tried:
-            return _module
+        if name in _modules:
+            return _modules[name]
         try:
             from torch.utils.cpp_extension import load as load_extension
 
@@ -86,8 +83,9 @@ def load() -> ModuleType | None:
                 os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
             directory = build_dir()
             if directory is not None:
+                directory = directory / name
                 directory.mkdir(parents=True, exist_ok=True)
-            _module = load_extension(name=NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS,
+            module = load_extension(name=name, sources=[str(SOURCES / source)], extra_cflags=CFLAGS,
                                      extra_ldflags=LDFLAGS,
                                      build_directory=str(directory) if directory is not None else None,
                                      verbose=False)
@@ -95,8 +93,8 @@ def load() -> ModuleType | None:
             lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
             causes = [ln for ln in lines[1:] if any(w in ln.lower() for w in ("error", "not found", "no such"))]
             detail = " | ".join(ln[:200] for ln in lines[:1] + causes[:3])
-            log.warning("CPU paged-attention kernel unavailable, using the reference path (%s: %s)",
+            log.warning("CPU kernel %s unavailable, using the reference path (%s: %s)", name,
                         type(e).__name__, detail or "no detail")
-            _module = None
-        _tried = True
-    return _module
+            module = None
+        _modules[name] = module
+    return module
