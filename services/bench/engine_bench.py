@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch1-tokens", type=int, default=256)
     ap.add_argument("--hf-batch", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--max-prefill-tokens-with-decodes", type=int, default=None)
     ap.add_argument("--skip-hf", action="store_true", help="measure meshserve only")
     ap.add_argument("--only", choices=["batch1", "mixed"], default=None, help="run one measurement")
     ap.add_argument("--json", default=None, help="also write the result here")
@@ -141,8 +142,9 @@ def main(argv: list[str] | None = None) -> int:
 
     sched = SchedulerConfig()
     if a.max_num_batched_tokens:
-        sched = SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
-                                prefill_chunk_size=a.max_num_batched_tokens)
+        sched.max_num_batched_tokens = sched.prefill_chunk_size = a.max_num_batched_tokens
+    if a.max_prefill_tokens_with_decodes:
+        sched.max_prefill_tokens_with_decodes = a.max_prefill_tokens_with_decodes
     llm = LLM(a.model, a.dtype, EngineConfig(scheduler=sched))
     special = set(llm.tokenizer.eos_token_ids) | {llm.tokenizer.bos_token_id or 0}
     work = mixed_workload(a.num_requests, a.seed, llm.engine.model.cfg.vocab_size, special)
@@ -154,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                               "output_tokens": sum(o for _, o in work), "seed": a.seed}}
     do_b1, do_mixed = a.only in (None, "batch1"), a.only in (None, "mixed")
     res["meshserve"] = {"config": {"max_num_batched_tokens": sched.max_num_batched_tokens,
+                                   "max_prefill_tokens_with_decodes": sched.max_prefill_tokens_with_decodes,
                                    "max_num_seqs": sched.max_num_seqs}}
     if do_b1:
         res["meshserve"]["batch1"] = engine_batch1(llm, prompt1, a.batch1_tokens)

@@ -1,8 +1,9 @@
 """Iteration-level scheduling: which sequences run in the next step, and how many tokens each.
 
 Every step takes all running decodes first, then fills the rest of the token budget with
-prefill chunks (running ones, then waiting ones in arrival order). When blocks run out, the
-newest running sequence is preempted by recompute: its blocks are freed (their prefix-cache
+prefill chunks (running ones, then waiting ones in arrival order); while decodes run, prompts get
+at most `max_prefill_tokens_with_decodes` of it, which bounds the step and so the streams' gaps.
+When blocks run out, the newest running sequence is preempted by recompute: its blocks are freed (their prefix-cache
 keys survive, so it often gets them back) and it returns to the head of the queue.
 """
 
@@ -21,6 +22,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # token budget of one step
     max_num_seqs: int = 64  # sequences in one step
     prefill_chunk_size: int = 512  # most prompt tokens one sequence computes in one step
+    # Most prompt tokens in a step that also runs decodes: bounds the step, so the running
+    # streams' inter-token latency stays low while prompts still progress every step.
+    max_prefill_tokens_with_decodes: int = 128
 
 
 @dataclass
@@ -67,25 +71,35 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         decodes: list[Sequence] = []
         prefills: list[tuple[Sequence, int]] = []
-        preempted = False
-        # Running sequences: decodes first so a long prefill never stalls them.
-        order = sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1)
         scheduled: set[int] = set()
-        for seq in order:
+        preempted = False
+
+        def run(seq: Sequence) -> None:
+            """Schedules a running sequence, preempting the newest others while blocks are short."""
+            nonlocal budget, preempted
             if budget <= 0 or seq.status is not SequenceStatus.RUNNING:
-                continue
+                return
             n = self._chunk(seq, budget)
             while not self.bm.allocate(seq, n):
-                victim = next((s for s in reversed(self.running) if id(s) not in scheduled), None)
+                victim = next(s for s in reversed(self.running) if id(s) not in scheduled)
                 self.running.remove(victim)
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
-                    break
-            else:
-                scheduled.add(id(seq))
-                budget -= n
-                (decodes.append(seq) if n == 1 else prefills.append((seq, n)))
+                    return
+            scheduled.add(id(seq))
+            budget -= n
+            (decodes.append(seq) if n == 1 else prefills.append((seq, n)))
+
+        # Running decodes first, so a long prefill never stalls them; then the prompts, within a
+        # smaller budget while decodes run (it bounds the step, hence the inter-token latency).
+        in_prefill = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        for seq in [s for s in self.running if s.num_tokens - s.num_computed_tokens <= 1]:
+            run(seq)
+        if decodes:
+            budget = min(budget, self.config.max_prefill_tokens_with_decodes)
+        for seq in in_prefill:
+            run(seq)
         # Waiting sequences, in order, while they fit (none after a preemption: no thrashing).
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
