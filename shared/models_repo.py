@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_MODEL", "KNOWN_MODELS", "ModelSpec", "cache_dir", "cached_path", "pull", "resolve",
-           "load_model_files"]
+           "load_model_files", "load_tokenizer"]
 
 
 @dataclass(frozen=True)
@@ -159,6 +159,23 @@ def _find_gguf(directory: Path) -> Path | None:
     if len(ggufs) > 1:
         raise ValueError(f"{directory} holds several .gguf files; pass one of them: {[g.name for g in ggufs]}")
     return ggufs[0] if ggufs else None
+
+
+def load_tokenizer(name_or_path: str | Path) -> "Tokenizer":
+    """A model's tokenizer without its weights: tokenizer.json of an HF directory, or GGUF metadata."""
+    from .tokenizer import Tokenizer
+
+    path = resolve(name_or_path)
+    if path.is_dir():
+        if (path / "tokenizer.json").is_file():
+            return Tokenizer.from_hf_dir(path)
+        found = _find_gguf(path)
+        if found is None:
+            raise FileNotFoundError(f"{path} has neither tokenizer.json nor a .gguf file")
+        path = found
+    if path.suffix.lower() != ".gguf":
+        raise ValueError(f"don't know how to read a tokenizer from {path}")
+    return Tokenizer.from_gguf(path)
 
 
 def load_model_files(name_or_path: str | Path) -> tuple["ModelConfig", dict[str, "torch.Tensor"], "Tokenizer"]:

@@ -121,13 +121,18 @@ def hf_static(m, work: list[tuple[list[int], int]], batch: int) -> dict:
     return summarize(time.monotonic() - t0, out, ttfts, itls)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="meshserve bench-engine", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_workload_arguments(ap: argparse.ArgumentParser) -> None:
+    """Model and mixed workload, the same for every benchmark that compares against this one."""
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-requests", type=int, default=64)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="meshserve bench-engine", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_arguments(ap)
     ap.add_argument("--batch1-tokens", type=int, default=256)
     ap.add_argument("--hf-batch", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)

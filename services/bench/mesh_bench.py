@@ -23,8 +23,8 @@ import time
 import httpx
 import numpy as np
 
-from meshserve.services.bench.engine_bench import engine_mixed, mixed_workload, summarize
-from meshserve.shared.models_repo import DEFAULT_MODEL
+from meshserve.services.bench.engine_bench import add_workload_arguments, engine_mixed, mixed_workload, summarize
+from meshserve.shared.models_repo import load_tokenizer
 
 
 def _port() -> int:
@@ -87,10 +87,7 @@ async def mesh_mixed(url: str, model: str, work) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="meshserve bench-mesh", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--num-requests", type=int, default=64)
+    add_workload_arguments(ap)
     ap.add_argument("--prefill", type=int, default=0)
     ap.add_argument("--decode", type=int, default=1)
     ap.add_argument("--threads", type=int, default=None, help="torch threads per worker")
@@ -123,10 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(1)
         else:
             raise RuntimeError("the mesh did not become healthy")
-        from meshserve.shared.tokenizer import Tokenizer  # noqa: F401 - vocabulary for the workload
-        from meshserve.shared.models_repo import load_model_files
-        cfg, _, tok = load_model_files(a.model)
-        work = mixed_workload(a.num_requests, a.seed, cfg.vocab_size, set(cfg.eos_token_ids) | {0})
+        tok = load_tokenizer(a.model)  # the workload needs only the vocabulary
+        work = mixed_workload(a.num_requests, a.seed, tok.vocab_size, set(tok.eos_token_ids) | {0})
         kids = _children(up.pid)
         cpu0 = {p: _cpu_seconds(p) for p in kids}
         res["meshserve_mesh"] = asyncio.run(mesh_mixed(url, a.model, work))

@@ -15,7 +15,7 @@ import signal
 import sys
 
 # Only light imports here: the CLI imports this module to build its parser.
-from meshserve.shared.models_repo import DEFAULT_MODEL, resolve
+from meshserve.shared.models_repo import DEFAULT_MODEL, load_tokenizer
 from meshserve.shared.subjects import DEFAULT_NAMESPACE
 
 log = logging.getLogger("meshserve.gateway")
@@ -37,23 +37,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context length; a chat without max_tokens may fill it (default: %(default)s)")
     parser.add_argument("--stream-timeout", type=float, default=300.0,
                         help="fail a request when no token arrives for this many seconds (default: %(default)s)")
-
-
-def load_tokenizer(model: str):
-    """The model's tokenizer without its weights: tokenizer.json of an HF directory, or the GGUF metadata."""
-    from meshserve.shared.tokenizer import Tokenizer
-
-    path = resolve(model)
-    if path.is_dir():
-        if (path / "tokenizer.json").is_file():
-            return Tokenizer.from_hf_dir(path)
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) != 1:
-            raise ValueError(f"{path} has no tokenizer.json and {len(ggufs)} .gguf files (need exactly one)")
-        path = ggufs[0]
-    if path.suffix.lower() != ".gguf":
-        raise ValueError(f"don't know how to read a tokenizer from {path}")
-    return Tokenizer.from_gguf(path)
 
 
 def _server(config):

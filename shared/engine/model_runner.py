@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from meshserve.kernels.paged_attention import AttentionMetadata, PrefillChunk, use_decode_kernel
+from meshserve.kernels.paged_attention import (AttentionMetadata, PrefillChunk, decode_slots_and_mask,
+                                               use_decode_kernel)
 
 from .sampler import TokenLogprobs, sample
 from .scheduler import ScheduledBatch
 
 
 def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Slot ids of token positions through block tables (works batched on the last axis)."""
-    blocks = torch.gather(block_table, -1, positions // block_size) if block_table.dim() > 1 \
-        else block_table[positions // block_size]
-    return blocks * block_size + positions % block_size
+    """Slot ids of one sequence's token positions through its block table."""
+    return block_table[positions // block_size] * block_size + positions % block_size
 
 
 class ModelRunner:
@@ -49,9 +48,7 @@ class ModelRunner:
                 table[i, :len(row)] = torch.tensor(row)
             meta.decode_block_tables, meta.decode_context_lens, meta.block_size = table, torch.tensor(ctx), bs
             if not use_decode_kernel(self.kv_cache):  # the reference path gathers through slot ids
-                ar = torch.arange(t)
-                meta.decode_slots = _slots(table, ar.expand(nd, t), bs)
-                meta.decode_mask = (ar.unsqueeze(0) < meta.decode_context_lens.unsqueeze(1)).view(nd, 1, 1, t)
+                meta.decode_slots, meta.decode_mask = decode_slots_and_mask(table, meta.decode_context_lens, bs)
         meta.slot_mapping = torch.tensor(slot_mapping, dtype=torch.long)
         return torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta, sample_rows
 
