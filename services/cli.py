@@ -113,6 +113,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the mesh benchmark: meshserve up vs the in-process engine, side by side")
     bm.set_defaults(func=lambda a: __import__("meshserve.services.bench.mesh_bench",
                                               fromlist=["main"]).main(a.rest), passthrough=True)
+    # Measurement commands (issue 4); each module parses its own options.
+    for name, module, text in (
+            ("bench", "bench.loadgen", "load-test an OpenAI-compatible server or the NATS API with a workload"),
+            ("analyze", "bench.analyze", "summarize and plot a gateway request log"),
+            ("plan", "bench.plan", "size prefill and decode workers for a workload, a rate and SLOs"),
+            ("compare", "bench.compare", "one workload against the mesh, the engine, Transformers, llama.cpp")):
+        sp = sub.add_parser(name, add_help=False, help=text)
+        sp.set_defaults(func=lambda a, m=module: __import__(f"meshserve.services.{m}", fromlist=["main"]).main(a.rest),
+                        passthrough=True)
     return p
 
 
