@@ -115,7 +115,8 @@ class Launcher:
             for i in range(a.decode):
                 self.spawn(f"decode-{i}", self.serve_cmd("decode", *worker_opts))
         self.spawn("scheduler", self.serve_cmd("scheduler"))
-        self.spawn("gateway", self.serve_cmd("gateway", "--host", a.host, "--port", str(a.port)))
+        self.spawn("gateway", self.serve_cmd("gateway", "--host", a.host, "--port", str(a.port),
+                                             *gateway_log_options(a)))
 
     def wait_healthy(self, timeout: float) -> bool:
         url = f"http://{self.args.host}:{self.args.port}/health"
@@ -187,6 +188,13 @@ def run(args) -> int:
         launcher.stop()
 
 
+def gateway_log_options(a) -> list[str]:
+    """The gateway's request-log options, as `meshserve up` was given them."""
+    if getattr(a, "no_request_log", False):
+        return ["--no-request-log"]
+    return ["--request-log", a.request_log] if getattr(a, "request_log", None) else []
+
+
 def add_arguments(p) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -197,3 +205,6 @@ def add_arguments(p) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--pack-weights", action="store_true", help="workers keep a faster private weight copy")
     p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--request-log", default=None,
+                   help="the gateway's request log (default: ~/.cache/meshserve/logs/requests.jsonl)")
+    p.add_argument("--no-request-log", action="store_true", help="the gateway writes no request log")

@@ -24,6 +24,7 @@ from meshserve.shared.schemas import Abort, GenerateRequest, Logprob, Sampling, 
 from meshserve.shared.tokenizer import IncrementalDetokenizer, Tokenizer
 
 from .metrics import GatewayMetrics
+from .request_log import RequestLog
 from .streams import RequestStream, TokenStreams, submit
 
 log = logging.getLogger(__name__)
@@ -62,9 +63,11 @@ class Gateway:
     """What both front ends call; holds the connection, the tokenizer and the token streams."""
 
     def __init__(self, bus: Bus, tokenizer: Tokenizer, served_model_name: str, streams: TokenStreams,
-                 metrics: GatewayMetrics, max_model_len: int = 8192, stream_timeout: float = 300.0):
+                 metrics: GatewayMetrics, max_model_len: int = 8192, stream_timeout: float = 300.0,
+                 request_log: RequestLog | None = None):
         self.bus, self.tokenizer, self.served_model_name = bus, tokenizer, served_model_name
         self.streams, self.metrics = streams, metrics
+        self.request_log = request_log  # a line per ended request (request_log.py); None: off
         self.max_model_len, self.stream_timeout = max_model_len, stream_timeout
         self.created = int(time.time())
         self._background: set[asyncio.Task] = set()
@@ -119,7 +122,12 @@ class Gateway:
     async def submit(self, kind: Kind, body) -> "Generation":
         """Validates and submits; raises OpenAIError before anything is sent to the client.
         The caller must `close()` the returned Generation."""
-        p = self.prepare(kind, body)
+        came = time.time()
+        try:
+            p = self.prepare(kind, body)
+        except OpenAIError as e:
+            self._log_rejected(kind, body, came, e)
+            raise
         arrival = time.time()
         rid = uuid.uuid4().hex
         span = telemetry.start("gateway.request", None, request_id=rid, model=self.served_model_name,
@@ -132,12 +140,14 @@ class Gateway:
         try:
             await submit(self.bus, request)
         except OpenAIError as e:
+            self._log_rejected(kind, body, arrival, e, p, rid)
             span.end()
             self.streams.close(request.request_id)
             if e.status_code == 503:  # the reply may be what got lost: make sure nothing runs
                 self.abort(request.request_id)
             raise
-        except BaseException:
+        except BaseException as e:
+            self._log_rejected(kind, body, arrival, e, p, rid)
             span.end()
             self.streams.close(request.request_id)
             self.abort(request.request_id)
@@ -147,6 +157,13 @@ class Gateway:
         gen = Generation(self, p, request, stream)
         gen.span = span
         return gen
+
+    def _log_rejected(self, kind: Kind, body, arrival: float, e: BaseException, p: Prepared | None = None,
+                      rid: str | None = None) -> None:
+        if self.request_log:
+            self.request_log.log_rejected(kind, body, self.served_model_name, arrival, e,
+                                          p and len(p.prompt_token_ids), p and p.priority,
+                                          p and p.params.max_tokens, rid)
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         """Publishes Abort from a task of its own: callers are often being cancelled."""
@@ -197,6 +214,9 @@ class Generation:
         self._detok = IncrementalDetokenizer(gw.tokenizer, stop=prepared.params.stop)
         self._want_logprobs = prepared.params.logprobs is not None
         self._last_token_time: float | None = None
+        self.first_token_time: float | None = None  # for the request log
+        self.finish_time: float | None = None
+        self.error: Exception | None = None  # what ended it, when it failed
         self._closed = False
 
     @property
@@ -212,16 +232,22 @@ class Generation:
         self.gw.streams.close(self.request.request_id)
         if not self.done:
             self.gw.abort(self.request.request_id)
+        if self.gw.request_log:
+            self.gw.request_log.log_generation(self)
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """The response as in-order deltas; the last one has a finish_reason. Raises OpenAIError."""
-        while not self.done:
-            try:
-                chunk = await self._stream.next(self.gw.stream_timeout)
-            except asyncio.TimeoutError:
-                raise OpenAIError(f"no tokens arrived for {self.gw.stream_timeout:g} s; the request was aborted",
-                                  504, type="server_error", code="timeout") from None
-            yield await self._apply(chunk)
+        try:
+            while not self.done:
+                try:
+                    chunk = await self._stream.next(self.gw.stream_timeout)
+                except asyncio.TimeoutError:
+                    raise OpenAIError(f"no tokens arrived for {self.gw.stream_timeout:g} s; the request was "
+                                      "aborted", 504, type="server_error", code="timeout") from None
+                yield await self._apply(chunk)
+        except Exception as e:
+            self.error = e
+            raise
 
     async def _apply(self, chunk: TokenChunk) -> Delta:
         now = time.time()
@@ -246,6 +272,7 @@ class Generation:
         m = self.gw.metrics
         if token_ids:
             if self._last_token_time is None:
+                self.first_token_time = now
                 m.ttft.observe(now - self.request.arrival_time)
             else:
                 m.observe_itl(now - self._last_token_time, len(token_ids))
@@ -253,6 +280,7 @@ class Generation:
             m.generation_tokens.inc(len(token_ids))
         if finish:
             self.finish_reason = finish
+            self.finish_time = now
             m.e2e.observe(now - self.request.arrival_time)
             m.finished(finish)
         return Delta(text, token_ids, logprobs, finish)

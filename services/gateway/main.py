@@ -18,6 +18,10 @@ import sys
 from meshserve.shared.models_repo import DEFAULT_MODEL, load_tokenizer
 from meshserve.shared.subjects import DEFAULT_NAMESPACE
 
+from .request_log import DEFAULT_BACKUPS as REQUEST_LOG_BACKUPS
+from .request_log import DEFAULT_MAX_BYTES as REQUEST_LOG_MAX_BYTES
+from .request_log import DEFAULT_PATH as REQUEST_LOG_PATH
+
 log = logging.getLogger("meshserve.gateway")
 
 GRACE = 30.0  # seconds in-flight requests get at shutdown
@@ -37,6 +41,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context length; a chat without max_tokens may fill it (default: %(default)s)")
     parser.add_argument("--stream-timeout", type=float, default=300.0,
                         help="fail a request when no token arrives for this many seconds (default: %(default)s)")
+    parser.add_argument("--request-log", default=os.environ.get("MESHSERVE_REQUEST_LOG", REQUEST_LOG_PATH),
+                        help="JSONL log, a line per request, for `meshserve analyze` (default: $MESHSERVE_REQUEST_LOG "
+                             "or %(default)s)")
+    parser.add_argument("--request-log-max-bytes", type=int, default=REQUEST_LOG_MAX_BYTES,
+                        help="rotate the request log at this size (default: %(default)s)")
+    parser.add_argument("--request-log-backups", type=int, default=REQUEST_LOG_BACKUPS,
+                        help="rotated request logs kept, .1 the newest (default: %(default)s)")
+    parser.add_argument("--no-request-log", action="store_true", help="do not write the request log")
 
 
 def _server(config):
@@ -79,6 +91,7 @@ async def run(args) -> int:
     from .app import create_app
     from .handler import Gateway
     from .metrics import GatewayMetrics
+    from .request_log import RequestLog
     from .nats_api import NatsAPI
     from .streams import GATEWAY_ID, TokenStreams
 
@@ -92,8 +105,12 @@ async def run(args) -> int:
                             namespace=args.namespace)
     streams = TokenStreams(bus, GATEWAY_ID)
     await streams.start()
+    request_log = None if args.no_request_log else RequestLog(
+        args.request_log, args.request_log_max_bytes, args.request_log_backups)
+    if request_log:
+        log.info("request log: %s", request_log.path)
     gw = Gateway(bus, tokenizer, served, streams, GatewayMetrics(served), max_model_len=args.max_model_len,
-                 stream_timeout=args.stream_timeout)
+                 stream_timeout=args.stream_timeout, request_log=request_log)
     nats_api = NatsAPI(gw)
     await nats_api.start()
 
@@ -129,6 +146,8 @@ async def run(args) -> int:
         await nats_api.stop(GRACE)
         await streams.stop()
         await bus.close()
+        if request_log:
+            request_log.close()
         telemetry.shutdown()
         log.info("gateway stopped")
     return 0 if server.started else 1
