@@ -3,11 +3,17 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from tiny_model import make_tiny_llama
+
+# Gateways started by tests log their requests here, not into the user's cache (children inherit it).
+os.environ.setdefault("MESHSERVE_REQUEST_LOG",
+                      os.path.join(tempfile.mkdtemp(prefix="meshserve-test-log-"), "requests.jsonl"))
 
 
 @pytest.fixture(scope="session")

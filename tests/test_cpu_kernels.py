@@ -169,3 +169,59 @@ def test_gemv_matches_linear(n, k, m, with_bias):
     got = lin(x).float()
     # fp32 accumulation, then one rounding to bf16: within a couple of bf16 ulps of the exact value
     assert torch.allclose(got, want, rtol=2 ** -7, atol=1e-2)
+
+
+# -- a layer's element-wise steps (kernels/cpu/layer_ops.cpp) against their torch references
+
+def layer_ops_or_skip():
+    from meshserve.kernels.layer_ops import LayerOps
+    ops = LayerOps(torch.bfloat16, "cpu", 1e-5)
+    if ops.kernel is None:
+        pytest.skip("the compiled layer ops are unavailable here (see the warning logged)")
+    return ops, LayerOps(torch.float32, "cpu", 1e-5)  # the reference, whatever the dtype
+
+
+def close_bf16(a, b, ulps=2):
+    """Within a couple of bf16 roundings of each other (relative to the values' scale)."""
+    a, b = a.float(), b.float()
+    assert torch.allclose(a, b, rtol=ulps * 2 ** -8, atol=ulps * 2 ** -8 * b.abs().max().item()), \
+        (a - b).abs().max()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 200])
+def test_layer_ops_match_reference(rows):
+    ops, ref = layer_ops_or_skip()
+    torch.manual_seed(rows)
+    d, heads, hd = 576, 12, 64
+    x = torch.randn(rows, d).bfloat16()
+    w = (torch.rand(d) + 0.5).bfloat16()
+    close_bf16(ops.rms_norm(x, w), ref.rms_norm(x, w))
+
+    a, res = torch.randn(rows, d).bfloat16(), torch.randn(rows, d).bfloat16()
+    res_k, res_r = res.clone(), res.clone()
+    out_k, out_r = ops.add_rms_norm_(a.clone(), res_k, w), ref.add_rms_norm_(a.clone(), res_r, w)
+    assert torch.equal(res_k, res_r)  # the residual stream is rounded exactly as torch rounds it
+    close_bf16(out_k, out_r)
+
+    # RoPE on the q and k heads of a fused qkv row; v (the rest of the row) stays as it was.
+    qkv = torch.randn(rows, (heads + 3) * hd).bfloat16()
+    pos = torch.randint(0, 4096, (rows,))
+    ang = torch.outer(torch.arange(4096).float(), torch.rand(hd // 2))
+    cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
+    q_k, q_r = qkv.clone(), qkv.clone()
+    ops.rope_(q_k, pos, cos, sin, heads, hd)
+    ref.rope_(q_r, pos, cos, sin, heads, hd)
+    close_bf16(q_k, q_r)
+    assert torch.equal(q_k[:, heads * hd:], qkv[:, heads * hd:])
+
+    gu = torch.randn(rows, 2 * 1536).bfloat16()
+    close_bf16(ops.silu_mul(gu), ref.silu_mul(gu))
+
+
+def test_layer_ops_reject_bad_input():
+    ops, _ = layer_ops_or_skip()
+    with pytest.raises(RuntimeError, match="position out of range"):
+        ops.rope_(torch.zeros(1, 128).bfloat16(), torch.tensor([99]), torch.zeros(8, 32).bfloat16(),
+                  torch.zeros(8, 32).bfloat16(), 2, 64)
+    with pytest.raises(RuntimeError, match="bfloat16 only"):
+        ops.kernel.rms_norm(torch.zeros(1, 8), torch.zeros(1, 8), torch.ones(8), 1e-5)

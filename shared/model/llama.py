@@ -10,11 +10,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from meshserve.kernels.layer_ops import LayerOps
 from meshserve.kernels.linear import Linear
 from meshserve.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 
 from .config import ModelConfig
-from .rope import apply_rope, rope_cos_sin
+from .rope import rope_cos_sin
 
 
 def fuse_hf_weights(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -58,37 +59,34 @@ class LlamaModel:
         cos, sin = rope_cos_sin(cfg, max_positions or cfg.max_position_embeddings)
         self.cos, self.sin = cos.to(self.dtype), sin.to(self.dtype)
         self.scale = cfg.head_dim ** -0.5
+        self.ops = LayerOps(self.dtype, self.embed.device, cfg.rms_norm_eps)
 
     @classmethod
     def from_hf(cls, cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
                 pack: bool = True) -> "LlamaModel":
         return cls(cfg, fuse_hf_weights(cfg, sd, dtype), pack)
 
-    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)
-
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: torch.Tensor) -> torch.Tensor:
+                 kv_cache: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [N]. kv_cache: [layers, 2, num_slots, kv_heads, head_dim].
         Returns the final hidden states [N, hidden]."""
-        cfg = self.cfg
+        cfg, ops = self.cfg, self.ops
         n, hq, hkv, d = input_ids.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-        x = F.embedding(input_ids, self.embed)
+        x = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
+        h = ops.rms_norm(x, self.attn_norm[0])
+        next_norm = self.attn_norm[1:] + [self.norm]
         for i, proj in enumerate(self.proj):
-            h = self._rms(x, self.attn_norm[i])
             qkv = proj["qkv"](h)
-            qk = apply_rope(qkv[:, :(hq + hkv) * d].view(n, hq + hkv, d), cos, sin)
-            q, k = qk[:, :hq], qk[:, hq:]
+            ops.rope_(qkv, positions, self.cos, self.sin, hq + hkv, d)
+            q = qkv[:, :hq * d].view(n, hq, d)
+            k = qkv[:, hq * d:(hq + hkv) * d].view(n, hkv, d)
             v = qkv[:, (hq + hkv) * d:].view(n, hkv, d)
             write_kv(kv_cache[i], k, v, meta.slot_mapping)
             attn = paged_attention(q, k, v, kv_cache[i], meta, self.scale)
-            x = x + proj["o"](attn)
-            h = self._rms(x, self.mlp_norm[i])
-            gate, up = proj["gate_up"](h).chunk(2, dim=-1)
-            x = x + proj["down"](F.silu(gate) * up)
-        return self._rms(x, self.norm)
+            h = ops.add_rms_norm_(proj["o"](attn), x, self.mlp_norm[i])
+            h = ops.add_rms_norm_(proj["down"](ops.silu_mul(proj["gate_up"](h))), x, next_norm[i])
+        return h
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
