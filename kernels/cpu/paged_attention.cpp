@@ -320,6 +320,9 @@ void run(const Args& a, int64_t B, int64_t max_ctx) {
   const int64_t buf = std::max<int64_t>(max_ctx, 1) * a.G;
   int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
   threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks)));
+  // A small batch's attention takes microseconds on one core; waking a second thread costs as
+  // much, and far more when another process holds that core (the team then waits at the barrier).
+  if (B * max_ctx * a.Hkv * a.D < (int64_t(1) << 18)) threads = 1;
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     // Per-thread buffers: scores (G x max context), scaled queries and accumulators (G x D),
