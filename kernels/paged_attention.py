@@ -13,7 +13,9 @@ implements the same functions over the same metadata; this file is its oracle.
 On the CPU the decodes go to a compiled kernel (kernels/cpu/paged_attention.cpp, loaded by
 cpu/paged_attention.cpp) that reads keys and values straight from the arena through the block
 tables; the gather + SDPA below stays as its oracle and as the fallback when it cannot be built or
-MESHSERVE_DISABLE_CPU_KERNELS=1.
+MESHSERVE_DISABLE_CPU_KERNELS=1. On a CUDA arena, write_kv and the decodes go to the CuPy kernels
+of kernels/cuda_ops.py (same call), prefill chunks run the torch code below on the GPU, and the
+torch path is again the fallback (no CuPy, MESHSERVE_DISABLE_CUDA_KERNELS=1).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import cpu_build
+from . import cpu_build, cuda_ops
 
 
 @dataclass
@@ -50,8 +52,10 @@ class AttentionMetadata:
 
 
 def decode_kernel(kv: torch.Tensor):
-    """The compiled CPU decode kernel's module when decodes over this arena run it, else None (the
-    gather + SDPA reference, which needs decode_slots/decode_mask)."""
+    """The compiled decode kernel (the CPU module, or cuda_ops on a CUDA arena) when decodes over this
+    arena run it, else None (the gather + SDPA reference, which needs decode_slots/decode_mask)."""
+    if cuda_ops.handles(kv):
+        return cuda_ops
     if kv.device.type != "cpu" or kv.dtype not in (torch.float32, torch.bfloat16) or not kv.is_contiguous():
         return None
     return cpu_build.load("meshserve_paged_attention_cpu", "paged_attention.cpp")
@@ -65,13 +69,16 @@ def decode_slots_and_mask(block_tables: torch.Tensor, context_lens: torch.Tensor
                           block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference path's padded slot ids [nd, T] and validity mask [nd, 1, 1, T] from block tables."""
     nd, t = block_tables.shape[0], int(context_lens.max())
-    pos = torch.arange(t)
+    pos = torch.arange(t, device=block_tables.device)
     slots = torch.gather(block_tables, 1, (pos // block_size).expand(nd, t)) * block_size + pos % block_size
     return slots, (pos.unsqueeze(0) < context_lens.unsqueeze(1)).view(nd, 1, 1, t)
 
 
 def write_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """kv: one layer's arena [2, num_slots, kv_heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim]."""
+    if cuda_ops.handles(kv):
+        cuda_ops.write_kv(kv, k, v, slot_mapping)
+        return
     kv[0].index_copy_(0, slot_mapping, k)
     kv[1].index_copy_(0, slot_mapping, v)
 
@@ -88,7 +95,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch
     kernel = decode_kernel(kv) if nd and meta.decode_block_tables is not None else None
     if kernel is not None:
         # Reads K/V through the block tables; q may be a strided view (rows of the fused qkv).
-        out = torch.empty(n, hq * d, dtype=q.dtype)
+        out = torch.empty(n, hq * d, dtype=q.dtype, device=q.device)
         qd = q[:nd] if q.stride(2) == 1 else q[:nd].contiguous()
         kernel.paged_decode_attention(
             out[:nd].view(nd, hq, d), qd, kv, meta.decode_block_tables, meta.decode_context_lens,
@@ -107,10 +114,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch
         o = F.scaled_dot_product_attention(qd, kvd[0], kvd[1], attn_mask=mask, scale=scale)
         if nd == n:
             return o.reshape(nd, hq * d)
-        out = torch.empty(n, hq * d, dtype=q.dtype)
+        out = torch.empty(n, hq * d, dtype=q.dtype, device=q.device)
         out[:nd] = o.reshape(nd, hq * d)
     else:
-        out = torch.empty(n, hq * d, dtype=q.dtype)
+        out = torch.empty(n, hq * d, dtype=q.dtype, device=q.device)
     for p in meta.prefills:
         qp = q[p.start:p.start + p.length].transpose(0, 1).unsqueeze(0)  # [1, hq, L, d]
         if p.slots is None:
@@ -121,8 +128,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch
             kp = k_cache[p.slots].transpose(0, 1).unsqueeze(0)  # [1, hkv, T, d]
             vp = v_cache[p.slots].transpose(0, 1).unsqueeze(0)
             cached = p.context_len - p.length
-            rows = torch.arange(p.length).unsqueeze(1) + cached
-            mask = torch.arange(p.context_len).unsqueeze(0) <= rows  # causal with an offset
+            rows = torch.arange(p.length, device=q.device).unsqueeze(1) + cached
+            mask = torch.arange(p.context_len, device=q.device).unsqueeze(0) <= rows  # causal with an offset
             o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=True)
         out[p.start:p.start + p.length] = o[0].transpose(0, 1).reshape(p.length, hq * d)
     return out

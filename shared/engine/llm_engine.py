@@ -62,7 +62,8 @@ class LLMEngine:
     def __init__(self, model, config: EngineConfig | None = None, eos_token_ids: list[int] | None = None,
                  model_name: str = "", kv_cache: torch.Tensor | None = None):
         """kv_cache: an arena mapped from the kv-pool (the mesh); then the engine starts holding no
-        blocks and its owner leases them (block_manager.add_free)."""
+        blocks and its owner leases them (block_manager.add_free). The engine runs on the model's
+        device (LlamaModel.from_hf(..., device="cuda")); its own arena is allocated there."""
         self.model = model
         self.config = config = config or EngineConfig()
         cfg = model.cfg
@@ -70,7 +71,8 @@ class LLMEngine:
         if kv_cache is None:
             num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // kv_bytes_per_block(
                 cfg, config.block_size, model.dtype))
-            kv_cache = torch.zeros(kv_arena_shape(cfg, num_blocks, config.block_size), dtype=model.dtype)
+            kv_cache = torch.zeros(kv_arena_shape(cfg, num_blocks, config.block_size), dtype=model.dtype,
+                                   device=getattr(model, "device", None))  # beside the weights
             free = None
         else:
             num_blocks, free = kv_cache.shape[2] // config.block_size, []

@@ -50,7 +50,18 @@ class ModelRunner:
             if not use_decode_kernel(self.kv_cache):  # the reference path gathers through slot ids
                 meta.decode_slots, meta.decode_mask = decode_slots_and_mask(table, meta.decode_context_lens, bs)
         meta.slot_mapping = torch.tensor(slot_mapping, dtype=torch.long)
-        return torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta, sample_rows
+        ids_t, pos_t = torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long)
+        device = self.kv_cache.device
+        if device.type != "cpu":  # built on the host, then copied to the arena's device
+            to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+            ids_t, pos_t, meta.slot_mapping = to(ids_t), to(pos_t), to(meta.slot_mapping)
+            for name in ("decode_block_tables", "decode_context_lens", "decode_slots", "decode_mask"):
+                if getattr(meta, name) is not None:
+                    setattr(meta, name, to(getattr(meta, name)))
+            for p in meta.prefills:
+                if p.slots is not None:
+                    p.slots = to(p.slots)
+        return ids_t, pos_t, meta, sample_rows
 
     def run(self, batch: ScheduledBatch) -> list[tuple[int, TokenLogprobs | None] | None]:
         """The next token of each sequence of the batch (None for a chunk that ends mid-prompt)."""

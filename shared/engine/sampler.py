@@ -44,8 +44,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     for i, p in enumerate(params):
         if p.greedy:
             continue
-        probs = _filter(logits[i], p).softmax(-1)
-        noise = torch.empty_like(probs).exponential_(generator=generators[i])
+        g = generators[i]
+        # A seeded request's generator lives on the CPU (Sequence): its row is sampled there, so its
+        # noise stream is the same on every backend and in every batch.
+        row = logits[i] if g is None else logits[i].to(g.device)
+        probs = _filter(row, p).softmax(-1)
+        noise = torch.empty_like(probs).exponential_(generator=g)
         tokens[i] = int((probs / noise).argmax())
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     out: list[TokenLogprobs | None] = [None] * len(params)

@@ -57,14 +57,18 @@ class LlamaModel:
                           down=Linear(weights[f"layers.{i}.down"], None, pack)) for i in L]
         self.head = Linear(weights.get("lm_head", self.embed), None, pack)
         cos, sin = rope_cos_sin(cfg, max_positions or cfg.max_position_embeddings)
-        self.cos, self.sin = cos.to(self.dtype), sin.to(self.dtype)
+        self.device = self.embed.device  # the weights' device; rope tables and the KV arena go there too
+        self.cos, self.sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
         self.scale = cfg.head_dim ** -0.5
         self.ops = LayerOps(self.dtype, self.embed.device, cfg.rms_norm_eps)
 
     @classmethod
     def from_hf(cls, cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-                pack: bool = True) -> "LlamaModel":
-        return cls(cfg, fuse_hf_weights(cfg, sd, dtype), pack)
+                pack: bool = True, device: str | torch.device = "cpu") -> "LlamaModel":
+        weights = fuse_hf_weights(cfg, sd, dtype)
+        if torch.device(device).type != "cpu":
+            weights = {name: w.to(device) for name, w in weights.items()}
+        return cls(cfg, weights, pack)
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
