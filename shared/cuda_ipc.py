@@ -110,13 +110,17 @@ def export(t: torch.Tensor) -> dict:
     # cls, size, stride, storage offset, storage cls, dtype, device, handle, storage bytes, storage
     # offset bytes, requires_grad, ref counter handle, ref counter offset, event handle, event sync.
     _, args = reduce_tensor(t.detach())
-    handle = bytes(args[7]).hex()
+    handle = _hex(args[7])
     with _lock:
         _exported[(handle, args[9])] = weakref.ref(t)
     return desc | {"kind": "torch", "storage_offset": args[3], "handle": handle, "storage_bytes": args[8],
-                   "storage_offset_bytes": args[9], "ref_counter_handle": bytes(args[11]).hex(),
-                   "ref_counter_offset": args[12], "event_handle": None if args[13] is None else bytes(args[13]).hex(),
+                   "storage_offset_bytes": args[9], "ref_counter_handle": _hex(args[11]),
+                   "ref_counter_offset": args[12], "event_handle": None if args[13] is None else _hex(args[13]),
                    "event_sync_required": bool(args[14])}
+
+
+def _hex(x: bytes | str) -> str:
+    return (x if isinstance(x, bytes) else str(x).encode()).hex()
 
 
 def _strided(base: torch.Tensor, offset: int, dtype: torch.dtype, shape: list[int], strides: list[int]) -> torch.Tensor:

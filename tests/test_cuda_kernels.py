@@ -755,7 +755,7 @@ def test_gpu_engine_bf16_runs(tiny_cuda):
     cfg, sd, prompts, ref = tiny_cuda
     model = LlamaModel.from_hf(cfg, sd, torch.bfloat16, device="cuda")
     got = small_pool_engine(model).generate(prompts, SamplingParams(max_tokens=16, temperature=0))
-    assert all(len(g) == len(r) or (g and g[-1] in cfg.eos_token_ids) for g, r in zip(got, ref))
+    assert all(len(g) == 16 or g[-1] in cfg.eos_token_ids for g in got)  # ran to the end, or stopped at EOS
     assert sum(g[0] == r[0] for g, r in zip(got, ref)) >= len(ref) * 0.75  # bf16 rounds differently
 
 
