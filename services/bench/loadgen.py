@@ -1,0 +1,380 @@
+"""`meshserve bench`: load-test an OpenAI-compatible HTTP server or meshserve's NATS API with a workload.
+
+    meshserve bench --url http://127.0.0.1:8000 --workload mixed-chat [--seed N] [--model M]
+                    [--json OUT] [--plots DIR] [--slo-ttft 1.0 --slo-tpot 0.1]
+    meshserve bench --nats-url nats://127.0.0.1:4222 [--namespace meshserve] --workload priority-mix
+
+Workloads are files (YAML or JSON; see services/bench/workload.py) or the names of the shipped
+ones: mixed-chat, mixed-64, short-long, shared-prefix, priority-mix, multi-model. Prompts are
+token-id lists drawn from the seed over the tokenizer's vocabulary (special tokens left out),
+sent to /v1/completions with max_tokens = the output length, ignore_eos, temperature 0 (unless the
+workload says otherwise), streaming with usage. Requests are sent at their arrival times (at most
+--max-concurrency in flight). Prints the report as JSON on stdout and a table on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+import time
+from typing import Any, AsyncIterator, Callable
+
+from meshserve.services.bench.report import RequestResult, plots, print_table, summarize, table
+from meshserve.services.bench.workload import Request, WorkloadSpec, load_workload, summary
+from meshserve.shared.models_repo import DEFAULT_MODEL
+
+
+class TargetError(Exception):
+    """A request failed; the message is the reason the report counts."""
+
+
+# --- targets: each streams the JSON chunks of one request
+
+def _error_message(data: Any) -> str:
+    if isinstance(data, dict) and isinstance(data.get("error"), dict):
+        return str(data["error"].get("message") or data["error"])
+    if isinstance(data, dict) and "error" in data:
+        return str(data["error"])
+    if isinstance(data, dict) and "detail" in data:
+        return str(data["detail"])
+    return str(data)
+
+
+class HTTPTarget:
+    """An OpenAI-compatible server (meshserve's gateway, vLLM, SGLang, llama.cpp, ...), SSE streaming."""
+
+    def __init__(self, url: str, endpoint: str = "completions", timeout: float = 600.0, max_connections: int = 1000):
+        base = url.rstrip("/")
+        if not base.endswith("/v1"):
+            base += "/v1"
+        self.url = base + ("/chat/completions" if endpoint == "chat" else "/completions")
+        self.timeout, self.max_connections = timeout, max_connections
+        self.client = None
+
+    def describe(self) -> dict:
+        return {"kind": "http", "url": self.url}
+
+    async def __aenter__(self):
+        import httpx
+
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=30.0, read=self.timeout, write=60.0, pool=None),
+            limits=httpx.Limits(max_connections=self.max_connections, max_keepalive_connections=self.max_connections))
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.client.aclose()
+
+    async def stream(self, body: dict) -> AsyncIterator[dict]:
+        import httpx
+
+        try:
+            async with self.client.stream("POST", self.url, json=body) as r:
+                if r.status_code != 200:
+                    raw = await r.aread()
+                    try:
+                        msg = _error_message(json.loads(raw))
+                    except ValueError:
+                        msg = raw.decode(errors="replace").strip()[:200]
+                    raise TargetError(f"HTTP {r.status_code}: {msg}")
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        return
+                    try:
+                        yield json.loads(data)
+                    except ValueError:
+                        raise TargetError(f"bad SSE data: {data[:100]!r}") from None
+        except httpx.TimeoutException as e:
+            raise TargetError(f"timeout ({type(e).__name__})") from None
+        except httpx.HTTPError as e:
+            raise TargetError(f"{type(e).__name__}: {e}".rstrip(": ")) from None
+
+
+class NATSTarget:
+    """meshserve's NATS API: publish with an inbox as the reply subject; one message per chunk, then [DONE]."""
+
+    def __init__(self, nats_url: str, namespace: str = "meshserve", endpoint: str = "completions",
+                 timeout: float = 600.0):
+        from meshserve.shared.subjects import Subjects
+
+        s = Subjects(namespace)
+        self.nats_url, self.subject = nats_url, s.chat_completions if endpoint == "chat" else s.completions
+        self.timeout = timeout
+        self.nc = None
+
+    def describe(self) -> dict:
+        return {"kind": "nats", "url": self.nats_url, "subject": self.subject}
+
+    async def __aenter__(self):
+        import nats
+
+        self.nc = await nats.connect(self.nats_url, max_reconnect_attempts=2)
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.nc.drain()
+
+    async def stream(self, body: dict) -> AsyncIterator[dict]:
+        import nats.errors
+        import orjson
+
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox)
+        try:
+            await self.nc.publish(self.subject, orjson.dumps(body), reply=inbox)
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=self.timeout)
+                except nats.errors.TimeoutError:
+                    raise TargetError(f"timeout: no message for {self.timeout:g} s") from None
+                if msg.data == b"[DONE]":
+                    return
+                try:
+                    chunk = orjson.loads(msg.data)
+                except orjson.JSONDecodeError:
+                    raise TargetError(f"bad message: {msg.data[:100]!r}") from None
+                if isinstance(chunk, dict) and "error" in chunk:
+                    status = (msg.headers or {}).get("Meshserve-Status", "error")
+                    raise TargetError(f"NATS {status}: {_error_message(chunk)}")
+                yield chunk
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+
+# --- requests
+
+def build_body(req: Request, model: str | None, endpoint: str = "completions", prompt_format: str = "ids",
+               tokenizer=None, model_map: dict[str, str] | None = None) -> dict:
+    """The JSON body of one request."""
+    name = req.model or model
+    name = (model_map or {}).get(name, name)
+    body: dict[str, Any] = {"model": name, "max_tokens": req.output_len, "stream": True,
+                            "stream_options": {"include_usage": True}} | req.sampling
+    if req.priority:
+        body["priority"] = req.priority
+    if endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": tokenizer.decode(req.prompt)}]
+        body["max_completion_tokens"] = req.output_len
+    else:
+        body["prompt"] = tokenizer.decode(req.prompt) if prompt_format == "text" else req.prompt
+    return body
+
+
+def _chunk_text(chunk: dict) -> str:
+    choices = chunk.get("choices") or []
+    if not choices:
+        return ""
+    c = choices[0]
+    return c.get("text") or (c.get("delta") or {}).get("content") or ""
+
+
+async def measure(target, body: dict, res: RequestResult, clock: Callable[[], float]) -> RequestResult:
+    """Sends one request and records when its content chunks came; never raises for the server's errors."""
+    res.start = clock()
+    usage = None
+    try:
+        async for chunk in target.stream(body):
+            now = clock()
+            if "error" in chunk:
+                raise TargetError(f"stream error: {_error_message(chunk)}")
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            if _chunk_text(chunk):
+                res.chunk_times.append(now)
+        res.end = clock()
+    except TargetError as e:
+        res.error = str(e)
+    except Exception as e:  # noqa: BLE001 - a client-side failure is a failed request, not a crash
+        res.error = f"{type(e).__name__}: {e}"
+    if res.end is None:
+        res.end = clock()
+    if usage:
+        res.output_tokens = int(usage.get("completion_tokens") or 0)
+        res.prompt_tokens = int(usage.get("prompt_tokens") or res.prompt_tokens)
+        res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    elif res.error is None:
+        res.output_tokens = len(res.chunk_times)
+    if res.error is None and not res.chunk_times:
+        res.error = "no output: the stream ended without content"
+    return res
+
+
+def new_result(req: Request) -> RequestResult:
+    return RequestResult(index=req.index, cls=req.cls, model=req.model, priority=req.priority,
+                         prompt_tokens=req.prompt_len, requested_output_tokens=req.output_len,
+                         arrival=req.arrival, slo=dict(req.slo))
+
+
+async def run(target, requests: list[Request], bodies: list[dict], max_concurrency: int | None = None,
+              on_done: Callable[[RequestResult], None] | None = None) -> list[RequestResult]:
+    """Sends each request at its arrival time (seconds from now), at most max_concurrency in flight."""
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    t0 = time.perf_counter()
+
+    def clock() -> float:
+        return time.perf_counter() - t0
+
+    async def one(req: Request, body: dict) -> RequestResult:
+        res = new_result(req)
+        delay = req.arrival - clock()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if sem is None:
+            await measure(target, body, res, clock)
+        else:
+            async with sem:
+                await measure(target, body, res, clock)
+        if on_done:
+            on_done(res)
+        return res
+
+    return list(await asyncio.gather(*[one(q, b) for q, b in zip(requests, bodies)]))
+
+
+# --- command line
+
+def special_ids(tokenizer) -> set[int]:
+    """Token ids a random prompt must not contain: the special (added) tokens, BOS and EOS."""
+    ids = {i for i, t in tokenizer.tk.get_added_tokens_decoder().items() if t.special}
+    ids |= set(tokenizer.eos_token_ids)
+    if tokenizer.bos_token_id is not None:
+        ids.add(tokenizer.bos_token_id)
+    return ids
+
+
+def add_workload_arguments(ap: argparse.ArgumentParser, default_workload: str | None = None) -> None:
+    """The workload options `meshserve bench` and `meshserve compare` share."""
+    ap.add_argument("--workload", required=default_workload is None, default=default_workload,
+                    help="a workload file (YAML/JSON) or a shipped workload's name")
+    ap.add_argument("--seed", type=int, default=None, help="default: the workload's seed")
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="model name sent (and whose tokenizer builds prompts)")
+    ap.add_argument("--num-requests", type=int, default=None, help="send this many requests (shrinks a workload)")
+    ap.add_argument("--max-model-len", type=int, default=8192,
+                    help="context length: lengths written for another context are scaled, all are clamped to it")
+    ap.add_argument("--request-rate", type=float, default=None,
+                    help="replace the workload's (top-level) arrivals by Poisson at this rate; inf: all at once")
+    ap.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    ap.add_argument("--slo-ttft", type=float, default=1.0, help="goodput SLO on TTFT, s (a class's own SLOs win)")
+    ap.add_argument("--slo-tpot", type=float, default=0.1, help="goodput SLO on TPOT, s")
+    ap.add_argument("--slo-e2e", type=float, default=None, help="goodput SLO on end-to-end latency, s")
+
+
+def prepare_workload(a: argparse.Namespace, vocab_size: int, special: set[int]) -> tuple[WorkloadSpec, list[Request]]:
+    spec = load_workload(a.workload)
+    if a.request_rate is not None:
+        spec.arrival = spec.arrival.model_copy(update=(
+            {"pattern": "all_at_once"} if a.request_rate == float("inf") else {"pattern": "poisson", "rate": a.request_rate}))
+    if a.max_concurrency is not None:
+        spec.arrival = spec.arrival.model_copy(update={"max_concurrency": a.max_concurrency})
+    reqs = spec.generate(a.seed, vocab_size=vocab_size, special_ids=special, max_model_len=a.max_model_len,
+                         num_requests=a.num_requests)
+    return spec, reqs
+
+
+def slo_of(a: argparse.Namespace) -> dict[str, float | None]:
+    return {"ttft": a.slo_ttft, "tpot": a.slo_tpot, "e2e": a.slo_e2e}
+
+
+def progress_run(target, reqs: list[Request], bodies: list[dict], max_concurrency: int | None,
+                 quiet: bool = False, label: str = "requests") -> list[RequestResult]:
+    """run() with a rich progress bar on stderr."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    async def go(on_done):
+        async with target:
+            return await run(target, reqs, bodies, max_concurrency, on_done)
+
+    if quiet:
+        return asyncio.run(go(None))
+    failed = 0
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.fields[failed]} failed"), console=Console(stderr=True), transient=False) as p:
+        task = p.add_task(label, total=len(reqs), failed=0)
+
+        def done(res: RequestResult) -> None:
+            nonlocal failed
+            failed += not res.ok
+            p.update(task, advance=1, failed=failed)
+
+        return asyncio.run(go(done))
+
+
+def quiet_http_logs() -> None:
+    """The CLI logs at INFO; one httpx line per request would bury the progress bar."""
+    import logging
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def write_json(path: str, data: dict) -> None:
+    from pathlib import Path
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        f.write(json.dumps(data, indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="meshserve bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default="http://127.0.0.1:8000", help="OpenAI-compatible server (with or without /v1)")
+    ap.add_argument("--nats-url", default=None, help="use meshserve's NATS API at this server instead of HTTP")
+    ap.add_argument("--namespace", default="meshserve", help="NATS subject prefix")
+    add_workload_arguments(ap)
+    ap.add_argument("--tokenizer", default=None, help="model name or path whose vocabulary builds prompts (default: --model)")
+    ap.add_argument("--vocab-size", type=int, default=None,
+                    help="draw prompt ids below this without loading a tokenizer (ids prompts only)")
+    ap.add_argument("--model-map", action="append", default=[], metavar="NAME=SERVED",
+                    help="send the workload's model NAME as SERVED (repeatable)")
+    ap.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    ap.add_argument("--prompt-format", choices=["ids", "text"], default="ids",
+                    help="send prompts as token ids, or decoded to text (the server re-tokenizes: lengths differ)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="longest wait for the next chunk, s")
+    ap.add_argument("--json", default=None, help="write the report (with per-request records) here")
+    ap.add_argument("--plots", default=None, help="write PNG plots into this folder")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar and no table")
+    a = ap.parse_args(argv)
+    quiet_http_logs()
+
+    tokenizer = None
+    if a.vocab_size:
+        vocab, special = a.vocab_size, set()
+        if a.endpoint == "chat" or a.prompt_format == "text":
+            ap.error("--vocab-size makes id prompts only; text and chat need a tokenizer")
+    else:
+        from meshserve.shared.models_repo import load_tokenizer
+
+        tokenizer = load_tokenizer(a.tokenizer or a.model)
+        vocab, special = tokenizer.vocab_size, special_ids(tokenizer)
+    try:
+        model_map = dict(m.split("=", 1) for m in a.model_map)
+    except ValueError:
+        ap.error("--model-map takes NAME=SERVED")
+    spec, reqs = prepare_workload(a, vocab, special)
+    bodies = [build_body(q, a.model, a.endpoint, a.prompt_format, tokenizer, model_map) for q in reqs]
+    if a.nats_url:
+        target = NATSTarget(a.nats_url, a.namespace, a.endpoint, a.timeout)
+    else:
+        target = HTTPTarget(a.url, a.endpoint, a.timeout, max_connections=max(16, len(reqs) + 4))
+    results = progress_run(target, reqs, bodies, spec.arrival.max_concurrency, a.quiet, label=spec.name)
+    report = {"command": "meshserve bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "target": target.describe(), "model": a.model,
+              "workload": summary(spec, reqs, a.seed) | {"max_model_len": a.max_model_len,
+                                                          "endpoint": a.endpoint, "prompt_format": a.prompt_format},
+              "slo": slo_of(a)} | summarize(results, slo_of(a))
+    if a.plots:
+        report["plots"] = plots(results, a.plots, title=spec.name)
+    if a.json:
+        write_json(a.json, report | {"per_request": [r.record() for r in results]})
+    if not a.quiet:
+        print_table(table(report, title=f"meshserve bench: {spec.name} -> {target.describe()['url']}"))
+    print(json.dumps(report, indent=2))
+    return 1 if results and all(not r.ok for r in results) else 0
