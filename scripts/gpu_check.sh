@@ -3,6 +3,7 @@
 # copy/swap, CUDA IPC across processes, the engine against Transformers) and the GPU benchmark.
 #
 #   bash scripts/gpu_check.sh            (from anywhere; $OUT collects the results, else a temp dir)
+#   device tool: run(command="bash scripts/gpu_check.sh", carry=[], timeout_s=420)
 #
 # Writes to $OUT: env.txt, compile.log, pytest.log, gpu_bench.json, gpu_bench.log. Needs python3
 # with torch, cupy, transformers, tokenizers, safetensors, numpy and pytest; nothing is installed:
@@ -62,4 +63,6 @@ timeout 210 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_cuda_kernels.p
 echo "pytest exit: $?"
 timeout 150 "$PY" -m meshserve.services.bench.gpu_bench --json "$OUT/gpu_bench.json" 2>&1 | tee "$OUT/gpu_bench.log"
 echo "gpu_bench exit: $?"
+set +x
+echo "=== pytest summary"; grep -E "passed|failed|error|FAILED|ERROR" "$OUT/pytest.log" | tail -n 40
 ls -la "$OUT"
