@@ -55,7 +55,7 @@ def decode_kernel(kv: torch.Tensor):
     """The compiled decode kernel (the CPU module, or cuda_ops on a CUDA arena) when decodes over this
     arena run it, else None (the gather + SDPA reference, which needs decode_slots/decode_mask)."""
     if cuda_ops.handles(kv):
-        return cuda_ops
+        return cuda_ops if cuda_ops.decode_supported(kv.shape[-1], kv.dtype) else None
     if kv.device.type != "cpu" or kv.dtype not in (torch.float32, torch.bfloat16) or not kv.is_contiguous():
         return None
     return cpu_build.load("meshserve_paged_attention_cpu", "paged_attention.cpp")
