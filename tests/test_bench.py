@@ -115,12 +115,14 @@ def test_bench_command_measures_the_delays_it_was_given(fake, tmp_path):
     for m in ("ttft", "tpot", "itl", "e2e"):
         assert set(report[m]) == {"mean", "p50", "p90", "p99"} and all(v is not None for v in report[m].values())
     assert report["requests"] == 16 and report["completed"] == 10 and report["failed"] == 6
-    # timing: the fake's delays, plus a little (loopback, a loaded CI machine)
-    assert FIRST <= report["ttft"]["p50"] < FIRST + 0.1 and report["ttft"]["p99"] < FIRST + 0.25
-    assert abs(report["itl"]["p50"] - GAP) < 0.015 and abs(report["itl"]["mean"] - GAP) < 0.015
+    # timing: the fake's delays, plus a little (16 connections opened at once by a cold client on a
+    # loaded machine; test_arrivals_and_max_concurrency_are_honoured checks TTFT more tightly)
+    timing = {m: report[m] for m in ("ttft", "itl", "tpot", "e2e")}
+    assert FIRST <= report["ttft"]["p50"] < FIRST + 0.2 and report["ttft"]["p99"] < FIRST + 0.5, timing
+    assert abs(report["itl"]["p50"] - GAP) < 0.015 and abs(report["itl"]["mean"] - GAP) < 0.015, timing
     # one token per chunk here, so TPOT (over tokens, after the first) is the mean gap
-    assert abs(report["tpot"]["mean"] - report["itl"]["mean"]) < 0.002
-    assert FIRST + 9 * GAP <= report["e2e"]["p50"] < FIRST + 9 * GAP + 0.25
+    assert abs(report["tpot"]["mean"] - report["itl"]["mean"]) < 0.003, timing
+    assert FIRST + 9 * GAP <= report["e2e"]["p50"] < FIRST + 9 * GAP + 0.3, timing
     assert report["output_tokens"] == 100 and report["prompt_tokens"] > 0
     assert abs(report["output_throughput"] - 100 / report["duration_s"]) < 1e-6
     # failures, with their reasons
@@ -158,7 +160,8 @@ def test_arrivals_and_max_concurrency_are_honoured(fake):
     assert 0.1 - 1e-3 <= results[1].start - results[0].start < 0.3  # (the first send imports a little)
     assert results[2].start >= results[0].end - 0.01  # the third waited for the first to finish
     s = summarize(results)
-    assert s["ttft"]["p50"] == pytest.approx(FIRST, abs=0.08)
+    assert FIRST <= s["ttft"]["p50"] < FIRST + 0.035  # not at the second chunk (FIRST + GAP)
+    assert all(FIRST <= r.ttft < FIRST + 0.2 for r in results)
 
 
 def test_unreachable_server_is_a_failure_with_its_reason():
