@@ -102,7 +102,8 @@ class Launcher:
             self.spawn("nats-server", [nats_server_binary(), "-c", str(conf)])
             a.nats_url = f"nats://127.0.0.1:{a.nats_port}"
         self.spawn("model-loader", self.serve_cmd("model-loader", "--preload"))
-        self.spawn("kv-pool", self.serve_cmd("kv-pool", "--kv-cache-gb", str(a.kv_cache_gb)))
+        self.spawn("kv-pool", self.serve_cmd("kv-pool", "--kv-cache-gb", str(a.kv_cache_gb),
+                                             "--swap-space", str(a.swap_space)))
         worker_opts = ["--max-num-batched-tokens", str(a.max_num_batched_tokens)]
         if a.pack_weights:
             worker_opts.append("--pack-weights")
@@ -202,6 +203,8 @@ def add_arguments(p) -> None:
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (0: decode workers prefill too)")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
     p.add_argument("--kv-cache-gb", type=float, default=2.0)
+    p.add_argument("--swap-space", type=float, default=1.0, help="GiB of host memory for evicted prefix-cache "
+                   "blocks (the kv-pool's swap tier; 0: none)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--pack-weights", action="store_true", help="workers keep a faster private weight copy")
     p.add_argument("--startup-timeout", type=float, default=600.0)

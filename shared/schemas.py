@@ -140,6 +140,7 @@ class Heartbeat(Message):
     prefix_queries: int = 0
     prefix_hits: int = 0
     num_preemptions: int = 0
+    max_num_seqs: int = 0  # sequences it runs at most (0: unknown); the scheduler's "full"
     time: float
 
 
@@ -150,6 +151,8 @@ class KVEvent(Message):
     stored: list[int] = Field(default_factory=list)
     removed: list[int] = Field(default_factory=list)
     cleared: bool = False  # the worker started afresh: forget all it had
+    node_id: str = ""
+    tier: Literal["arena", "host"] = "arena"  # host: the kv-pool's swap tier (worker_id names the pool)
 
 
 class ArenaDescriptor(Message):
@@ -162,6 +165,7 @@ class ArenaDescriptor(Message):
     shape: list[int]  # [layers, 2, num_slots, kv_heads, head_dim]
     block_size: int
     num_blocks: int
+    swap_blocks: int = 0  # capacity of the kv-pool's host swap tier (0: none)
 
 
 class LeaseRequest(Message):
@@ -215,3 +219,74 @@ class WeightsDescriptor(Message):
 class LoadRequest(Message):
     model: str
     dtype: str = "bfloat16"
+
+
+class SwapRequest(Message):
+    """Moves blocks between a worker's leased arena blocks and the node's host swap tier, by ids:
+    the kv-pool copies (no KV byte crosses NATS). `swap_out` runs first, so a block may be spilled
+    and refilled in one request."""
+
+    worker_id: str
+    swap_out: list[tuple[int, int]] = Field(default_factory=list)  # (block id, its prefix-cache key)
+    swap_in: list[tuple[int, int]] = Field(default_factory=list)  # (key, block id to fill), a prefix chain
+
+
+class SwapReply(Message):
+    ok: bool
+    stored: int = 0  # of swap_out, newly in the host tier (the others were there already)
+    restored: int = 0  # the leading entries of swap_in that were found and copied back
+    error: str | None = None
+
+
+class KVImport(Message):
+    """A decode worker asks its node's kv-pool to pull a handed-off sequence's blocks from another
+    node into fresh blocks leased to the worker."""
+
+    transfer_id: str
+    worker_id: str
+    src_node: str
+    src_worker: str  # holds one reference on each source block until the transfer closes
+    block_ids: list[int]  # the handed-over blocks (all released on the source once it is over)
+    num_tokens: int  # of those, the tokens whose KV is computed: only their blocks are copied
+
+
+class KVImportReply(Message):
+    ok: bool
+    block_ids: list[int] = Field(default_factory=list)  # on this node, in the order of the source's
+    bytes: int = 0
+    chunks: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+
+class KVFetchOpen(Message):
+    """Opens a pull of blocks from a node's arena. The payload is the blocks one after the other,
+    each block as its 2 x layers contiguous segments (block_size x kv_heads x head_dim elements)."""
+
+    transfer_id: str
+    holder: str
+    block_ids: list[int]
+    dtype: str
+    block_shape: list[int]  # [layers, 2, block_size, kv_heads, head_dim]: both ends must agree
+    max_chunk_bytes: int
+    also_release: list[int] = Field(default_factory=list)  # the holder's blocks not copied (nothing computed)
+
+
+class KVFetchInfo(Message):
+    ok: bool
+    total_bytes: int = 0
+    chunk_bytes: int = 0
+    num_chunks: int = 0
+    error: str | None = None
+
+
+class KVChunkRequest(Message):
+    """One chunk of an open pull; the reply is the raw bytes, its index and CRC-32 in headers."""
+
+    transfer_id: str
+    index: int
+
+
+class KVFetchClose(Message):
+    transfer_id: str
+    release: bool = True  # drop the holder's reference on the source blocks

@@ -4,17 +4,26 @@
     <ns>.scheduler.{submit,handoff,abort,done,status} gateway/workers -> scheduler
     <ns>.worker.<id>.{prefill,adopt,abort}           scheduler -> one worker
     <ns>.workers.heartbeat                           workers -> scheduler
-    <ns>.kv.{arena,lease,release,retain,transfer}    workers, scheduler <-> kv-pool
-    <ns>.kv.events                                   workers -> scheduler, kv-pool (blocks stored/removed)
+    <ns>.kv.<node>.{arena,lease,release,retain,transfer,status}  workers, scheduler <-> the node's kv-pool
+    <ns>.kv.<node>.swap                              workers -> kv-pool (arena <-> host swap tier, by block ids)
+    <ns>.kv.<node>.import                            a decode worker -> its kv-pool (pull blocks from another node)
+    <ns>.kv.<node>.{fetch,chunk,close}               kv-pool -> kv-pool (KV bytes between nodes, in chunks)
+    <ns>.kv.<node>.events                            workers, kv-pool -> scheduler, kv-pools (blocks stored/removed)
     <ns>.models.{load,list}                          workers -> model-loader
     <ns>.tokens.<gateway id>                         workers -> the gateway that owns the request
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 DEFAULT_NAMESPACE = "meshserve"
+
+
+def node_token(node: str) -> str:
+    """A node id as one subject token (Kubernetes node names may hold dots)."""
+    return node if node == "*" else re.sub(r"[.*>\s]", "_", node)
 
 
 @dataclass(frozen=True)
@@ -59,9 +68,9 @@ class Subjects:
     def worker(self, worker_id: str, verb: str) -> str:
         return f"{self.ns}.worker.{worker_id}.{verb}"
 
-    # kv-pool
-    def kv(self, verb: str) -> str:
-        return f"{self.ns}.kv.{verb}"
+    # kv-pool: one per node, so its subjects name the node ("*" in a subscription: every node)
+    def kv(self, verb: str, node: str) -> str:
+        return f"{self.ns}.kv.{node_token(node)}.{verb}"
 
     # model-loader
     def models(self, verb: str) -> str:

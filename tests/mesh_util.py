@@ -60,3 +60,71 @@ class Mesh:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+class Node:
+    """Another node of a running Mesh: its own model-loader and kv-pool (so its own KV arena and weights)
+    and workers, all under `--node-id`, on the mesh's NATS. To the mesh it is a second machine."""
+
+    def __init__(self, mesh: Mesh, node_id: str, tmp: Path, prefill: int = 0, decode: int = 1,
+                 kv_pool_args: list[str] | None = None, worker_args: list[str] | None = None):
+        from meshserve.services.launcher import _die_with_parent
+
+        self.mesh, self.node_id, self.procs = mesh, node_id, []
+        self.log = tmp / f"node-{node_id}-{mesh.port}.log"
+        out = open(self.log, "w")
+        env = {**os.environ, "MESHSERVE_SHM_DIR": str(mesh.shm_dir)}
+
+        def spawn(role: str, *extra: str) -> None:
+            cmd = [sys.executable, "-m", "meshserve.services.cli", "serve", role, "--nats-url", mesh.nats_url,
+                   "--namespace", mesh.namespace, "--model", mesh.model, "--dtype", "float32", "--node-id", node_id,
+                   *extra]
+            self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                               preexec_fn=_die_with_parent))
+
+        spawn("model-loader", "--preload")
+        spawn("kv-pool", "--kv-cache-gb", "0.02", *(kv_pool_args or []))
+        for role, n in (("prefill", prefill), ("decode", decode)):
+            for _ in range(n):
+                spawn(role, *(worker_args or []))
+        self.num_workers = prefill + decode
+
+    def wait_ready(self, timeout: float = 240) -> "Node":
+        """Until the scheduler has heard every worker of this node."""
+        import asyncio
+
+        import nats
+        import orjson
+
+        async def workers() -> list[dict]:
+            nc = await nats.connect(self.mesh.nats_url)
+            try:
+                msg = await nc.request(f"{self.mesh.namespace}.scheduler.status", b"", timeout=5)
+                return orjson.loads(msg.data)["workers"]
+            finally:
+                await nc.close()
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for p in self.procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"a process of {self.node_id} exited ({p.returncode}):\n"
+                                       f"{self.log.read_text()[-4000:]}")
+            try:
+                if sum(w.get("node_id") == self.node_id for w in asyncio.run(workers())) >= self.num_workers:
+                    return self
+            except Exception:  # noqa: BLE001 - the scheduler may not answer yet
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.node_id} not ready in {timeout}s:\n{self.log.read_text()[-4000:]}")
+
+    def stop(self) -> None:
+        """Workers first, then kv-pool and model-loader (which remove their shared-memory files)."""
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

@@ -6,6 +6,14 @@ them in batches. A block may be held by several workers at once (a prefill worke
 it handed to a decode worker); it is free again when its last reference is released. A worker
 that stops sending heartbeats loses all its references. Workers' KV events (prefix-cache keys
 stored and removed) are kept as the node's prefix index, per worker.
+
+Two copies of KV bytes happen here, never in a worker's hot path and never over NATS on one node:
+- the host swap tier (swap.py): workers spill cached prefix blocks they are about to overwrite
+  and bring them back when a prompt starts with that prefix again (`swap`, block ids only);
+- cross-node transfers (transfer.py): a decode worker adopting a sequence prefilled on another
+  node asks its kv-pool to `import` the blocks; this pool pulls them from the source node's pool
+  in chunks and leases them to the worker.
+Its subjects name the node (`<ns>.kv.<node>.<verb>`), so every node's kv-pool answers for its own.
 """
 
 from __future__ import annotations
@@ -22,10 +30,14 @@ from meshserve.shared.bus import Bus
 from meshserve.shared.engine.llm import DTYPES
 from meshserve.shared.engine.llm_engine import kv_arena_shape, kv_bytes_per_block
 from meshserve.shared.model.config import ModelConfig
-from meshserve.shared.schemas import (ArenaDescriptor, BlockRefs, BlockTransfer, Heartbeat, KVEvent,
-                                      LeaseReply, LeaseRequest, LoadRequest, TransferReply,
-                                      WeightsDescriptor)
+from meshserve.shared.schemas import (ArenaDescriptor, BlockRefs, BlockTransfer, Heartbeat, KVEvent, KVImport,
+                                      KVImportReply, LeaseReply, LeaseRequest, LoadRequest, SwapReply, SwapRequest,
+                                      TransferReply, WeightsDescriptor)
 from meshserve.shared.service import run_service
+
+from . import transfer
+from .blocks import ArenaBlocks
+from .swap import HostTier
 
 log = logging.getLogger("meshserve.kv_pool")
 
@@ -79,6 +91,10 @@ class BlockLedger:
             dst_held[b] += 1
         return True
 
+    def holds(self, worker: str, blocks) -> bool:
+        held = self.held.get(worker, Counter())
+        return all(held[b] >= n for b, n in Counter(blocks).items())
+
     def drop_worker(self, worker: str) -> int:
         held = self.held.pop(worker, Counter())
         for b, n in held.items():
@@ -91,9 +107,80 @@ class BlockLedger:
 class KVPool:
     def __init__(self, bus: Bus, args, desc: ArenaDescriptor):
         self.bus, self.args, self.desc = bus, args, desc
+        self.node = desc.node_id
         self.ledger = BlockLedger(desc.num_blocks)
         self.last_seen: dict[str, float] = {}
         self.prefix_index: dict[str, set[int]] = {}
+        arena = shm.view(shm.map_bytes(desc.path), 0, desc.dtype, desc.shape)
+        self.blocks = ArenaBlocks(arena, desc.block_size)
+        self.host = HostTier(desc.swap_blocks, self.blocks.block_bytes)
+        self.transfers = transfer.TransferStats()
+        self.fetch = transfer.FetchServer(bus, self.blocks, self.ledger.held, self.ledger.release, self.transfers,
+                                          ttl=args.transfer_ttl)
+        self.tasks: set[asyncio.Task] = set()
+
+    def kv(self, verb: str) -> str:
+        return self.bus.subjects.kv(verb, self.node)
+
+    # -- the host swap tier
+
+    async def swap(self, req: SwapRequest) -> SwapReply:
+        """Copies spilled blocks into the host tier, then found ones back into the worker's blocks."""
+        if not self.host.enabled:
+            return SwapReply(ok=False, error="this kv-pool has no swap tier (--swap-space 0)")
+        blocks = {b for b, _ in req.swap_out} | {b for _, b in req.swap_in}  # a block may be spilled and refilled
+        if not self.ledger.holds(req.worker_id, blocks):
+            return SwapReply(ok=False, error=f"{req.worker_id} does not hold all of blocks {sorted(blocks)[:8]}...")
+        reply = self.host.apply(self.blocks, req)
+        await self._publish_host_events()
+        return reply
+
+    async def _publish_host_events(self) -> None:
+        stored, removed = self.host.drain_events()
+        if stored or removed:
+            await self.bus.publish(self.kv("events"), KVEvent(worker_id=f"kv-pool-{self.node}", node_id=self.node,
+                                                              stored=stored, removed=removed, tier="host"))
+
+    # -- cross-node transfers, destination side
+
+    async def import_blocks(self, req: KVImport) -> KVImportReply:
+        """Leases fresh blocks to the worker and fills them with the source node's blocks."""
+        t0 = time.monotonic()
+        n = min(len(req.block_ids), -(-req.num_tokens // self.desc.block_size))  # blocks with KV in them
+        self.last_seen.setdefault(req.worker_id, time.monotonic())  # reaped like any holder if it is gone
+        dst = self.ledger.lease(req.worker_id, n)
+        try:
+            if len(dst) < n:
+                raise transfer.TransferError(f"KV transfer {req.transfer_id}: node {self.node}'s arena has "
+                                             f"{len(dst)} free blocks, {n} needed")
+            nbytes, chunks = await transfer.pull(
+                self.bus, req.src_node, req.transfer_id, req.src_worker, req.block_ids[:n], dst, self.blocks,
+                max_chunk_bytes=self.args.transfer_chunk_bytes, timeout=self.args.transfer_timeout,
+                stats=self.transfers, also_release=req.block_ids[n:])
+        except Exception as e:  # noqa: BLE001 - TransferError, or anything else: the worker must hear why
+            if not isinstance(e, transfer.TransferError):
+                log.exception("KV transfer %s failed", req.transfer_id)
+                e = transfer.TransferError(f"KV transfer {req.transfer_id} from node {req.src_node}: {e!r}")
+            self.ledger.release(req.worker_id, dst)
+            if len(dst) < n:  # pull() did not run: the source still waits for its references to go
+                await self.bus.publish(self.bus.subjects.kv("release", req.src_node),
+                                       BlockRefs(worker_id=req.src_worker, block_ids=req.block_ids))
+                self.transfers.failed += 1
+                self.transfers.last_error = str(e)
+            log.warning("%s", e)
+            return KVImportReply(ok=False, error=str(e), seconds=time.monotonic() - t0)
+        dt = time.monotonic() - t0
+        log.info("KV transfer %s: %d blocks (%d bytes, %d chunks) from node %s in %.3fs", req.transfer_id, n,
+                 nbytes, chunks, req.src_node, dt)
+        return KVImportReply(ok=True, block_ids=dst, bytes=nbytes, chunks=chunks, seconds=dt)
+
+    def status(self) -> dict:
+        return {"node_id": self.node, "num_blocks": self.desc.num_blocks, "free_blocks": len(self.ledger.free),
+                "block_bytes": self.blocks.block_bytes,
+                "holders": {w: sum(c.values()) for w, c in self.ledger.held.items()},
+                "cached_blocks": {w: len(i) for w, i in self.prefix_index.items()},
+                "swap": self.host.stats(),
+                "transfers": {**self.transfers.as_dict(), "open_pulls": len(self.fetch.pulls)}}
 
     async def serve(self) -> None:
         s, nc = self.bus.subjects, self.bus.nc
@@ -121,7 +208,9 @@ class KVPool:
             await msg.respond(TransferReply(ok=ok, error=None if ok else "blocks no longer held").encode())
 
         async def on_heartbeat(msg):
-            self.last_seen[Heartbeat.decode(msg.data).worker_id] = time.monotonic()
+            hb = Heartbeat.decode(msg.data)
+            if hb.node_id == self.node:
+                self.last_seen[hb.worker_id] = time.monotonic()
 
         async def on_event(msg):
             ev = KVEvent.decode(msg.data)
@@ -132,16 +221,24 @@ class KVPool:
             idx.difference_update(ev.removed)
 
         async def on_status(msg):
-            await msg.respond(orjson.dumps({
-                "num_blocks": self.desc.num_blocks, "free_blocks": len(self.ledger.free),
-                "holders": {w: sum(c.values()) for w, c in self.ledger.held.items()},
-                "cached_blocks": {w: len(i) for w, i in self.prefix_index.items()}}))
+            await msg.respond(orjson.dumps(self.status()))
+
+        async def on_swap(msg):
+            await msg.respond((await self.swap(SwapRequest.decode(msg.data))).encode())
+
+        async def on_import(msg):
+            async def run():  # its own task: transfers overlap, and the pool keeps answering meanwhile
+                await msg.respond((await self.import_blocks(KVImport.decode(msg.data))).encode())
+            t = asyncio.ensure_future(run())
+            self.tasks.add(t)
+            t.add_done_callback(self.tasks.discard)
 
         for verb, cb in (("arena", on_arena), ("lease", on_lease), ("release", on_release),
-                         ("retain", on_retain), ("transfer", on_transfer), ("status", on_status)):
-            await nc.subscribe(s.kv(verb), cb=cb)
+                         ("retain", on_retain), ("transfer", on_transfer), ("status", on_status),
+                         ("events", on_event), ("swap", on_swap), ("import", on_import),
+                         ("fetch", self.fetch.on_open), ("chunk", self.fetch.on_chunk), ("close", self.fetch.on_close)):
+            await nc.subscribe(self.kv(verb), cb=cb)
         await nc.subscribe(s.heartbeat, cb=on_heartbeat)
-        await nc.subscribe(s.kv("events"), cb=on_event)
         self.reaper = asyncio.ensure_future(self._reap())
 
     async def _reap(self) -> None:
@@ -155,6 +252,7 @@ class KVPool:
                     del self.last_seen[w]
                     self.prefix_index.pop(w, None)
                     log.warning("worker %s silent for %.1fs: reclaimed %d block references", w, now - seen, n)
+            self.fetch.expire()
 
 
 def add_arguments(p) -> None:
@@ -162,6 +260,14 @@ def add_arguments(p) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--worker-timeout", type=float, default=3.0, help="seconds without heartbeat before a "
                    "worker's blocks are reclaimed")
+    p.add_argument("--swap-space", type=float, default=1.0, help="GiB of host memory for the swap tier of "
+                   "evicted prefix-cache blocks (0: none)")
+    p.add_argument("--transfer-chunk-bytes", type=int, default=1 << 20, help="largest chunk of a cross-node KV "
+                   "transfer (also capped by the server's max_payload)")
+    p.add_argument("--transfer-timeout", type=float, default=5.0, help="seconds to wait for one chunk (or the "
+                   "source's answer) before a cross-node KV transfer fails")
+    p.add_argument("--transfer-ttl", type=float, default=120.0, help="seconds after which a pull from this node "
+                   "that was never closed is dropped")
 
 
 async def make_arena(bus: Bus, args) -> ArenaDescriptor:
@@ -172,11 +278,14 @@ async def make_arena(bus: Bus, args) -> ArenaDescriptor:
     dtype = DTYPES[args.dtype]
     num_blocks = max(1, int(args.kv_cache_gb * (1 << 30)) // kv_bytes_per_block(cfg, args.block_size, dtype))
     shape = kv_arena_shape(cfg, num_blocks, args.block_size)
-    nbytes = num_blocks * kv_bytes_per_block(cfg, args.block_size, dtype)
+    block_bytes = kv_bytes_per_block(cfg, args.block_size, dtype)
+    nbytes = num_blocks * block_bytes
     path = shm.create(f"meshserve-{bus.subjects.ns}-{args.node_id}-kv", nbytes)
-    log.info("KV arena: %d blocks of %d tokens, %.2f GiB at %s", num_blocks, args.block_size, nbytes / (1 << 30), path)
+    swap_blocks = int(args.swap_space * (1 << 30)) // block_bytes
+    log.info("KV arena: %d blocks of %d tokens, %.2f GiB at %s; host swap tier: %d blocks", num_blocks,
+             args.block_size, nbytes / (1 << 30), path, swap_blocks)
     return ArenaDescriptor(node_id=args.node_id, path=str(path), dtype=args.dtype, shape=shape,
-                           block_size=args.block_size, num_blocks=num_blocks)
+                           block_size=args.block_size, num_blocks=num_blocks, swap_blocks=swap_blocks)
 
 
 async def main(args) -> None:

@@ -1,6 +1,9 @@
 """`meshserve serve scheduler`: admits requests, routes them to workers, moves prefilled
 sequences to decode workers, and re-dispatches the requests of workers that disappear.
 
+A decode worker on the prefill's node gets the sequence's blocks by id (the kv-pool moves one
+reference); one on another node pulls their bytes through its own kv-pool first (cross-node).
+
 It never sees tokens: the gateway owns each stream. When a worker goes silent, the scheduler
 tells the gateway of each of its requests ("worker_lost"); the gateway re-submits with the
 tokens the client already has, and a new worker recomputes and continues from there.
@@ -60,6 +63,7 @@ class Scheduler:
         total = max((w.hb.total_blocks for w in ws), default=1)
         return {"ready": ready,
                 "workers": [{"id": w.hb.worker_id, "role": w.hb.role, "model": w.hb.model,
+                             "node_id": w.hb.node_id,
                              "running": w.hb.num_running, "waiting": w.hb.num_waiting,
                              "assigned": len(w.assigned),
                              "free_blocks": w.hb.free_blocks} for w in ws],
@@ -104,22 +108,24 @@ class Scheduler:
         s = self.bus.subjects
         if rid in self.aborted or rid not in self.requests:
             # Nobody wants it any more: give the blocks back on the prefill worker's behalf.
-            await self.bus.publish(s.kv("release"), BlockRefs(worker_id=src, block_ids=h.block_ids))
+            await self.bus.publish(s.kv("release", h.node_id), BlockRefs(worker_id=src, block_ids=h.block_ids))
             self.requests.pop(rid, None)
             return
-        dst = pick_decode(self.decode_candidates(h.request.model))
+        dst = pick_decode(self.decode_candidates(h.request.model), h.node_id)
         if dst is None:
             dst = self.workers.get(src)  # no decode worker: the prefill worker decodes it itself
         if dst is None:
             await self._lost(self.requests.pop(rid).req)
             return
+        remote = dst.hb.node_id != h.node_id
         with span("scheduler.handoff", h.request.trace, request_id=rid, src=src, dst=dst.hb.worker_id,
-                  blocks=len(h.block_ids)):
-            t = await self.bus.request(s.kv("transfer"), BlockTransfer(from_worker=src, to_worker=dst.hb.worker_id,
-                                                                      block_ids=h.block_ids), TransferReply)
-            if not t.ok:  # the prefill worker died and its blocks were reclaimed: start over
-                await self._lost(self.requests.pop(rid).req)
-                return
+                  blocks=len(h.block_ids), cross_node=remote):
+            if not remote:  # one node: one reference per block moves; cross-node, the decode worker pulls them
+                t = await self.bus.request(s.kv("transfer", h.node_id), BlockTransfer(
+                    from_worker=src, to_worker=dst.hb.worker_id, block_ids=h.block_ids), TransferReply)
+                if not t.ok:  # the prefill worker died and its blocks were reclaimed: start over
+                    await self._lost(self.requests.pop(rid).req)
+                    return
             self.requests[rid].worker = dst.hb.worker_id
             dst.assigned.add(rid)
             await self.bus.publish(s.worker(dst.hb.worker_id, "adopt"), h)
@@ -215,7 +221,7 @@ class Scheduler:
         await nc.subscribe(s.done, cb=on_done)
         await nc.subscribe(s.abort, cb=on_abort)
         await nc.subscribe(s.heartbeat, cb=on_heartbeat)
-        await nc.subscribe(s.kv("events"), cb=on_event)
+        await nc.subscribe(s.kv("events", "*"), cb=on_event)
         await nc.subscribe(s.scheduler_status, cb=on_status)
         self.reaper = asyncio.ensure_future(self.reap())
 

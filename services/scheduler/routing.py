@@ -4,7 +4,9 @@ tested and read on their own.
 Prefill: cost = CACHE_WEIGHT x (prompt blocks not already cached on the worker) + load, where
 load counts the requests queued there in units of an average prompt's blocks. Traffic sharing a
 system prompt goes where the prompt is cached until that worker's queue outweighs the saving.
-Decode: the most free KV blocks, then the fewest running sequences.
+Decode: a worker on the prefill's node (the blocks are handed over by id) unless none is there or
+all there are full; then one on another node (the blocks cross NATS). Among those, the most free
+KV blocks, then the fewest running sequences.
 """
 
 from __future__ import annotations
@@ -57,6 +59,14 @@ def pick_idle_for_short_prompt(decoders: list[WorkerView], prompt_len: int, limi
     return pick_prefill(idle, prompt_hashes)
 
 
-def pick_decode(workers: list[WorkerView]) -> WorkerView | None:
-    return max(workers, key=lambda w: (w.hb.free_blocks - 4 * len(w.assigned), -w.hb.num_running,
-                                       w.hb.worker_id), default=None)
+def decode_full(w: WorkerView) -> bool:
+    """Runs (or has been sent) as many sequences as it may run at once."""
+    return 0 < w.hb.max_num_seqs <= max(w.hb.num_running + w.hb.num_waiting, len(w.assigned))
+
+
+def pick_decode(workers: list[WorkerView], node_id: str | None = None) -> WorkerView | None:
+    """node_id: where the sequence's blocks are; a worker there is preferred while it has room."""
+    room = [w for w in workers if not decode_full(w)] or workers
+    local = [w for w in room if w.hb.node_id == node_id]
+    return max(local or room, key=lambda w: (w.hb.free_blocks - 4 * len(w.assigned), -w.hb.num_running,
+                                             w.hb.worker_id), default=None)

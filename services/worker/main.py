@@ -3,7 +3,8 @@
 Roles:
 - prefill: computes prompts (chunked) into KV blocks of the node's shared arena, streams the first
   token, then hands the sequence to a decode worker by block ids (no KV bytes move);
-- decode: adopts handed-off sequences and runs the continuous-batching loop, streaming tokens;
+- decode: adopts handed-off sequences and runs the continuous-batching loop, streaming tokens
+  (a sequence prefilled on another node has its blocks pulled over first: kv_transfer.py);
 - mixed: does both for its own requests (a decode worker takes prefills when the scheduler sends
   them, e.g. when no prefill worker is up).
 
@@ -31,6 +32,8 @@ from meshserve.shared.schemas import (Abort, ArenaDescriptor, BlockRefs, Done, G
                                       TokenChunk, WeightsDescriptor)
 from meshserve.shared.service import run_service
 from meshserve.shared import telemetry
+
+from .kv_transfer import KVMover
 
 log = logging.getLogger("meshserve.worker")
 
@@ -61,7 +64,7 @@ class Worker:
         weights = {t.name: shm.view(buf, t.offset, t.dtype, t.shape) for t in w.tensors}
         cfg = ModelConfig(**w.config)
         model = LlamaModel(cfg, weights, pack=a.pack_weights)
-        arena = await self.bus.request(s.kv("arena"), LeaseRequest(worker_id=self.id, num_blocks=0),
+        arena = await self.bus.request(s.kv("arena", a.node_id), LeaseRequest(worker_id=self.id, num_blocks=0),
                                        ArenaDescriptor, timeout=900)
         kv = shm.view(shm.map_bytes(arena.path), 0, arena.dtype, arena.shape)
         sched = SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
@@ -70,8 +73,10 @@ class Worker:
                                                     scheduler=sched),
                                 model_name=a.served_model_name or a.model, kv_cache=kv)
         self.served = a.served_model_name or a.model
+        self.kv = KVMover(self, arena.swap_blocks)  # cross-node adoption, host swap tier
+        await self.kv.start()
         await self._lease(a.lease_blocks)
-        await self.bus.publish(s.kv("events"), KVEvent(worker_id=self.id, cleared=True))
+        await self.bus.publish(s.kv("events", a.node_id), KVEvent(worker_id=self.id, cleared=True, node_id=a.node_id))
         for verb, cb in (("prefill", self._on_request), ("adopt", self._on_adopt), ("abort", self._on_abort)):
             await self.bus.nc.subscribe(s.worker(self.id, verb), cb=cb)
         self.tasks = [asyncio.ensure_future(self._heartbeats()), asyncio.ensure_future(self._loop())]
@@ -84,7 +89,8 @@ class Worker:
         bm = self.engine.block_manager
         held = [b for b in range(bm.num_blocks) if bm.ref_count[b]] + list(bm.free) + list(bm.free_shared)
         if held:
-            await self.bus.publish(self.bus.subjects.kv("release"), BlockRefs(worker_id=self.id, block_ids=held))
+            await self.bus.publish(self.bus.subjects.kv("release", self.args.node_id),
+                                   BlockRefs(worker_id=self.id, block_ids=held))
         await self.bus.nc.flush()
 
     # -- messages in (applied between steps)
@@ -94,7 +100,11 @@ class Worker:
         self.wake.set()
 
     async def _on_adopt(self, msg) -> None:
-        self.inbox.append(("adopt", Handoff.decode(msg.data)))
+        h = Handoff.decode(msg.data)
+        if h.node_id != self.args.node_id:  # prefilled on another node: its blocks come over first
+            self.kv.adopt_remote(h)
+            return
+        self.inbox.append(("adopt", h))
         self.wake.set()
 
     async def _on_abort(self, msg) -> None:
@@ -109,6 +119,7 @@ class Worker:
             elif kind == "adopt":
                 self._adopt(m)
             else:
+                self.kv.cancel(m.request_id)
                 self.engine.abort(m.request_id, m.reason)
                 self.received.pop(m.request_id, None)
                 self.decode_start.pop(m.request_id, None)
@@ -116,6 +127,7 @@ class Worker:
                     await self._done(m.request_id, m.reason)
 
     async def _add(self, req: GenerateRequest) -> None:
+        await self.kv.prepare(req.prompt_token_ids + req.output_token_ids)  # its prefix back from the host tier
         try:
             self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling.to_params(),
                                     arrival_time=time.monotonic(), output_token_ids=req.output_token_ids)
@@ -205,7 +217,7 @@ class Worker:
         seq, blocks, shared = self.engine.detach(request_id)
         s = self.bus.subjects
         if shared:
-            await self.bus.publish(s.kv("retain"), BlockRefs(worker_id=self.id, block_ids=shared))
+            await self.bus.publish(s.kv("retain", self.args.node_id), BlockRefs(worker_id=self.id, block_ids=shared))
         with telemetry.span("kv.handoff", req.trace, worker=self.id, request_id=request_id, blocks=len(blocks)):
             await self.bus.publish(s.handoff, Handoff(
                 request=req, token_ids=seq.token_ids, block_ids=blocks, shared_block_ids=shared,
@@ -224,8 +236,8 @@ class Worker:
         return len(e.scheduler.running) + e.config.scheduler.max_num_batched_tokens // e.config.block_size + 2
 
     async def _lease(self, n: int) -> int:
-        r = await self.bus.request(self.bus.subjects.kv("lease"), LeaseRequest(worker_id=self.id, num_blocks=n),
-                                   LeaseReply, timeout=10)
+        r = await self.bus.request(self.bus.subjects.kv("lease", self.args.node_id),
+                                   LeaseRequest(worker_id=self.id, num_blocks=n), LeaseReply, timeout=10)
         self.engine.block_manager.add_free(r.block_ids)
         return len(r.block_ids)
 
@@ -234,17 +246,21 @@ class Worker:
         if bm.num_free_blocks < want:
             await self._lease(max(want - bm.num_free_blocks, self.args.lease_blocks // 4))
         elif bm.num_free_blocks > want + 2 * self.args.lease_blocks and not self.engine.scheduler.waiting:
-            surplus = bm.take_surplus(bm.num_free_blocks - want - self.args.lease_blocks)
-            bm.to_release.extend(surplus)
+            n = bm.num_free_blocks - want - self.args.lease_blocks
+            await self.kv.make_room(n)  # cached blocks among those given back go to the host tier
+            bm.to_release.extend(bm.take_surplus(n))
+        await self.kv.make_room(self.kv.blocks_next_step())  # ... and those the step would overwrite
 
     async def _flush_block_changes(self) -> None:
         bm, s = self.engine.block_manager, self.bus.subjects
         stored, removed = bm.drain_events()
         if stored or removed:
-            await self.bus.publish(s.kv("events"), KVEvent(worker_id=self.id, stored=stored, removed=removed))
+            await self.bus.publish(s.kv("events", self.args.node_id), KVEvent(
+                worker_id=self.id, stored=stored, removed=removed, node_id=self.args.node_id))
         released = bm.drain_releases()
         if released:
-            await self.bus.publish(s.kv("release"), BlockRefs(worker_id=self.id, block_ids=released))
+            await self.bus.publish(s.kv("release", self.args.node_id),
+                                   BlockRefs(worker_id=self.id, block_ids=released))
 
     async def _heartbeats(self) -> None:
         while True:
@@ -254,7 +270,8 @@ class Worker:
                 num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting) + len(self.inbox),
                 free_blocks=bm.num_free_blocks, held_blocks=bm.num_held_blocks, total_blocks=bm.num_blocks, block_size=bm.block_size,
                 max_model_len=e.max_model_len, prefix_queries=bm.prefix_queries, prefix_hits=bm.prefix_hits,
-                num_preemptions=e.scheduler.num_preemptions, time=time.time()))
+                num_preemptions=e.scheduler.num_preemptions, max_num_seqs=e.config.scheduler.max_num_seqs,
+                time=time.time()))
             await asyncio.sleep(self.args.heartbeat_interval)
 
 
