@@ -104,7 +104,7 @@ class Launcher:
         self.spawn("model-loader", self.serve_cmd("model-loader", "--preload"))
         self.spawn("kv-pool", self.serve_cmd("kv-pool", "--kv-cache-gb", str(a.kv_cache_gb),
                                              "--swap-space", str(a.swap_space)))
-        worker_opts = ["--max-num-batched-tokens", str(a.max_num_batched_tokens)]
+        worker_opts = ["--max-num-batched-tokens", str(a.max_num_batched_tokens), "--max-num-seqs", str(a.max_num_seqs)]
         if a.pack_weights:
             worker_opts.append("--pack-weights")
         if a.prefill == 0:  # no dedicated prefill workers: decode workers do both
@@ -206,6 +206,7 @@ def add_arguments(p) -> None:
     p.add_argument("--swap-space", type=float, default=1.0, help="GiB of host memory for evicted prefix-cache "
                    "blocks (the kv-pool's swap tier; 0: none)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences a worker runs at once")
     p.add_argument("--pack-weights", action="store_true", help="workers keep a faster private weight copy")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--request-log", default=None,

@@ -36,6 +36,14 @@ class Tracked:
     worker: str | None  # who has it now (None: in a handoff, between workers)
 
 
+def _by_priority(counts) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
 class Scheduler:
     def __init__(self, bus: Bus, args):
         self.bus, self.args = bus, args
@@ -72,7 +80,10 @@ class Scheduler:
                 "kv_usage": sum(w.hb.held_blocks - w.hb.free_blocks for w in ws) / total,
                 "prefix_queries": sum(w.hb.prefix_queries for w in ws),
                 "prefix_hits": sum(w.hb.prefix_hits for w in ws),
-                "num_preemptions": sum(w.hb.num_preemptions for w in ws)}
+                "num_preemptions": sum(w.hb.num_preemptions for w in ws),
+                "num_priority_preemptions": sum(w.hb.num_priority_preemptions for w in ws),
+                "running_by_priority": _by_priority(w.hb.running_by_priority for w in ws),
+                "waiting_by_priority": _by_priority(w.hb.waiting_by_priority for w in ws)}
 
     # -- requests
 

@@ -130,7 +130,8 @@ class Worker:
         await self.kv.prepare(req.prompt_token_ids + req.output_token_ids)  # its prefix back from the host tier
         try:
             self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling.to_params(),
-                                    arrival_time=time.monotonic(), output_token_ids=req.output_token_ids)
+                                    arrival_time=time.monotonic(), output_token_ids=req.output_token_ids,
+                                    priority=req.priority)
         except RequestError as e:
             await self.bus.publish(req.stream_subject, TokenChunk(
                 request_id=req.request_id, seq=0, index=len(req.output_token_ids), token_ids=[], finished=True,
@@ -146,7 +147,7 @@ class Worker:
     def _adopt(self, h: Handoff) -> None:
         req = h.request
         seq = self.engine.new_sequence(req.request_id, req.prompt_token_ids, req.sampling.to_params(),
-                                       time.monotonic(), h.token_ids[len(req.prompt_token_ids):])
+                                       time.monotonic(), h.token_ids[len(req.prompt_token_ids):], req.priority)
         seq.num_computed_tokens = h.num_computed_tokens
         seq.num_cached_tokens = h.num_cached_tokens
         self.engine.adopt(seq, h.block_ids, h.shared_block_ids)
@@ -265,12 +266,15 @@ class Worker:
     async def _heartbeats(self) -> None:
         while True:
             e, bm = self.engine, self.engine.block_manager
+            stats = e.stats
             await self.bus.publish(self.bus.subjects.heartbeat, Heartbeat(
                 worker_id=self.id, role=self.role, model=self.served, node_id=self.args.node_id,
                 num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting) + len(self.inbox),
                 free_blocks=bm.num_free_blocks, held_blocks=bm.num_held_blocks, total_blocks=bm.num_blocks, block_size=bm.block_size,
                 max_model_len=e.max_model_len, prefix_queries=bm.prefix_queries, prefix_hits=bm.prefix_hits,
                 num_preemptions=e.scheduler.num_preemptions, max_num_seqs=e.config.scheduler.max_num_seqs,
+                num_priority_preemptions=stats["num_priority_preemptions"],
+                running_by_priority=stats["running_by_priority"], waiting_by_priority=stats["waiting_by_priority"],
                 time=time.time()))
             await asyncio.sleep(self.args.heartbeat_interval)
 

@@ -107,14 +107,28 @@ class BlockManager:
             hits.append(bid)
         return hits
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Gives seq the blocks to hold num_new_tokens more computed tokens; False if there are too few."""
+    def _plan(self, seq: Sequence, num_new_tokens: int) -> tuple[bool, list[int], int, int]:
+        """(first allocation, prefix-cache hits, new blocks to take, how many more free blocks that needs)."""
         first = not seq.block_table and seq.num_computed_tokens == 0
         hits = self._match_prefix(seq) if first else []
-        need = self.blocks_needed(seq.num_computed_tokens + len(hits) * self.block_size + num_new_tokens)
+        cached = len(hits) * self.block_size  # a chunk sized before the hits were known ends at the same place
+        need = self.blocks_needed(seq.num_computed_tokens + min(cached + num_new_tokens, seq.num_tokens))
         new = need - len(seq.block_table) - len(hits)
         reclaim = sum(1 for b in hits if b in self.free)  # hits sitting in the free list
-        if new > len(self.free) - reclaim:
+        return first, hits, new, max(0, new - (len(self.free) - reclaim))
+
+    def blocks_short(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Free blocks missing for allocate(seq, num_new_tokens) to succeed (0: it fits)."""
+        return self._plan(seq, num_new_tokens)[3]
+
+    def num_freeable(self, seq: Sequence) -> int:
+        """Blocks free_seq(seq) would put back in the free list (those no one else holds)."""
+        return sum(1 for b in seq.block_table if self.ref_count[b] == 1 and b not in self.shared)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Gives seq the blocks to hold num_new_tokens more computed tokens; False if there are too few."""
+        first, hits, new, short = self._plan(seq, num_new_tokens)
+        if short:
             return False
         for b in hits:
             if self.ref_count[b] == 0:

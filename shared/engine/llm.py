@@ -79,11 +79,12 @@ class LLM:
         self.outputs = OutputProcessor(self.engine, self.tokenizer)
         self._next_id = 0
 
-    def add(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Completion:
+    def add(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+            priority: int | str = "normal") -> Completion:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if request_id is None:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
-        seq = self.engine.add_request(request_id, ids, params)
+        seq = self.engine.add_request(request_id, ids, params, priority=priority)
         c = Completion(request_id, ids, arrival_time=seq.arrival_time)
         self.outputs.add(c, params)
         return c

@@ -19,7 +19,7 @@ from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .sampler import TokenLogprobs
 from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from .sequence import SamplingParams, Sequence, SequenceStatus
+from .sequence import NORMAL, PRIORITIES, SamplingParams, Sequence, SequenceStatus, priority_level
 
 
 @dataclass
@@ -86,10 +86,13 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None, output_token_ids: list[int] | None = None) -> Sequence:
-        """output_token_ids: tokens already generated elsewhere (a re-dispatch): recomputed, then continued."""
+                    arrival_time: float | None = None, output_token_ids: list[int] | None = None,
+                    priority: int | str = NORMAL) -> Sequence:
+        """output_token_ids: tokens already generated elsewhere (a re-dispatch): recomputed, then continued.
+        priority: "interactive" (0), "normal" (1) or "background" (2); see scheduler.py."""
         try:
             params.validate()
+            priority = priority_level(priority)
         except ValueError as e:
             raise RequestError(str(e)) from None
         if request_id in self.requests:
@@ -108,15 +111,16 @@ class LLMEngine:
         if bm.blocks_needed(n + params.max_tokens) > bm.num_blocks:
             raise RequestError(f"the request needs {n + params.max_tokens} tokens of KV cache; "
                                f"the pool holds {bm.num_blocks * bm.block_size}")
-        seq = self.new_sequence(request_id, prompt_token_ids, params, arrival_time, output_token_ids)
+        seq = self.new_sequence(request_id, prompt_token_ids, params, arrival_time, output_token_ids, priority)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
 
     def new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     arrival_time: float | None = None, output_token_ids: list[int] | None = None) -> Sequence:
+                     arrival_time: float | None = None, output_token_ids: list[int] | None = None,
+                     priority: int | str = NORMAL) -> Sequence:
         """A sequence that may continue output generated elsewhere, its seeded stream included."""
-        seq = Sequence(request_id, prompt_token_ids, params, arrival_time)
+        seq = Sequence(request_id, prompt_token_ids, params, arrival_time, priority_level(priority))
         if output_token_ids:
             seq.token_ids += output_token_ids
             if seq.generator is not None:  # one draw per generated token, as the sampler does
@@ -189,10 +193,14 @@ class LLMEngine:
 
     @property
     def stats(self) -> dict:
-        bm = self.block_manager
-        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+        bm, sched = self.block_manager, self.scheduler
+        running = [sum(s.priority == p for s in sched.running) for p in range(len(PRIORITIES))]
+        return {"num_running": len(sched.running), "num_waiting": len(sched.waiting),
                 "kv_usage": bm.usage, "num_blocks": bm.num_blocks, "prefix_queries": bm.prefix_queries,
-                "prefix_hits": bm.prefix_hits, "num_preemptions": self.scheduler.num_preemptions}
+                "prefix_hits": bm.prefix_hits, "num_preemptions": sched.num_preemptions,
+                "num_priority_preemptions": sched.num_priority_preemptions,
+                "running_by_priority": dict(zip(PRIORITIES, running)),
+                "waiting_by_priority": dict(zip(PRIORITIES, sched.waiting.counts()))}
 
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestError", "RequestOutput", "SamplingParams", "SequenceStatus"]

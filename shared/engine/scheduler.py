@@ -1,20 +1,32 @@
 """Iteration-level scheduling: which sequences run in the next step, and how many tokens each.
 
 Every step takes all running decodes first, then fills the rest of the token budget with
-prefill chunks (running ones, then waiting ones in arrival order); while decodes run, prompts get
-at most `max_prefill_tokens_with_decodes` of it, which bounds the step and so the streams' gaps.
-When blocks run out, the newest running sequence is preempted by recompute: its blocks are freed (their prefix-cache
-keys survive, so it often gets them back) and it returns to the head of the queue.
+prefill chunks; while decodes run, prompts get at most `max_prefill_tokens_with_decodes` of it,
+which bounds the step and so the streams' gaps.
+
+Priorities (interactive 0, normal 1, background 2): waiting sequences sit in one FIFO per level
+(`WaitingQueue`); the next admitted is the head with the best effective level, which improves by
+one per `priority_aging_s` seconds waited, so no level starves. A running sequence keeps the level
+it was admitted at. Prompt chunks go by level: a waiting sequence of a higher priority than a
+running prompt gets the budget before it. One that does not fit (blocks or `max_num_seqs`)
+preempts running sequences of strictly lower priority, lowest and newest first; a sequence
+preempted so `max_priority_preemptions` times is not preempted for priority again. With one
+priority in use all this is first-come-first-served, as before.
+
+Preemption is by recompute: the blocks are freed (their prefix-cache keys survive, so the
+sequence often gets them back) and the sequence returns to the head of its level. When blocks
+run out for running sequences, the lowest-priority newest one is preempted, and nothing new is
+admitted in that step (no thrashing).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
-from .sequence import Sequence, SequenceStatus
+from .sequence import PRIORITIES, Sequence, SequenceStatus
 
 
 @dataclass
@@ -25,6 +37,12 @@ class SchedulerConfig:
     # Most prompt tokens in a step that also runs decodes: bounds the step, so the running
     # streams' inter-token latency stays low while prompts still progress every step.
     max_prefill_tokens_with_decodes: int = 128
+    # A waiting sequence's effective priority improves by one level per this many seconds waited
+    # (0: no aging), so a steady stream of higher priorities never starves a lower one.
+    priority_aging_s: float = 10.0
+    # A sequence preempted this many times to make room for higher priorities is then left alone
+    # (out-of-blocks preemption still applies): its recompute cost stays bounded.
+    max_priority_preemptions: int = 2
 
 
 @dataclass
@@ -39,12 +57,86 @@ class ScheduledBatch:
         return len(self.seqs)
 
 
+class WaitingQueue:
+    """Waiting sequences, one FIFO per priority level; a preempted one goes back to the head of its own.
+
+    `peek` gives the head with the best effective level (its level less one per `aging_s` seconds
+    since it joined the queue, but never better than `floor`, the best priority present), ties to the
+    longer wait. Within a level the order is FIFO, so with one priority in use this is exactly a
+    single first-come-first-served queue, however long sequences wait."""
+
+    def __init__(self, aging_s: float, clock):
+        self.levels: list[deque[Sequence]] = [deque() for _ in PRIORITIES]
+        self.aging_s, self.clock = aging_s, clock
+        self.floor = 0
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self.levels)
+
+    def __iter__(self):
+        return (s for q in self.levels for s in q)
+
+    def append(self, seq: Sequence) -> None:
+        seq.queued_at = self.clock()
+        self.levels[seq.priority].append(seq)
+
+    def appendleft(self, seq: Sequence) -> None:
+        seq.queued_at = self.clock()
+        self.levels[seq.priority].appendleft(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        self.levels[seq.priority].remove(seq)
+
+    def effective_level(self, seq: Sequence, now: float) -> int:
+        if self.aging_s <= 0:
+            return seq.priority
+        return min(seq.priority, max(self.floor, seq.priority - int((now - seq.queued_at) // self.aging_s)))
+
+    def peek(self) -> Sequence | None:
+        now = self.clock()
+        return min((q[0] for q in self.levels if q), key=lambda s: (self.effective_level(s, now), s.queued_at),
+                   default=None)
+
+    def pop(self, seq: Sequence) -> None:
+        """Takes seq, the head of its level, out."""
+        assert self.levels[seq.priority][0] is seq
+        self.levels[seq.priority].popleft()
+
+    def counts(self) -> list[int]:
+        return [len(q) for q in self.levels]
+
+
+@dataclass
+class _Step:
+    """The batch being built in one schedule() call."""
+
+    budget: int
+    scheduled: dict[int, tuple[Sequence, int]] = field(default_factory=dict)  # id -> (seq, tokens)
+    preempted: bool = False  # out of blocks: admit nothing more this step
+    evicted: set[int] = field(default_factory=set)  # ids preempted in this step: not re-admitted in it
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.scheduled[id(seq)] = (seq, n)
+        self.budget -= n
+
+    def drop(self, seq: Sequence) -> None:
+        _, n = self.scheduled.pop(id(seq), (seq, 0))
+        self.budget += n
+
+    def batch(self) -> ScheduledBatch:
+        items = list(self.scheduled.values())
+        decodes = [(s, n) for s, n in items if n == 1]
+        prefills = [(s, n) for s, n in items if n != 1]
+        return ScheduledBatch([s for s, _ in decodes + prefills], [n for _, n in decodes + prefills], len(decodes))
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, clock=time.monotonic):
         self.config, self.bm = config, block_manager
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue(config.priority_aging_s, clock)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_priority_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -52,71 +144,98 @@ class Scheduler:
     def adopt(self, seq: Sequence) -> None:
         """A sequence that arrives with its KV computed elsewhere joins the running set directly."""
         seq.status = SequenceStatus.RUNNING
+        seq.level = seq.priority
         self.running.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, step: _Step, for_priority: bool = False) -> None:
+        self.running.remove(seq)
+        step.drop(seq)
+        step.evicted.add(id(seq))
         self.bm.free_seq(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        if for_priority:
+            seq.num_priority_preemptions += 1
+            self.num_priority_preemptions += 1
         self.waiting.appendleft(seq)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         return min(seq.num_tokens - seq.num_computed_tokens, budget, self.config.prefill_chunk_size)
 
     def schedule(self) -> ScheduledBatch:
-        budget = self.config.max_num_batched_tokens
-        decodes: list[Sequence] = []
-        prefills: list[tuple[Sequence, int]] = []
-        scheduled: set[int] = set()
-        preempted = False
-
-        def run(seq: Sequence) -> None:
-            """Schedules a running sequence, preempting the newest others while blocks are short."""
-            nonlocal budget, preempted
-            if budget <= 0 or seq.status is not SequenceStatus.RUNNING:
-                return
-            n = self._chunk(seq, budget)
-            while not self.bm.allocate(seq, n):
-                victim = next(s for s in reversed(self.running) if id(s) not in scheduled)
-                self.running.remove(victim)
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
-                    return
-            scheduled.add(id(seq))
-            budget -= n
-            (decodes.append(seq) if n == 1 else prefills.append((seq, n)))
-
+        step = _Step(self.config.max_num_batched_tokens)
+        present = [s.priority for s in self.running] + [p for p, q in enumerate(self.waiting.levels) if q]
+        self.waiting.floor = min(present, default=0)  # aging never passes the best priority present
+        by_level = sorted(self.running, key=lambda s: s.level)  # stable: in order within a level
         # Running decodes first, so a long prefill never stalls them; then the prompts, within a
         # smaller budget while decodes run (it bounds the step, hence the inter-token latency).
-        in_prefill = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
-        for seq in [s for s in self.running if s.num_tokens - s.num_computed_tokens <= 1]:
-            run(seq)
-        if decodes:
-            budget = min(budget, self.config.max_prefill_tokens_with_decodes)
-        for seq in in_prefill:
-            run(seq)
-        # Waiting sequences, in order, while they fit (none after a preemption: no thrashing).
-        while (not preempted and self.waiting and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
-            seq = self.waiting[0]
-            n = self._chunk(seq, budget)
-            if not self.bm.allocate(seq, n):
-                break
-            n = self._chunk(seq, budget)  # allocate() may have found a cached prefix
-            self.waiting.popleft()
+        for seq in [s for s in by_level if s.num_tokens - s.num_computed_tokens <= 1]:
+            self._run(step, seq)
+        if step.scheduled:
+            step.budget = min(step.budget, self.config.max_prefill_tokens_with_decodes)
+        for seq in [s for s in by_level if s.num_tokens - s.num_computed_tokens > 1]:
+            self._admit(step, outranking=seq.level)  # waiting prompts of a higher priority go first
+            self._run(step, seq)
+        self._admit(step)
+        return step.batch()
+
+    def _run(self, step: _Step, seq: Sequence) -> None:
+        """Schedules a running sequence, preempting the lowest-priority newest others while blocks are short."""
+        if step.budget <= 0 or seq.status is not SequenceStatus.RUNNING or id(seq) in step.scheduled:
+            return
+        n = self._chunk(seq, step.budget)
+        while not self.bm.allocate(seq, n):
+            others = [s for s in reversed(self.running) if id(s) not in step.scheduled]
+            victim = max(others, key=lambda s: s.level)  # the newest of the lowest priority
+            self._preempt(victim, step)
+            step.preempted = True
+            if victim is seq:
+                return
+        step.add(seq, n)
+
+    def _admit(self, step: _Step, outranking: int | None = None) -> None:
+        """Admits waiting sequences in queue order while the step has room (with `outranking`, only
+        those whose priority is higher than that level), making room by priority preemption."""
+        while not step.preempted and step.budget > 0 and self.waiting:
+            seq = self.waiting.peek()
+            if id(seq) in step.evicted or (outranking is not None and seq.priority >= outranking):
+                return
+            n = self._chunk(seq, step.budget)
+            if len(self.running) >= self.config.max_num_seqs or not self.bm.allocate(seq, n):
+                if not self._make_room(seq, n, step):
+                    return
+            n = min(n, self._chunk(seq, step.budget))  # allocate() may have found a cached prefix
+            self.waiting.pop(seq)
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.time()
             seq.status = SequenceStatus.RUNNING
+            seq.level = self.waiting.effective_level(seq, self.waiting.clock())
             self.running.append(seq)
-            budget -= n
-            (decodes.append(seq) if n == 1 else prefills.append((seq, n)))
-        seqs = decodes + [s for s, _ in prefills]
-        return ScheduledBatch(seqs, [1] * len(decodes) + [n for _, n in prefills], len(decodes))
+            step.add(seq, n)
+
+    def _make_room(self, seq: Sequence, n: int, step: _Step) -> bool:
+        """Preempts running sequences of a lower priority than seq (lowest level, newest first) until
+        seq gets a seat and its blocks; preempts nobody when that cannot be enough."""
+        cands = [s for s in reversed(self.running)
+                 if s.level > seq.priority and s.num_priority_preemptions < self.config.max_priority_preemptions]
+        cands.sort(key=lambda s: -s.level)  # stable: newest first within a level
+        seats = len(self.running) - self.config.max_num_seqs + 1
+        short = self.bm.blocks_short(seq, n)
+        victims = []
+        for v in cands:
+            if seats <= 0 and short <= 0:
+                break
+            victims.append(v)
+            seats, short = seats - 1, short - self.bm.num_freeable(v)
+        if seats > 0 or short > 0:
+            return False
+        for v in victims:
+            self._preempt(v, step, for_priority=True)
+        return self.bm.allocate(seq, n)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED

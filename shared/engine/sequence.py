@@ -8,6 +8,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+# Scheduling priorities, best first; a lower level is served first (scheduler.py).
+PRIORITIES = ("interactive", "normal", "background")
+NORMAL = 1
+
+
+def priority_level(priority: int | str) -> int:
+    """0 (interactive), 1 (normal) or 2 (background), from the level or its name."""
+    level = PRIORITIES.index(priority) if priority in PRIORITIES else priority
+    if not isinstance(level, int) or isinstance(level, bool) or not 0 <= level < len(PRIORITIES):
+        raise ValueError(f"priority must be one of {', '.join(PRIORITIES)} (or 0-2)")
+    return level
+
 
 @dataclass
 class SamplingParams:
@@ -49,7 +61,7 @@ class SequenceStatus(enum.Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_time: float | None = None):
+                 arrival_time: float | None = None, priority: int = NORMAL):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)  # prompt + output
@@ -63,6 +75,10 @@ class Sequence:
         self.num_published_blocks = 0  # leading full blocks already offered to the prefix cache
         self.num_cached_tokens = 0  # of the prompt, found in the prefix cache at admission
         self.num_preemptions = 0
+        self.priority = priority  # its class: 0 interactive, 1 normal, 2 background
+        self.level = priority  # the level it runs at: its effective priority when admitted (aging)
+        self.queued_at = 0.0  # when it last joined the waiting queue (the scheduler's clock)
+        self.num_priority_preemptions = 0  # preempted to make room for a higher priority
         self.first_token_time: float | None = None
         self.first_scheduled_time: float | None = None  # wall clock, for the queue-wait span
         self.generator: torch.Generator | None = None

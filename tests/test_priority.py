@@ -1,0 +1,367 @@
+"""Priorities: multi-level queues with preemption at iteration boundaries, and no starvation.
+
+Engine level on the tiny model (steps, not seconds, measure who goes first; aging runs on a fake
+clock), then one mesh test with real processes."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import pytest
+import torch
+from oracle import hf_greedy
+
+from meshserve.shared.engine.llm_engine import EngineConfig, LLMEngine, RequestError
+from meshserve.shared.engine.scheduler import SchedulerConfig, WaitingQueue
+from meshserve.shared.engine.sequence import SamplingParams, Sequence
+from meshserve.shared.model.llama import LlamaModel
+from meshserve.shared.model.weights import load_hf_dir
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0)
+LONG = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    cfg, sd = load_hf_dir(tiny_llama)
+    model = LlamaModel.from_hf(cfg, sd, torch.float32)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist()
+               for n in (5, 40, 17, 33, 9, 60, 24, 3, 48, 12, 30, 20)]
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
+    return model, prompts, hf_greedy(hf, prompts, GREEDY.max_tokens, cfg.eos_token_ids)
+
+
+def engine(model, max_seqs=64, blocks=4096, block_size=16, aging=0.0, chunk=512) -> LLMEngine:
+    """aging 0 (off) unless a test is about it: then it runs on a Clock, so no test depends on speed."""
+    sched = SchedulerConfig(max_num_batched_tokens=max(chunk, 64), prefill_chunk_size=chunk, max_num_seqs=max_seqs,
+                            priority_aging_s=aging)
+    return LLMEngine(model, EngineConfig(block_size=block_size, num_kv_blocks=blocks, scheduler=sched))
+
+
+class Clock:
+    """One 'second' per step: aging measured in steps, whatever the machine's speed."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def run(eng: LLMEngine, steps: int | None = None, clock: Clock | None = None, on_step=None) -> dict[str, int]:
+    """Steps the engine; returns the step at which each request got its first token."""
+    first: dict[str, int] = {}
+    i = 0
+    while eng.has_unfinished() and (steps is None or i < steps):
+        if on_step:
+            on_step(i)
+        for out in eng.step():
+            first.setdefault(out.request_id, i)
+        i += 1
+        if clock:
+            clock.t += 1
+    return first
+
+
+# -- the queue on its own
+
+
+def test_waiting_queue_orders_by_level_then_fifo_with_preempted_at_the_head():
+    clock = Clock()
+    q = WaitingQueue(aging_s=10, clock=clock)
+    seqs = {name: Sequence(name, [1], SamplingParams(), priority=p)
+            for name, p in [("bg1", 2), ("n1", 1), ("bg2", 2), ("i1", 0), ("n2", 1)]}
+    for s in seqs.values():
+        q.append(s)
+
+    def order() -> list[str]:
+        out, taken = [], []
+        while q:
+            s = q.peek()
+            q.pop(s)
+            out.append(s.request_id)
+            taken.append(s)
+        for s in taken:  # put them back as they were
+            q.levels[s.priority].append(s)
+        return out
+
+    assert order() == ["i1", "n1", "n2", "bg1", "bg2"]
+    q.remove(seqs["n1"])
+    q.appendleft(seqs["n1"])  # preempted: the head of its level again
+    q.remove(seqs["bg2"])
+    q.appendleft(seqs["bg2"])
+    assert order() == ["i1", "n1", "n2", "bg2", "bg1"]
+    # Aging: one level per 10 s waited, never better than the best priority present (`floor`).
+    q = WaitingQueue(aging_s=10, clock=clock)
+    clock.t = 0
+    q.append(seqs["bg1"])
+    clock.t = 5
+    q.append(seqs["n1"])
+    clock.t = 25
+    q.append(seqs["i1"])  # an interactive request that has just arrived
+    assert [q.effective_level(s, clock.t) for s in (seqs["bg1"], seqs["n1"], seqs["i1"])] == [0, 0, 0]
+    assert q.peek() is seqs["bg1"]  # all at level 0 now: the longest wait goes first
+    clock.t = 15
+    assert [q.effective_level(s, clock.t) for s in (seqs["bg1"], seqs["n1"])] == [1, 0]
+    assert q.peek() is seqs["n1"]
+    q.floor = 1  # no interactive request present: aging stops at normal
+    assert [q.effective_level(s, 25) for s in (seqs["bg1"], seqs["n1"], seqs["i1"])] == [1, 1, 0]
+
+
+def test_priority_names_and_bad_values(tiny):
+    model, prompts, _ = tiny
+    eng = engine(model)
+    assert eng.add_request("a", prompts[0], GREEDY, priority="interactive").priority == 0
+    assert eng.add_request("b", prompts[1], GREEDY).priority == 1
+    assert eng.add_request("c", prompts[2], GREEDY, priority=2).priority == 2
+    with pytest.raises(RequestError, match="priority"):
+        eng.add_request("d", prompts[3], GREEDY, priority="urgent")
+    stats = eng.stats
+    assert stats["waiting_by_priority"] == {"interactive": 1, "normal": 1, "background": 1}
+    run(eng)
+    assert eng.stats["running_by_priority"] == {"interactive": 0, "normal": 0, "background": 0}
+
+
+# -- (a) interactive first
+
+
+@pytest.mark.parametrize("late", ["interactive", "background"])
+def test_interactive_overtakes_waiting_background_and_preempts_a_running_one(tiny, late):
+    """max_num_seqs full of background requests, more waiting: an interactive request submitted
+    later preempts the newest running one and gets its first token before the waiting ones.
+    The same request as one more background request waits its turn (the contrast)."""
+    model, prompts, _ = tiny
+    eng = engine(model, max_seqs=3)
+    bg = [eng.add_request(f"bg{i}", prompts[i], LONG, priority="background") for i in range(7)]
+    first = run(eng, steps=3)
+    assert set(first) == {"bg0", "bg1", "bg2"}  # three running, four waiting
+    eng.add_request("late", prompts[8], GREEDY, priority=late)
+    first.update({k: v + 3 for k, v in run(eng).items()})
+    waiting_bg = [first[f"bg{i}"] for i in range(3, 7)]
+    if late == "interactive":
+        assert first["late"] == 3  # the very next step
+        assert first["late"] < min(waiting_bg)
+        assert eng.scheduler.num_priority_preemptions == 1
+        assert bg[2].num_priority_preemptions == 1  # the newest running one
+    else:
+        assert first["late"] >= max(waiting_bg)  # admitted after the last of them
+        assert eng.scheduler.num_priority_preemptions == 0
+    assert all(s.num_output_tokens == LONG.max_tokens for s in bg)
+
+
+def test_interactive_preempts_background_when_blocks_run_out(tiny):
+    """The pool (not max_num_seqs) is full: the interactive request frees blocks by preemption."""
+    model, prompts, _ = tiny
+    eng = engine(model, blocks=16)
+    bg = [eng.add_request(f"bg{i}", prompts[i], LONG, priority="background") for i in (1, 3, 5, 8)]
+    run(eng, steps=4)
+    assert all(s.num_output_tokens > 0 for s in bg) and eng.scheduler.num_preemptions == 0
+    assert eng.block_manager.num_free_blocks < eng.block_manager.blocks_needed(len(prompts[0]) + len(prompts[5]))
+    eng.add_request("i", prompts[0] + prompts[5], GREEDY, priority="interactive")
+    first = run(eng, steps=1)
+    assert "i" in first  # admitted and prefilled in the next step
+    assert eng.scheduler.num_priority_preemptions >= 1
+    run(eng)
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("late", ["interactive", "background"])
+def test_interactive_prompt_gets_the_budget_before_running_background_prompts(tiny, late):
+    """Running background prompts still prefilling in chunks do not hold the step's token budget
+    against an interactive prompt that arrives: its chunk goes first. (As background, it waits.)"""
+    model, prompts, _ = tiny
+    eng = engine(model, chunk=8)  # 64 tokens a step, 8 per prompt chunk: the prompts take many steps
+    for i in range(10):
+        eng.add_request(f"bg{i}", prompts[i] * 3, LONG, priority="background")
+    run(eng, steps=2)
+    eng.add_request("late", prompts[7], GREEDY, priority=late)  # 3 tokens: one chunk
+    first = run(eng, steps=1)
+    assert ("late" in first) == (late == "interactive")
+    assert eng.scheduler.num_priority_preemptions == 0  # it had seats and blocks: only the budget moved
+
+
+# -- (b) no starvation
+
+
+@pytest.mark.parametrize("aging", [5.0, 0.0])
+def test_background_is_not_starved_by_a_steady_interactive_stream(tiny, aging):
+    """One interactive request arrives every step, more than two seats can serve, so interactive
+    requests are always waiting. With aging the background request finishes in a bounded number
+    of steps; without it (aging 0), it never starts."""
+    model, prompts, _ = tiny
+    clock = Clock()
+    eng = engine(model, max_seqs=2, aging=aging)
+    eng.scheduler.waiting.clock = clock
+    for k in range(3):  # the seats are taken before the background request arrives
+        eng.add_request(f"first{k}", prompts[k], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                        priority="interactive")
+    bg = eng.add_request("bg", prompts[1], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                         priority="background")
+    short = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    steps = 80
+
+    def arrive(i):
+        if i < steps:
+            eng.add_request(f"i{i}", prompts[i % len(prompts)], short, priority="interactive")
+
+    done_at = None
+    for i in range(steps):
+        arrive(i)
+        eng.step()
+        clock.t += 1
+        assert len(eng.scheduler.waiting) > 0 or bg.is_finished
+        if bg.is_finished and done_at is None:
+            done_at = i
+    if aging:
+        # Two levels of aging (10 steps), a seat, then its prompt and 8 tokens; it is never
+        # preempted once admitted at interactive level.
+        assert done_at is not None and done_at < 30, done_at
+        assert bg.num_priority_preemptions == 0
+    else:
+        assert done_at is None and bg.num_output_tokens == 0
+
+
+def test_a_sequence_preempted_for_priority_twice_is_then_left_alone(tiny):
+    model, prompts, _ = tiny
+    eng = engine(model, max_seqs=1)
+    bg = eng.add_request("bg", prompts[1], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+                         priority="background")
+    seen = []
+    for k in range(3):
+        run(eng, steps=3)  # bg (re)admitted and decoding
+        assert bg in eng.scheduler.running
+        eng.add_request(f"i{k}", prompts[k], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
+                        priority="interactive")
+        first = run(eng, steps=3)
+        seen.append("i%d" % k in first)
+    assert seen == [True, True, False]  # the third waits: bg is protected now
+    assert bg.num_priority_preemptions == 2
+    first = run(eng)
+    assert bg.is_finished and bg.num_output_tokens == 40
+
+
+# -- (c) still the oracle's tokens
+
+
+@pytest.mark.parametrize("pool", ["seats", "blocks"])
+def test_greedy_with_priorities_and_preemption_matches_transformers(tiny, pool):
+    model, prompts, ref = tiny
+    eng = engine(model, max_seqs=3) if pool == "seats" else engine(model, blocks=20, block_size=8, chunk=16)
+    classes = ["background", "normal", "interactive"]
+    # Six background requests, then one request of each class in turn every step while they run.
+    seqs = {j: eng.add_request(f"r{j}", prompts[j], GREEDY, priority="background") for j in range(6)}
+
+    def arrive(i):
+        if 2 <= i < 8:
+            j = i + 4
+            seqs[j] = eng.add_request(f"r{j}", prompts[j], GREEDY, priority=classes[j % 3])
+
+    run(eng, on_step=arrive)
+    assert [seqs[j].output_token_ids for j in range(len(prompts))] == ref
+    assert eng.scheduler.num_priority_preemptions > 0
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+# -- (d) equal priorities: first come, first served, exactly as before
+
+
+@pytest.mark.parametrize("priority", ["interactive", "background"])
+def test_equal_priorities_schedule_exactly_like_normal(tiny, priority):
+    """Same requests, all of one priority: the same batches step by step as all "normal" (FCFS),
+    even with a fast aging clock and a pool small enough to preempt."""
+    model, prompts, ref = tiny
+
+    def trace(p):
+        clock = Clock()
+        eng = engine(model, max_seqs=4, blocks=14, block_size=8, chunk=16, aging=1.0)
+        eng.scheduler.waiting.clock = clock
+        batches, schedule = [], eng.scheduler.schedule
+
+        def recorded():
+            batch = schedule()
+            batches.append([(s.request_id, n) for s, n in zip(batch.seqs, batch.num_tokens)])
+            clock.t += 3
+            return batch
+
+        eng.scheduler.schedule = recorded
+        seqs = [eng.add_request(f"r{i}", pr, GREEDY, priority=p) for i, pr in enumerate(prompts)]
+        run(eng)
+        assert [s.output_token_ids for s in seqs] == ref
+        return batches, eng.stats["num_preemptions"]
+
+    normal, preemptions = trace("normal")
+    assert preemptions > 0
+    assert trace(priority) == (normal, preemptions)
+    # First come, first served: requests start in arrival order.
+    started = dict.fromkeys(rid for batch in normal for rid, _ in batch)
+    assert list(started) == [f"r{i}" for i in range(len(prompts))]
+
+
+# -- the mesh
+
+
+def test_mesh_interactive_request_overtakes_a_background_batch(tiny_llama, tmp_path):
+    """One worker that runs 2 sequences at once, 8 background requests: an interactive request
+    sent while they occupy it gets its first token before most of them finish (FCFS would put it
+    behind all 8), and every output still equals the in-process engine's."""
+    import asyncio
+
+    import nats
+    import orjson
+    from openai import OpenAI
+
+    from mesh_util import Mesh
+    from meshserve.shared.engine.llm import LLM
+
+    mesh = Mesh(tiny_llama, tmp_path, prefill=0, decode=1, extra=["--max-num-seqs", "2"]).wait_ready()
+    try:
+        client = OpenAI(base_url=mesh.url + "/v1", api_key="unused", timeout=120)
+        prompts = ["The quick brown fox", "Hello world! Hello there", "def add(a, b):", "Once upon a time",
+                   "Numbers: 0 1 2 3", "Café, naïve, résumé", "What is the capital of France?", "Attention"]
+        events: list[tuple[str, str]] = []  # (what, request), in the order they happened
+
+        def one(name, prompt, n, priority):
+            text = ""
+            stream = client.completions.create(model=mesh.model, prompt=prompt, max_tokens=n, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True, "priority": priority})
+            for c in stream:
+                if c.choices and c.choices[0].text and not text:
+                    events.append(("first", name))
+                text += c.choices[0].text if c.choices else ""
+            events.append(("done", name))
+            return text
+
+        async def status():
+            nc = await nats.connect(mesh.nats_url)
+            try:
+                return orjson.loads((await nc.request(f"{mesh.namespace}.scheduler.status", b"", timeout=5)).data)
+            finally:
+                await nc.close()
+
+        with concurrent.futures.ThreadPoolExecutor(9) as ex:
+            bg = [ex.submit(one, f"bg{i}", p, 64, "background") for i, p in enumerate(prompts)]
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # the worker runs two and holds the rest waiting
+                s = asyncio.run(status())
+                if s["running_by_priority"].get("background") == 2 and s["waiting_by_priority"].get("background", 0) >= 4:
+                    break
+                time.sleep(0.05)
+            else:
+                pytest.fail(f"the background batch never queued up: {s}")
+            inter = ex.submit(one, "inter", "Tell me a joke about computers.", 8, "interactive")
+            texts = [f.result(timeout=120) for f in bg] + [inter.result(timeout=120)]
+        done_before = [w for what, w in events[:events.index(("first", "inter"))] if what == "done"]
+        assert len(done_before) < 4, events
+        time.sleep(1.0)  # the next heartbeat carries the counters
+        assert asyncio.run(status())["num_priority_preemptions"] >= 1
+    finally:
+        mesh.stop()
+    llm = LLM(str(tiny_llama), "float32")
+    want = [c.text for c in llm.generate(prompts + ["Tell me a joke about computers."],
+                                         [SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)] * 8
+                                         + [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)])]
+    assert texts == want
