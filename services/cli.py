@@ -94,9 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run one service of the mesh")
     roles = serve.add_subparsers(dest="role", required=True)
+    from meshserve.services.launcher import DEVICE_ROLES, add_device_argument
     for role in ROLES:
         rp = roles.add_parser(role, help=f"the {role} service", conflict_handler="resolve")
         _common(rp)
+        if role in DEVICE_ROLES:
+            add_device_argument(rp)
         _add_role_arguments(role, rp)
         rp.set_defaults(func=_serve)
 
@@ -133,6 +136,13 @@ def main(argv: list[str] | None = None) -> int:
         args.rest = rest  # the subcommand parses its own options
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if getattr(args, "device", "cpu") == "cuda":  # before any process, connection or allocation: fail fast
+        from meshserve.shared.node_memory import cuda_problem
+
+        problem = cuda_problem()
+        if problem:
+            print(f"meshserve {args.command}: error: --device cuda: {problem}", file=sys.stderr)
+            return 2
     return args.func(args) or 0
 
 

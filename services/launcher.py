@@ -23,6 +23,8 @@ from pathlib import Path
 
 log = logging.getLogger("meshserve.up")
 
+DEVICE_ROLES = ("model-loader", "kv-pool", "prefill", "decode")  # the services that take --device
+
 NATS_CONF = """\
 listen: 127.0.0.1:{port}
 max_payload: 8MB
@@ -92,6 +94,8 @@ class Launcher:
         a = self.args
         cmd = [sys.executable, "-m", "meshserve.services.cli", "serve", role, "--nats-url", a.nats_url,
                "--namespace", a.namespace, "--model", a.model, "--dtype", a.dtype, "--node-id", a.node_id]
+        if role in DEVICE_ROLES:  # one backend for the node: weights, arena and workers together
+            cmd += ["--device", getattr(a, "device", "cpu")]
         return cmd + list(extra)
 
     def start(self) -> None:
@@ -196,7 +200,14 @@ def gateway_log_options(a) -> list[str]:
     return ["--request-log", a.request_log] if getattr(a, "request_log", None) else []
 
 
+def add_device_argument(p) -> None:
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where the node's weights, KV arena and engines live: cpu (shared-memory files) or cuda "
+                        "(GPU memory shared by CUDA IPC handles; needs a GPU and CuPy)")
+
+
 def add_arguments(p) -> None:
+    add_device_argument(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--nats-port", type=int, default=4222, help="port of the embedded nats-server")

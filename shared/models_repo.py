@@ -180,8 +180,6 @@ def load_tokenizer(name_or_path: str | Path) -> "Tokenizer":
 
 def load_model_files(name_or_path: str | Path) -> tuple["ModelConfig", dict[str, "torch.Tensor"], "Tokenizer"]:
     """Config, HF-named state dict and tokenizer for a model name, HF directory or GGUF file."""
-    import gguf
-
     from .model.weights import load_gguf, load_hf_dir
     from .tokenizer import Tokenizer
 
@@ -196,6 +194,8 @@ def load_model_files(name_or_path: str | Path) -> tuple["ModelConfig", dict[str,
         path = found
     if path.suffix.lower() != ".gguf":
         raise ValueError(f"don't know how to load {path}: expected a Hugging Face model directory or a .gguf file")
+    import gguf  # only here: an HF directory loads without it
+
     reader = gguf.GGUFReader(str(path))  # one memory map for weights and tokenizer
     cfg, sd = load_gguf(path, reader=reader)
     return cfg, sd, Tokenizer.from_gguf(path, reader=reader)

@@ -162,8 +162,9 @@ class ArenaDescriptor(Message):
     """Where the node's KV arena lives and its shape: workers map it, nothing is copied."""
 
     node_id: str
-    path: str  # shared-memory file (CPU) or IPC handle (CUDA)
+    path: str  # shared-memory file (cpu), or where the GPU memory lives, e.g. "cuda:0" (cuda)
     backend: Literal["cpu", "cuda"] = "cpu"
+    ipc: dict | None = None  # cuda: shared/cuda_ipc.py's descriptor of the arena's allocation (uint8)
     dtype: str
     shape: list[int]  # [layers, 2, num_slots, kv_heads, head_dim]
     block_size: int
@@ -205,15 +206,17 @@ class TensorSpec(Message):
     name: str
     dtype: str
     shape: list[int]
-    offset: int  # bytes into the file
+    offset: int  # bytes into the file (cpu) or the allocation (cuda)
 
 
 class WeightsDescriptor(Message):
-    """A model's weights in one shared-memory file, mapped read-only by every worker on the node."""
+    """A model's weights in one buffer every worker on the node opens read-only: a shared-memory
+    file (backend cpu) or one GPU allocation shared by its CUDA IPC handle (backend cuda)."""
 
     model: str
-    path: str
+    path: str  # the file (cpu), or where the GPU memory lives, e.g. "cuda:0" (cuda)
     backend: Literal["cpu", "cuda"] = "cpu"
+    ipc: dict | None = None  # cuda: shared/cuda_ipc.py's descriptor of the allocation (uint8)
     config: dict
     tensors: list[TensorSpec]
     tokenizer_path: str

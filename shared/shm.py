@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 ALIGN = 64
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "uint8": torch.uint8}  # uint8: a whole buffer (shared/cuda_ipc.py exports one as such)
 
 
 def shm_dir() -> Path:

@@ -4,6 +4,10 @@ The arena is [layers, 2, slots, kv_heads, head_dim]; block b is slots [b x block
 block_size) of each of the 2 x layers planes, i.e. 2 x layers contiguous segments of
 block_size x kv_heads x head_dim elements. A block's bytes, in the order every copy here uses,
 are those segments one after the other (plane by plane); several blocks are concatenated.
+
+A GPU arena (`--device cuda`) is read and written through host memory: `read` returns host bytes,
+and `write` (host or device bytes) has completed on the GPU when it returns, so the worker that
+is told next reads the new bytes from its own process.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ class ArenaBlocks:
         assert arena.is_contiguous() and slots % block_size == 0
         self.block_size, self.num_blocks = block_size, slots // block_size
         self.dtype = arena.dtype
+        self.on_gpu = arena.device.type != "cpu"
         self.block_shape = [layers, two, block_size, heads, dim]
         self.planes = layers * two
         # [planes, bytes of one plane]: a block is one column range of every row.
@@ -30,11 +35,14 @@ class ArenaBlocks:
         return self.rows[:, b * self.seg:(b + 1) * self.seg]
 
     def read(self, b: int) -> torch.Tensor:
-        """Block b's bytes (a contiguous copy)."""
-        return self._cols(b).contiguous().view(-1)
+        """Block b's bytes (a contiguous copy, in host memory)."""
+        data = self._cols(b).contiguous().view(-1)
+        return data.cpu() if self.on_gpu else data
 
     def write(self, b: int, data: torch.Tensor) -> None:
         self._cols(b).copy_(data.view(self.planes, self.seg))
+        if self.on_gpu:
+            torch.cuda.synchronize(self.rows.device)
 
     def read_range(self, blocks: list[int], offset: int, length: int) -> bytes:
         """Bytes [offset, offset + length) of the concatenation of `blocks`."""

@@ -1,5 +1,6 @@
-"""`meshserve serve kv-pool`: owns the node's KV arena (a shared-memory file every worker maps)
-and who holds which block.
+"""`meshserve serve kv-pool`: owns the node's KV arena (a shared-memory file every worker maps, or
+with `--device cuda` one GPU allocation every worker opens by its CUDA IPC handle) and who holds
+which block.
 
 Workers lease free blocks in batches (no NATS round trip per block on the hot path) and release
 them in batches. A block may be held by several workers at once (a prefill worker keeps a prefix
@@ -24,8 +25,9 @@ import time
 from collections import Counter, deque
 
 import orjson
+import torch
 
-from meshserve.shared import shm
+from meshserve.shared import node_memory, shm
 from meshserve.shared.bus import Bus
 from meshserve.shared.engine.llm import DTYPES
 from meshserve.shared.engine.llm_engine import kv_arena_shape, kv_bytes_per_block
@@ -105,13 +107,16 @@ class BlockLedger:
 
 
 class KVPool:
-    def __init__(self, bus: Bus, args, desc: ArenaDescriptor):
+    def __init__(self, bus: Bus, args, desc: ArenaDescriptor, buf: torch.Tensor | None = None):
+        """buf: the arena's memory as make_arena created it (else opened from the descriptor)."""
         self.bus, self.args, self.desc = bus, args, desc
         self.node = desc.node_id
         self.ledger = BlockLedger(desc.num_blocks)
         self.last_seen: dict[str, float] = {}
         self.prefix_index: dict[str, set[int]] = {}
-        arena = shm.view(shm.map_bytes(desc.path), 0, desc.dtype, desc.shape)
+        if buf is None:
+            buf = node_memory.open_buffer(desc.backend, desc.path, desc.ipc)
+        arena = shm.view(buf, 0, desc.dtype, desc.shape)  # a GPU arena's blocks are staged through host memory
         self.blocks = ArenaBlocks(arena, desc.block_size)
         self.host = HostTier(desc.swap_blocks, self.blocks.block_bytes)
         self.transfers = transfer.TransferStats()
@@ -270,8 +275,9 @@ def add_arguments(p) -> None:
                    "that was never closed is dropped")
 
 
-async def make_arena(bus: Bus, args) -> ArenaDescriptor:
-    """Sizes the arena from the model's shape (asked of the model loader) and creates it."""
+async def make_arena(bus: Bus, args) -> tuple[ArenaDescriptor, torch.Tensor]:
+    """Sizes the arena from the model's shape (asked of the model loader) and creates it, in shared
+    memory or on the GPU (--device). Returns its descriptor and its memory (keep it alive)."""
     w = await bus.request(bus.subjects.models("load"), LoadRequest(model=args.model, dtype=args.dtype),
                           WeightsDescriptor, timeout=600)
     cfg = ModelConfig(**w.config)
@@ -280,19 +286,20 @@ async def make_arena(bus: Bus, args) -> ArenaDescriptor:
     shape = kv_arena_shape(cfg, num_blocks, args.block_size)
     block_bytes = kv_bytes_per_block(cfg, args.block_size, dtype)
     nbytes = num_blocks * block_bytes
-    path = shm.create(f"meshserve-{bus.subjects.ns}-{args.node_id}-kv", nbytes)
+    device = getattr(args, "device", "cpu")
+    buf, path, ipc = node_memory.create(f"meshserve-{bus.subjects.ns}-{args.node_id}-kv", nbytes, device)
     swap_blocks = int(args.swap_space * (1 << 30)) // block_bytes
     log.info("KV arena: %d blocks of %d tokens, %.2f GiB at %s; host swap tier: %d blocks", num_blocks,
              args.block_size, nbytes / (1 << 30), path, swap_blocks)
-    return ArenaDescriptor(node_id=args.node_id, path=str(path), dtype=args.dtype, shape=shape,
-                           block_size=args.block_size, num_blocks=num_blocks, swap_blocks=swap_blocks)
+    return ArenaDescriptor(node_id=args.node_id, path=path, backend=device, ipc=ipc, dtype=args.dtype, shape=shape,
+                           block_size=args.block_size, num_blocks=num_blocks, swap_blocks=swap_blocks), buf
 
 
 async def main(args) -> None:
     async def start(bus: Bus):
-        desc = await make_arena(bus, args)
-        pool = KVPool(bus, args, desc)
+        desc, buf = await make_arena(bus, args)
+        pool = KVPool(bus, args, desc, buf)
         await pool.serve()
-        return lambda: shm.unlink(desc.path)
+        return lambda: node_memory.release(desc.backend, desc.path)
 
     await run_service("kv-pool", args, start)

@@ -6,7 +6,8 @@ A worker about to overwrite a cached block it no longer uses asks the kv-pool to
 prefix asks for it back into a block of its own (`swap_in`) and skips recomputing it. The tier is
 inclusive: a block copied back stays here too (it costs nothing until the space is needed), so
 spilling it again is free. On the CPU backend the arena is host memory as well; the tier is what
-keeps a prefix alive once the arena's blocks are taken for other work.
+keeps a prefix alive once the arena's blocks are taken for other work. On the CUDA backend the
+copies are torch copies between the GPU arena and this host memory (blocks.py).
 """
 
 from __future__ import annotations

@@ -1,10 +1,16 @@
-"""`meshserve serve model-loader`: loads each model once, into a shared-memory file every worker on
-the node maps, and answers `models.load` with where each tensor lives. Workers of one model on a
-node therefore hold one copy of the weights between them.
+"""`meshserve serve model-loader`: loads each model once, into memory every worker on the node maps,
+and answers `models.load` with where each tensor lives. Workers of one model on a node therefore
+hold one copy of the weights between them.
 
-Tiers: disk (the model cache) -> host memory (the shared file). Models stay loaded until the
-loader stops; at most --max-models stay resident, the least recently asked-for unloaded first
-(its file is unlinked: workers that still map it keep their mapping until they exit).
+With `--device cpu` (the default) that memory is a shared-memory file; with `--device cuda` it is
+one allocation on the GPU whose CUDA IPC handle travels in the descriptor (shared/node_memory.py):
+the workers open it and run on the GPU without copying the weights.
+
+Tiers: disk (the model cache) -> host memory (the shared file) or GPU memory. Models stay loaded
+until the loader stops; at most --max-models stay resident, the least recently asked-for unloaded
+first (its file is unlinked: workers that still map it keep their mapping until they exit; GPU
+memory is kept until the loader stops, since nothing tells it when the workers have closed their
+handles).
 """
 
 from __future__ import annotations
@@ -16,7 +22,9 @@ import re
 import time
 from collections import OrderedDict
 
-from meshserve.shared import shm
+import torch
+
+from meshserve.shared import node_memory, shm
 from meshserve.shared.bus import Bus
 from meshserve.shared.engine.llm import DTYPES
 from meshserve.shared.model.llama import fuse_hf_weights
@@ -27,23 +35,28 @@ from meshserve.shared.service import run_service
 log = logging.getLogger("meshserve.model_loader")
 
 
-def write_weights(name: str, weights: dict) -> tuple[str, list[TensorSpec]]:
-    """All tensors of a model into one shared file, each 64-byte aligned."""
+def write_weights(name: str, weights: dict, device: str = "cpu") -> tuple[torch.Tensor, str, dict | None,
+                                                                         list[TensorSpec]]:
+    """All tensors of a model into one buffer the node's workers open (a shared file named `name`, or
+    one GPU allocation), each 64-byte aligned. Returns (buffer, path, CUDA IPC descriptor, specs)."""
     specs, offset = [], 0
     for key, t in weights.items():
         specs.append(TensorSpec(name=key, dtype=shm.dtype_name(t.dtype), shape=list(t.shape), offset=offset))
         offset = shm.aligned(offset + t.numel() * t.element_size())
-    path = shm.create(name, max(offset, 1))
-    buf = shm.map_bytes(path)
+    buf, path, ipc = node_memory.create(name, max(offset, 1), device)
     for spec, t in zip(specs, weights.values()):
         shm.view(buf, spec.offset, spec.dtype, spec.shape).copy_(t)
-    return str(path), specs
+    if buf.is_cuda:  # written before any worker hears of it
+        torch.cuda.synchronize(buf.device)
+    return buf, path, ipc, specs
 
 
 class ModelLoader:
-    def __init__(self, bus: Bus, node_id: str, max_models: int):
-        self.bus, self.node_id, self.max_models = bus, node_id, max_models
+    def __init__(self, bus: Bus, node_id: str, max_models: int, device: str = "cpu"):
+        self.bus, self.node_id, self.max_models, self.device = bus, node_id, max_models, device
         self.loaded: OrderedDict[tuple[str, str], asyncio.Future] = OrderedDict()
+        self.gpu_buffers: dict[tuple[str, str], torch.Tensor] = {}  # cuda: kept alive for the workers
+        self.retired: list[torch.Tensor] = []  # cuda: unloaded, still kept (workers may hold handles)
 
     def _load(self, model: str, dtype: str) -> WeightsDescriptor:
         t0 = time.monotonic()
@@ -51,10 +64,13 @@ class ModelLoader:
         weights = fuse_hf_weights(cfg, sd, DTYPES[dtype])
         del sd
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{model}-{dtype}")[-120:]
-        path, specs = write_weights(f"meshserve-{self.bus.subjects.ns}-{self.node_id}-weights-{safe}", weights)
+        buf, path, ipc, specs = write_weights(f"meshserve-{self.bus.subjects.ns}-{self.node_id}-weights-{safe}",
+                                              weights, self.device)
+        if buf.is_cuda:
+            self.gpu_buffers[(model, dtype)] = buf
         log.info("loaded %s (%s) into %s in %.1fs", model, dtype, path, time.monotonic() - t0)
-        return WeightsDescriptor(model=model, path=path, config=dataclasses.asdict(cfg), tensors=specs,
-                                 tokenizer_path=str(resolve(model)))
+        return WeightsDescriptor(model=model, path=path, backend=self.device, ipc=ipc, config=dataclasses.asdict(cfg),
+                                 tensors=specs, tokenizer_path=str(resolve(model)))
 
     async def get(self, req: LoadRequest) -> WeightsDescriptor:
         key = (req.model, req.dtype)
@@ -63,9 +79,11 @@ class ModelLoader:
             fut = asyncio.ensure_future(asyncio.to_thread(self._load, req.model, req.dtype))
             self.loaded[key] = fut
             while len(self.loaded) > self.max_models:
-                (old, _), old_fut = self.loaded.popitem(last=False)
+                old, old_fut = self.loaded.popitem(last=False)
                 if old_fut.done() and not old_fut.exception():
-                    shm.unlink(old_fut.result().path)
+                    node_memory.release(old_fut.result().backend, old_fut.result().path)
+                if old in self.gpu_buffers:
+                    self.retired.append(self.gpu_buffers.pop(old))
         self.loaded.move_to_end(key)
         try:
             return await fut
@@ -93,7 +111,7 @@ class ModelLoader:
     def close(self) -> None:
         for fut in self.loaded.values():
             if fut.done() and not fut.exception():
-                shm.unlink(fut.result().path)
+                node_memory.release(fut.result().backend, fut.result().path)
 
 
 def add_arguments(p) -> None:
@@ -103,7 +121,7 @@ def add_arguments(p) -> None:
 
 async def main(args) -> None:
     async def start(bus: Bus):
-        loader = ModelLoader(bus, args.node_id, args.max_models)
+        loader = ModelLoader(bus, args.node_id, args.max_models, getattr(args, "device", "cpu"))
         await loader.serve()
         if args.preload:
             await loader.get(LoadRequest(model=args.model, dtype=args.dtype))

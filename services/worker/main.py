@@ -21,7 +21,7 @@ import logging
 import os
 import time
 
-from meshserve.shared import shm
+from meshserve.shared import node_memory, shm
 from meshserve.shared.bus import Bus
 from meshserve.shared.engine.llm_engine import EngineConfig, LLMEngine, RequestError, RequestOutput
 from meshserve.shared.engine.scheduler import SchedulerConfig
@@ -58,21 +58,30 @@ class Worker:
 
     async def start(self) -> None:
         a, s = self.args, self.bus.subjects
+        device = getattr(a, "device", "cpu")
         w = await self.bus.request(s.models("load"), LoadRequest(model=a.model, dtype=a.dtype),
                                    WeightsDescriptor, timeout=900)
-        buf = shm.map_bytes(w.path)
+        node_memory.check_backend("weights", w.backend, device)
+        buf = node_memory.open_buffer(w.backend, w.path, w.ipc)  # the loader's memory: no copy
         weights = {t.name: shm.view(buf, t.offset, t.dtype, t.shape) for t in w.tensors}
         cfg = ModelConfig(**w.config)
         model = LlamaModel(cfg, weights, pack=a.pack_weights)
         arena = await self.bus.request(s.kv("arena", a.node_id), LeaseRequest(worker_id=self.id, num_blocks=0),
                                        ArenaDescriptor, timeout=900)
-        kv = shm.view(shm.map_bytes(arena.path), 0, arena.dtype, arena.shape)
+        node_memory.check_backend("KV arena", arena.backend, device)
+        kv = shm.view(node_memory.open_buffer(arena.backend, arena.path, arena.ipc), 0, arena.dtype, arena.shape)
         sched = SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
                                 prefill_chunk_size=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs)
         self.engine = LLMEngine(model, EngineConfig(block_size=arena.block_size, max_model_len=a.max_model_len,
                                                     scheduler=sched),
                                 model_name=a.served_model_name or a.model, kv_cache=kv)
         self.served = a.served_model_name or a.model
+        if kv.is_cuda:  # what tests/test_cuda_mesh.py reads: one copy of the weights, opened by handle
+            import torch
+
+            log.info("worker %s memory: weights=%s weights_handle=%s weights_bytes=%d arena=%s arena_handle=%s "
+                     "own_gpu_bytes=%d", self.id, w.path, w.ipc["handle"][:16], w.ipc["alloc_bytes"], arena.path,
+                     arena.ipc["handle"][:16], torch.cuda.memory_allocated(kv.device))
         self.kv = KVMover(self, arena.swap_blocks)  # cross-node adoption, host swap tier
         await self.kv.start()
         await self._lease(a.lease_blocks)

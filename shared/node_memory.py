@@ -1,0 +1,89 @@
+"""Memory that every process of a node opens without copying: the model weights (the model-loader
+creates them) and the KV arena (the kv-pool), on either backend, behind one pair of calls.
+
+- "cpu": a shared-memory file (shared/shm.py); the descriptor's `path` names it.
+- "cuda": one cudaMalloc allocation exported with a CUDA IPC handle (shared/cuda_ipc.py); the
+  descriptor carries that handle as `ipc`, and `path` only says where it lives ("cuda:0"). The
+  process that created it must keep the buffer alive while others use it (the model-loader and
+  the kv-pool do, until they stop), and every process must see the GPU under the same index
+  (the same CUDA_VISIBLE_DEVICES).
+
+Either way the buffer is a uint8 tensor; typed tensors are views at byte offsets (shm.view).
+`meshserve up --device cuda` and `meshserve serve ... --device cuda` pick the CUDA backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import shm
+
+BACKENDS = ("cpu", "cuda")
+
+
+class DeviceUnavailable(RuntimeError):
+    """--device names a backend this machine cannot run."""
+
+
+def cuda_problem() -> str | None:
+    """Why the CUDA backend cannot run here, or None when it can (a GPU torch sees, and CuPy)."""
+    if not torch.cuda.is_available():
+        build = (f"torch {torch.__version__} is built for CUDA {torch.version.cuda}" if torch.version.cuda
+                 else f"torch {torch.__version__} is a CPU-only build")
+        return f"no CUDA device is visible here (torch.cuda.is_available() is False; {build})"
+    try:
+        import cupy  # noqa: F401 - CUDA IPC handles and the kernels go through CuPy
+    except ImportError as e:
+        return f"CuPy is not installed ({e}): pip install 'meshserve[cuda]' (CUDA 12) or 'meshserve[cuda13]' (CUDA 13)"
+    return None
+
+
+def require(device: str) -> None:
+    """Raises DeviceUnavailable, with the reason, when `device` cannot run here."""
+    if device not in BACKENDS:
+        raise DeviceUnavailable(f"unknown device {device!r} (one of {', '.join(BACKENDS)})")
+    if device == "cuda":
+        problem = cuda_problem()
+        if problem:
+            raise DeviceUnavailable(f"--device cuda: {problem}")
+
+
+def check_backend(what: str, backend: str, device: str) -> None:
+    """A worker runs on the backend its node's weights and arena live on; a mismatch is an error."""
+    if backend != device:
+        raise DeviceUnavailable(f"the node's {what} is on {backend} memory but this process runs with --device "
+                                f"{device}: start the node's model-loader, kv-pool and workers with the same --device")
+
+
+def create(name: str, nbytes: int, device: str = "cpu") -> tuple[torch.Tensor, str, dict | None]:
+    """A zero-filled uint8 buffer other processes of the node can open: (buffer, path, ipc).
+    cpu: the shared file `name`; cuda: a new allocation on the current GPU and its IPC descriptor."""
+    if device == "cpu":
+        path = shm.create(name, nbytes)
+        return shm.map_bytes(path), str(path), None
+    require(device)
+    from . import cuda_ipc
+
+    buf = cuda_ipc.empty(nbytes, torch.cuda.current_device())
+    return buf, f"cuda:{buf.device.index}", cuda_ipc.export(buf)
+
+
+def open_buffer(backend: str, path: str, ipc: dict | None = None) -> torch.Tensor:
+    """The buffer a descriptor names, as a uint8 tensor over the same memory (no copy)."""
+    if backend == "cpu":
+        return shm.map_bytes(path)
+    if backend == "cuda":
+        if not ipc:
+            raise ValueError(f"a cuda descriptor ({path}) without its CUDA IPC handle")
+        require("cuda")
+        from . import cuda_ipc
+
+        return cuda_ipc.open(ipc)
+    raise ValueError(f"unknown backend {backend!r}")
+
+
+def release(backend: str, path: str) -> None:
+    """The creator is done with a buffer: a shared file loses its name (mappings stay valid); GPU
+    memory goes with the creator's last reference to it."""
+    if backend == "cpu":
+        shm.unlink(path)

@@ -1,0 +1,229 @@
+"""The mesh on the CUDA backend (`meshserve up --device cuda`): real nats-server and processes, the
+model-loader's weights and the kv-pool's arena in GPU memory shared by CUDA IPC handles.
+
+- one copy of the weights: every worker opens the loader's allocation by its handle and allocates
+  next to nothing of its own on the GPU; the test process opens it too and finds the weights there;
+- greedy outputs through the mesh (one prefill and two decode workers) equal the in-process engine
+  on CUDA, which equals Transformers in fp32;
+- a prefill -> decode handoff on one node moves block ids, no tensor bytes, over NATS;
+- the kv-pool's copies on a GPU arena: the host swap tier (out and back in) and the cross-node pull
+  (source and destination arenas on the GPU), on blocks a stand-in worker leased and wrote.
+
+Skipped, with the reason, where CUDA cannot run (no GPU, or no CuPy): tests/test_device_backend.py
+checks the rest everywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import re
+import time
+
+import httpx
+import nats
+import orjson
+import pytest
+import torch
+
+from mesh_util import Mesh
+from meshserve.shared import node_memory, shm
+from meshserve.shared.engine.llm import LLM
+from meshserve.shared.engine.sequence import SamplingParams
+
+CUDA_PROBLEM = node_memory.cuda_problem()
+pytestmark = pytest.mark.skipif(CUDA_PROBLEM is not None, reason=f"needs CUDA and CuPy: {CUDA_PROBLEM}")
+
+PROMPTS = ["The quick brown fox", "Hello world! Hello there", "def add(a, b):", "Once upon a time there was",
+           "Numbers: 0 1 2 3", "Café, naïve, résumé", "What is the capital of France?",
+           "Streaming tokens one at a time lets the user read"]
+MEMORY_LINE = re.compile(r"worker (\S+) memory: weights=(\S+) weights_handle=(\w+) weights_bytes=(\d+) arena=(\S+) "
+                         r"arena_handle=(\w+) own_gpu_bytes=(\d+)")
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_llama, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cuda-mesh")
+    m = Mesh(tiny_llama, tmp, prefill=1, decode=2, extra=["--device", "cuda"])
+    try:
+        yield m.wait_ready(timeout=120)
+    finally:
+        m.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    """The in-process engine on the same GPU: the mesh must produce the same text."""
+    return LLM(str(tiny_llama), "float32", device="cuda")
+
+
+def expected(llm: LLM, prompt, max_tokens: int) -> str:
+    return llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0))[0].text
+
+
+def complete(mesh: Mesh, prompt, max_tokens: int) -> str:
+    r = httpx.post(mesh.url + "/v1/completions", timeout=120, json={
+        "model": mesh.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+async def _connect(mesh: Mesh):
+    from meshserve.shared.bus import Bus
+
+    return await Bus.connect(mesh.nats_url, name="test-cuda-mesh", namespace=mesh.namespace)
+
+
+def test_workers_share_one_copy_of_the_weights_and_the_arena(mesh, tiny_llama):
+    from meshserve.shared.model.llama import fuse_hf_weights
+    from meshserve.shared.model.weights import load_hf_dir
+    from meshserve.shared.schemas import ArenaDescriptor, LeaseRequest, LoadRequest, WeightsDescriptor
+
+    deadline, lines = time.monotonic() + 60, []
+    while time.monotonic() < deadline:  # each worker logs what it opened once it is up
+        lines = MEMORY_LINE.findall(mesh.log.read_text(errors="replace"))
+        if len(lines) >= 3:
+            break
+        time.sleep(0.5)
+    assert len(lines) == 3, f"expected 3 workers' memory lines:\n{mesh.log.read_text()[-4000:]}"
+
+    async def descriptors():
+        bus = await _connect(mesh)
+        try:
+            w = await bus.request(bus.subjects.models("load"), LoadRequest(model=mesh.model, dtype="float32"),
+                                  WeightsDescriptor, timeout=30)
+            a = await bus.request(bus.subjects.kv("arena", "node0"), LeaseRequest(worker_id="test", num_blocks=0),
+                                  ArenaDescriptor, timeout=30)
+            return w, a
+        finally:
+            await bus.close()
+
+    w, a = asyncio.run(descriptors())
+    assert (w.backend, a.backend) == ("cuda", "cuda") and w.path.startswith("cuda:") and a.path.startswith("cuda:")
+    assert w.ipc["kind"] == a.ipc["kind"] == "cudaipc" and w.ipc["handle"] != a.ipc["handle"]
+    print("workers:", [(wid, int(own)) for wid, *_, own in lines], "weights bytes:", w.ipc["alloc_bytes"])
+    for wid, wpath, whandle, wbytes, apath, ahandle, own in lines:
+        # The loader's one allocation and the pool's one arena, opened by handle in every worker ...
+        assert (wpath, whandle, int(wbytes)) == (w.path, w.ipc["handle"][:16], w.ipc["alloc_bytes"]), wid
+        assert (apath, ahandle) == (a.path, a.ipc["handle"][:16]), wid
+        # ... and nothing of the weights' size allocated by the worker itself (rope tables only).
+        assert int(own) < w.ipc["alloc_bytes"] // 2, (wid, own)
+
+    # The weights are in the loader's GPU memory: this process opens them too and finds them there.
+    buf = node_memory.open_buffer(w.backend, w.path, w.ipc)
+    assert buf.is_cuda and buf.numel() == w.ipc["alloc_bytes"]
+    cfg, sd = load_hf_dir(tiny_llama)
+    want = fuse_hf_weights(cfg, sd, torch.float32)
+    for t in w.tensors:
+        assert torch.equal(shm.view(buf, t.offset, t.dtype, t.shape).cpu(), want[t.name]), t.name
+    assert sum(want[t.name].numel() * 4 for t in w.tensors) <= w.ipc["alloc_bytes"]
+
+
+def test_greedy_through_the_mesh_equals_the_engine_and_transformers(mesh, reference, tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    from oracle import hf_greedy
+
+    jobs = [(p, 8 + 3 * i) for i, p in enumerate(PROMPTS)] + [(p, 6) for p in PROMPTS]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as ex:  # batched on the workers
+        got = list(ex.map(lambda j: complete(mesh, *j), jobs))
+    assert got == [expected(reference, p, n) for p, n in jobs]
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
+    ids = [reference.tokenizer.encode(p) for p in PROMPTS]
+    eos = reference.engine.eos_token_ids
+    engine = [c.token_ids for c in reference.generate(ids, SamplingParams(max_tokens=12, temperature=0))]
+    assert engine == hf_greedy(hf, ids, 12, sorted(eos))
+
+
+def test_handoff_on_one_node_moves_no_tensor_bytes_over_nats(mesh, reference, tiny_llama):
+    """Every byte on the bus while a long prompt is prefilled and handed to a decode worker (as
+    tests/test_mesh.py counts them on the CPU backend)."""
+    from meshserve.shared.model.weights import load_hf_dir
+
+    cfg, _ = load_hf_dir(tiny_llama)
+    prompt = reference.tokenizer.encode(" ".join(PROMPTS * 3))[:200]
+    kv_bytes = len(prompt) * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
+
+    async def go():
+        nc = await nats.connect(mesh.nats_url)
+        seen: dict[str, int] = {}
+
+        async def count(msg):
+            key = msg.subject.split(".")[1] + "." + msg.subject.split(".")[-1]
+            seen[key] = seen.get(key, 0) + len(msg.data)
+
+        await nc.subscribe(">", cb=count)
+        await nc.flush()
+        body = {"model": mesh.model, "prompt": prompt, "max_tokens": 5, "temperature": 0}
+        r = orjson.loads((await nc.request(f"{mesh.namespace}.v1.completions", orjson.dumps(body), timeout=60)).data)
+        await asyncio.sleep(0.3)
+        await nc.close()
+        return r, seen
+
+    r, seen = asyncio.run(go())
+    print("bytes on the bus by subject:", seen)
+    assert r["choices"][0]["text"] == expected(reference, prompt, 5)
+    handoff = seen.get("scheduler.handoff", 0) + seen.get("worker.adopt", 0)
+    assert handoff > 0, f"no handoff seen: {seen}"
+    assert handoff < 16 * len(prompt) + 4096 < kv_bytes  # token and block ids, never the KV
+    assert not any(k in seen for k in ("kv.fetch", "kv.chunk", "kv.import")), seen  # no transfer on one node
+    request_bytes = sum(v for k, v in seen.items() if not k.startswith(("workers.", "kv.events")))
+    assert request_bytes < kv_bytes / 2, seen
+
+
+def test_kv_pool_swaps_and_serves_gpu_blocks(mesh):
+    """A stand-in worker leases blocks of the pool's GPU arena, writes them through its own handle,
+    has the pool spill two to the host tier and bring them back into each other's place, then pulls
+    blocks as another node's kv-pool would, into an arena on this process's GPU."""
+    from meshserve.services.kv_pool import transfer
+    from meshserve.services.kv_pool.blocks import ArenaBlocks
+    from meshserve.shared.schemas import ArenaDescriptor, LeaseReply, LeaseRequest, SwapReply, SwapRequest
+
+    me, k0, k1 = "test-kv-stand-in", 0x5EED0001, 0x5EED0002
+
+    async def go():
+        bus = await _connect(mesh)
+        s = bus.subjects
+        try:
+            async def lease(n: int) -> list[int]:  # also what keeps the pool from reaping the stand-in
+                r = await bus.request(s.kv("lease", "node0"), LeaseRequest(worker_id=me, num_blocks=n), LeaseReply)
+                return r.block_ids
+
+            a = await bus.request(s.kv("arena", "node0"), LeaseRequest(worker_id=me, num_blocks=0), ArenaDescriptor)
+            arena = shm.view(node_memory.open_buffer(a.backend, a.path, a.ipc), 0, a.dtype, a.shape)
+            assert arena.is_cuda
+            blocks = ArenaBlocks(arena, a.block_size)
+            b = await lease(3)
+            assert len(b) == 3
+            g = torch.Generator().manual_seed(7)
+            pattern = [torch.randint(0, 256, (blocks.block_bytes,), dtype=torch.uint8, generator=g) for _ in b]
+            for blk, p in zip(b, pattern):
+                blocks.write(blk, p)
+            r = await bus.request(s.kv("swap", "node0"), SwapRequest(worker_id=me, swap_out=[(b[0], k0), (b[1], k1)]),
+                                  SwapReply)
+            assert r.ok and r.stored == 2, r
+            zero = torch.zeros(blocks.block_bytes, dtype=torch.uint8)
+            blocks.write(b[0], zero)
+            blocks.write(b[1], zero)
+            r = await bus.request(s.kv("swap", "node0"), SwapRequest(worker_id=me, swap_in=[(k0, b[1]), (k1, b[0])]),
+                                  SwapReply)
+            assert r.ok and r.restored == 2, r
+            assert torch.equal(blocks.read(b[1]), pattern[0]) and torch.equal(blocks.read(b[0]), pattern[1])
+
+            await lease(0)
+            shape = list(a.shape)
+            shape[2] = 4 * a.block_size
+            local = ArenaBlocks(torch.zeros(shape, dtype=arena.dtype, device=arena.device), a.block_size)
+            nbytes, chunks = await transfer.pull(bus, "node0", "test-cuda-pull", me, [b[2], b[0]], [3, 1], local,
+                                                 max_chunk_bytes=blocks.block_bytes // 3 + 1, timeout=10,
+                                                 also_release=[b[1]])
+            assert nbytes == 2 * blocks.block_bytes and chunks > 2
+            assert torch.equal(local.read(3), pattern[2]) and torch.equal(local.read(1), pattern[1])
+            assert not local.read(0).any() and not local.read(2).any()  # the pull released all three blocks
+        finally:
+            await bus.close()  # on a failure the pool reclaims the stand-in's blocks when it goes silent
+
+    asyncio.run(go())
+    # The mesh still serves after all that.
+    assert complete(mesh, PROMPTS[0], 4)

@@ -1,0 +1,126 @@
+"""`--device cpu|cuda` for the mesh, on any machine: the option on `meshserve up` and the node's
+services, the launcher forwarding it, the descriptors that carry a CUDA IPC handle, the buffers of
+shared/node_memory.py on the CPU backend, and `--device cuda` failing at once, with the reason,
+where CUDA cannot run. The GPU half is tests/test_cuda_mesh.py."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from meshserve.services.cli import build_parser
+from meshserve.services.launcher import DEVICE_ROLES, Launcher
+from meshserve.shared import node_memory, shm
+from meshserve.shared.schemas import ArenaDescriptor, TensorSpec, WeightsDescriptor
+
+# What shared/cuda_ipc.export() gives for a buffer of cuda_ipc.empty() (a "cudaipc" descriptor).
+IPC = {"pid": 4242, "device": 0, "dtype": "uint8", "shape": [1 << 20], "strides": [1], "kind": "cudaipc",
+       "handle": "ab" * 64, "alloc_bytes": 1 << 20, "offset": 0}
+
+
+def test_device_option_defaults_to_cpu_and_takes_cuda():
+    p = build_parser()
+    assert p.parse_args(["up"]).device == "cpu"
+    assert p.parse_args(["up", "--device", "cuda"]).device == "cuda"
+    for role in DEVICE_ROLES:
+        assert p.parse_args(["serve", role]).device == "cpu"
+        assert p.parse_args(["serve", role, "--device", "cuda"]).device == "cuda"
+    with pytest.raises(SystemExit):
+        p.parse_args(["up", "--device", "tpu"])
+    for role in ("gateway", "scheduler"):  # they hold no tensors
+        assert not hasattr(p.parse_args(["serve", role]), "device")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("prefill", [0, 1])
+def test_up_forwards_the_device_to_every_service_of_the_node(device, prefill):
+    args = build_parser().parse_args(["up", "--device", device, "--nats-url", "nats://127.0.0.1:1",
+                                      "--prefill", str(prefill), "--decode", "2"])
+    launcher = Launcher(args)
+    spawned = {}
+    launcher.spawn = lambda name, cmd, env=None: spawned.setdefault(name, cmd)
+    try:
+        launcher.start()
+    finally:
+        shutil.rmtree(launcher.tmp, ignore_errors=True)
+    assert "nats-server" not in spawned
+    expect = {"model-loader", "kv-pool", "decode-0", "decode-1", "scheduler", "gateway"} | (
+        {"prefill-0"} if prefill else set())
+    assert set(spawned) == expect
+    for name, cmd in spawned.items():
+        role = cmd[cmd.index("serve") + 1]
+        if role in DEVICE_ROLES:
+            assert cmd[cmd.index("--device") + 1] == device, cmd
+            build_parser().parse_args(cmd[cmd.index("serve"):])  # what the child parses
+        else:
+            assert "--device" not in cmd, cmd
+
+
+def test_descriptors_round_trip_with_a_cuda_ipc_handle():
+    spec = [TensorSpec(name="embed", dtype="bfloat16", shape=[384, 64], offset=0),
+            TensorSpec(name="norm", dtype="bfloat16", shape=[64], offset=49152)]
+    w = WeightsDescriptor(model="m", path="cuda:0", backend="cuda", ipc=IPC, config={"hidden_size": 64},
+                          tensors=spec, tokenizer_path="/t")
+    assert WeightsDescriptor.decode(w.encode()) == w
+    a = ArenaDescriptor(node_id="n", path="cuda:0", backend="cuda", ipc=IPC | {"handle": "cd" * 64}, dtype="float32",
+                        shape=[2, 2, 64, 2, 16], block_size=16, num_blocks=4, swap_blocks=3)
+    assert ArenaDescriptor.decode(a.encode()) == a
+    # The CPU descriptors are as before: no handle, backend cpu by default.
+    old = b'{"node_id":"n","path":"/dev/shm/x","dtype":"float32","shape":[2,2,64,2,16],"block_size":16,"num_blocks":4}'
+    a = ArenaDescriptor.decode(old)
+    assert (a.backend, a.ipc) == ("cpu", None)
+    w = WeightsDescriptor.decode(b'{"model":"m","path":"/dev/shm/w","config":{},"tensors":[],"tokenizer_path":"t"}')
+    assert (w.backend, w.ipc) == ("cpu", None)
+    with pytest.raises(ValueError):
+        ArenaDescriptor.decode(a.encode().replace(b'"cpu"', b'"tpu"'))
+
+
+def test_cpu_buffers_are_one_shared_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("MESHSERVE_SHM_DIR", str(tmp_path))
+    buf, path, ipc = node_memory.create("meshserve-test-buf", 4096, "cpu")
+    assert ipc is None and path == str(tmp_path / "meshserve-test-buf") and buf.dtype == torch.uint8
+    other = node_memory.open_buffer("cpu", path)
+    shm.view(buf, 64, "float32", [4]).copy_(torch.arange(4.0))
+    assert torch.equal(shm.view(other, 64, "float32", [4]), torch.arange(4.0))  # the same memory
+    assert torch.equal(shm.view(other, 0, "uint8", [2]), torch.zeros(2, dtype=torch.uint8))
+    node_memory.release("cpu", path)
+    assert not (tmp_path / "meshserve-test-buf").exists()
+    with pytest.raises(ValueError, match="without its CUDA IPC handle"):
+        node_memory.open_buffer("cuda", "cuda:0", None)
+
+
+def test_a_worker_refuses_weights_or_an_arena_of_the_other_backend():
+    node_memory.check_backend("weights", "cpu", "cpu")
+    with pytest.raises(node_memory.DeviceUnavailable, match="same --device"):
+        node_memory.check_backend("KV arena", "cuda", "cpu")
+
+
+needs_no_cuda = pytest.mark.skipif(node_memory.cuda_problem() is None, reason="CUDA can run here")
+
+
+@needs_no_cuda
+@pytest.mark.parametrize("argv", [["up", "--nats-port", "1"],
+                                  ["serve", "model-loader", "--nats-url", "nats://127.0.0.1:1"],
+                                  ["serve", "kv-pool", "--nats-url", "nats://127.0.0.1:1"],
+                                  ["serve", "decode", "--nats-url", "nats://127.0.0.1:1"]])
+def test_device_cuda_without_cuda_fails_at_once_with_the_reason(argv):
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "meshserve.services.cli", *argv, "--device", "cuda"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "--device cuda:" in r.stderr and ("no CUDA device" in r.stderr or "CuPy" in r.stderr), r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    assert time.monotonic() - t0 < 60  # no connection tried, nothing started (a python start-up at most)
+
+
+@needs_no_cuda
+def test_creating_cuda_memory_without_cuda_says_why():
+    with pytest.raises(node_memory.DeviceUnavailable, match="--device cuda"):
+        node_memory.create("x", 16, "cuda")
+    with pytest.raises(node_memory.DeviceUnavailable, match="unknown device"):
+        node_memory.require("tpu")
