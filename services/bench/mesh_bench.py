@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode", type=int, default=1)
     ap.add_argument("--threads", type=int, default=None, help="torch threads per worker")
     ap.add_argument("--pack-weights", action="store_true", help="workers keep a private packed weight copy")
+    ap.add_argument("--up-args", default="", help="more options for `meshserve up`, e.g. '--swap-space 0'")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                  "mesh": {"prefill": a.prefill, "decode": a.decode, "pack_weights": a.pack_weights}}
     port = _port()
     cmd = [sys.executable, "-m", "meshserve.services.cli", "up", "--model", a.model, "--dtype", a.dtype,
-           "--port", str(port), "--nats-port", str(_port()), "--prefill", str(a.prefill), "--decode", str(a.decode)] + (["--pack-weights"] if a.pack_weights else [])
+           "--port", str(port), "--nats-port", str(_port()), "--prefill", str(a.prefill), "--decode", str(a.decode)] + (["--pack-weights"] if a.pack_weights else []) + a.up_args.split()
     env = dict(os.environ)
     if a.threads:
         env["MESHSERVE_WORKER_THREADS"] = str(a.threads)
