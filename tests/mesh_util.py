@@ -128,3 +128,29 @@ class Node:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+def bus_bytes_of_completion(nats_url: str, namespace: str, body: dict) -> tuple[dict, dict[str, int]]:
+    """Sends one completion over the NATS API and counts every byte on the bus meanwhile, by
+    subject (second and last part: 'scheduler.handoff', 'worker.adopt', 'kv.chunk', ...)."""
+    import asyncio
+
+    import nats
+    import orjson
+
+    async def go():
+        nc = await nats.connect(nats_url)
+        seen: dict[str, int] = {}
+
+        async def count(msg):
+            key = msg.subject.split(".")[1] + "." + msg.subject.split(".")[-1]
+            seen[key] = seen.get(key, 0) + len(msg.data)
+
+        await nc.subscribe(">", cb=count)
+        await nc.flush()
+        r = orjson.loads((await nc.request(f"{namespace}.v1.completions", orjson.dumps(body), timeout=60)).data)
+        await asyncio.sleep(0.3)
+        await nc.close()
+        return r, seen
+
+    return asyncio.run(go())

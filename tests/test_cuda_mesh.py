@@ -21,12 +21,10 @@ import re
 import time
 
 import httpx
-import nats
-import orjson
 import pytest
 import torch
 
-from mesh_util import Mesh
+from mesh_util import Mesh, bus_bytes_of_completion
 from meshserve.shared import node_memory, shm
 from meshserve.shared.engine.llm import LLM
 from meshserve.shared.engine.sequence import SamplingParams
@@ -145,23 +143,8 @@ def test_handoff_on_one_node_moves_no_tensor_bytes_over_nats(mesh, reference, ti
     prompt = reference.tokenizer.encode(" ".join(PROMPTS * 3))[:200]
     kv_bytes = len(prompt) * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
 
-    async def go():
-        nc = await nats.connect(mesh.nats_url)
-        seen: dict[str, int] = {}
-
-        async def count(msg):
-            key = msg.subject.split(".")[1] + "." + msg.subject.split(".")[-1]
-            seen[key] = seen.get(key, 0) + len(msg.data)
-
-        await nc.subscribe(">", cb=count)
-        await nc.flush()
-        body = {"model": mesh.model, "prompt": prompt, "max_tokens": 5, "temperature": 0}
-        r = orjson.loads((await nc.request(f"{mesh.namespace}.v1.completions", orjson.dumps(body), timeout=60)).data)
-        await asyncio.sleep(0.3)
-        await nc.close()
-        return r, seen
-
-    r, seen = asyncio.run(go())
+    body = {"model": mesh.model, "prompt": prompt, "max_tokens": 5, "temperature": 0}
+    r, seen = bus_bytes_of_completion(mesh.nats_url, mesh.namespace, body)
     print("bytes on the bus by subject:", seen)
     assert r["choices"][0]["text"] == expected(reference, prompt, 5)
     handoff = seen.get("scheduler.handoff", 0) + seen.get("worker.adopt", 0)

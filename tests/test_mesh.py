@@ -14,7 +14,7 @@ import orjson
 import pytest
 from openai import OpenAI
 
-from mesh_util import Mesh
+from mesh_util import Mesh, bus_bytes_of_completion
 from meshserve.shared.engine.llm import LLM
 from meshserve.shared.engine.sequence import SamplingParams
 
@@ -116,23 +116,8 @@ def test_handoff_moves_block_ids_not_tensors(mesh, reference, tiny_llama):
     prompt = reference.tokenizer.encode(" ".join(PROMPTS * 3))[:200]
     kv_bytes = len(prompt) * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
 
-    async def go():
-        nc = await nats.connect(mesh.nats_url)
-        seen: dict[str, int] = {}
-
-        async def count(msg):
-            key = msg.subject.split(".")[1] + "." + msg.subject.split(".")[-1]
-            seen[key] = seen.get(key, 0) + len(msg.data)
-
-        await nc.subscribe(">", cb=count)
-        await nc.flush()
-        body = {"model": mesh.model, "prompt": prompt, "max_tokens": 5, "temperature": 0}
-        r = orjson.loads((await nc.request(f"{mesh.namespace}.v1.completions", orjson.dumps(body), timeout=60)).data)
-        await asyncio.sleep(0.3)
-        await nc.close()
-        return r, seen
-
-    r, seen = asyncio.run(go())
+    body = {"model": mesh.model, "prompt": prompt, "max_tokens": 5, "temperature": 0}
+    r, seen = bus_bytes_of_completion(mesh.nats_url, mesh.namespace, body)
     assert r["choices"][0]["text"] == expected(reference, prompt, 5)
     handoff = seen.get("scheduler.handoff", 0) + seen.get("worker.adopt", 0)
     assert handoff > 0, f"no handoff seen: {seen}"

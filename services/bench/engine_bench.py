@@ -92,8 +92,8 @@ def hf_generate(m, prompts: list[list[int]], max_new: int) -> list[float]:
     from transformers import LogitsProcessorList
 
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=m.device)  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=m.device)
     clock = _StepClock()
     with torch.inference_mode():
         m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
@@ -105,10 +105,11 @@ def hf_batch1(m, prompt: list[int], n: int) -> dict:
     hf_generate(m, [prompt[:8]], 4)
     t0 = time.monotonic()
     t = hf_generate(m, [prompt], n)
-    return {"decode_tok_s": (len(t) - 1) / (t[-1] - t[0]), "ttft_s": t[0] - t0}
+    return {"decode_tok_s": (len(t) - 1) / (t[-1] - t[0]), "ttft_s": t[0] - t0, "tokens": len(t)}
 
 
 def hf_static(m, work: list[tuple[list[int], int]], batch: int) -> dict:
+    hf_generate(m, [work[0][0][:8]], 2)  # warm-up
     t0 = time.monotonic()
     ttfts, itls, out = [], [], 0
     for i in range(0, len(work), batch):
@@ -118,7 +119,7 @@ def hf_static(m, work: list[tuple[list[int], int]], batch: int) -> dict:
             ttfts.append(times[0] - t0)
             itls += [b - a for a, b in zip(times[:o], times[1:o])]
             out += o
-    return summarize(time.monotonic() - t0, out, ttfts, itls)
+    return summarize(time.monotonic() - t0, out, ttfts, itls) | {"batch_size": batch}
 
 
 def add_workload_arguments(ap: argparse.ArgumentParser) -> None:

@@ -25,7 +25,7 @@ import torch
 
 from meshserve.kernels import cuda_ops
 from meshserve.kernels.paged_attention import AttentionMetadata, decode_slots_and_mask, paged_attention
-from meshserve.services.bench.engine_bench import mixed_workload, summarize
+from meshserve.services.bench.engine_bench import hf_batch1, hf_static, mixed_workload, summarize
 from meshserve.shared.engine.llm_engine import EngineConfig, LLMEngine
 from meshserve.shared.engine.scheduler import SchedulerConfig
 from meshserve.shared.engine.sequence import SamplingParams
@@ -104,52 +104,6 @@ def engine_mixed(eng: LLMEngine, work: list[tuple[list[int], int]]) -> dict:
     itls = [b - a for s in stamps.values() for a, b in zip(s, s[1:])]
     return summarize(total, sum(len(s) for s in stamps.values()), ttfts, itls) | {
         "preemptions": eng.scheduler.num_preemptions}
-
-
-# --- Transformers (inputs on the model's device)
-
-
-class _StepClock:
-    def __init__(self):
-        self.times: list[float] = []
-
-    def __call__(self, input_ids, scores):
-        self.times.append(time.perf_counter())
-        return scores
-
-
-def hf_generate(m, prompts: list[list[int]], max_new: int) -> list[float]:
-    from transformers import LogitsProcessorList
-
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=m.device)  # left padding
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=m.device)
-    clock = _StepClock()
-    with torch.inference_mode():
-        m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
-                   do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([clock]))
-    return clock.times
-
-
-def hf_batch1(m, prompt: list[int], n: int) -> dict:
-    hf_generate(m, [prompt[:8]], 4)
-    t0 = time.perf_counter()
-    t = hf_generate(m, [prompt], n)
-    return {"decode_tok_s": (len(t) - 1) / (t[-1] - t[0]), "ttft_s": t[0] - t0, "tokens": len(t)}
-
-
-def hf_static(m, work: list[tuple[list[int], int]], batch: int) -> dict:
-    hf_generate(m, [work[0][0][:8]], 2)  # warm-up
-    t0 = time.perf_counter()
-    ttfts, itls, out = [], [], 0
-    for i in range(0, len(work), batch):
-        group = work[i:i + batch]
-        times = hf_generate(m, [p for p, _ in group], max(o for _, o in group))
-        for _, o in group:  # each request is done after its own o tokens, but waits for its batch
-            ttfts.append(times[0] - t0)
-            itls += [b - a for a, b in zip(times[:o], times[1:o])]
-            out += o
-    return summarize(time.perf_counter() - t0, out, ttfts, itls) | {"batch_size": batch}
 
 
 # --- decode attention kernels
