@@ -121,8 +121,9 @@ def test_pull_splits_below_max_payload_and_releases_the_source(small_nats):
         await bus.nc.subscribe("_INBOX.>", cb=sniff)
         dst = arena(32)
         stats = transfer.TransferStats()
+        # timeout: a loaded 2-core CI machine once let the in-process source miss the default 5 s
         nbytes, chunks = await transfer.pull(bus, "node-a", "t1", "prefill-a", held[:6], [9, 8, 7, 6, 5, 4], dst,
-                                             stats=stats, also_release=held[6:])
+                                             stats=stats, also_release=held[6:], timeout=30.0)
         deadline = time.monotonic() + 5
         while sum(1 for n in seen if n > 1000) < chunks and time.monotonic() < deadline:
             await asyncio.sleep(0.05)  # the sniffer's copies arrive on their own time
