@@ -36,19 +36,28 @@ MAX_PAYLOAD = 20_000
 
 @pytest.fixture(scope="module")
 def small_nats(tmp_path_factory):
-    port = free_port()
-    conf = tmp_path_factory.mktemp("nats") / "nats.conf"
-    conf.write_text(f"listen: 127.0.0.1:{port}\nmax_payload: {MAX_PAYLOAD}\n")
-    proc = subprocess.Popen([nats_server_binary(), "-c", str(conf)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+    # A port free a moment ago may still be held by a server another test is stopping: our server
+    # then fails to bind and exits, while the connect check would reach the old one. So the check
+    # also asks that our process is alive, and a taken port is tried again with another.
+    for _ in range(5):
+        port = free_port()
+        conf = tmp_path_factory.mktemp("nats") / "nats.conf"
+        conf.write_text(f"listen: 127.0.0.1:{port}\nmax_payload: {MAX_PAYLOAD}\n")
+        proc = subprocess.Popen([nats_server_binary(), "-c", str(conf)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while proc.poll() is None:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "nats-server did not start"
+                time.sleep(0.05)
+        time.sleep(0.1)
+        if proc.poll() is None:
             break
-        except OSError:
-            assert time.monotonic() < deadline, "nats-server did not start"
-            time.sleep(0.05)
+    else:
+        pytest.fail("nats-server could not bind a free port")
     yield f"nats://127.0.0.1:{port}"
     proc.terminate()
     proc.wait(5)
