@@ -34,6 +34,25 @@ def median_ms(fn, repeat: int) -> float:
     return round(statistics.median(times), 3)
 
 
+def attention_case(device, batch: int, context: int, dtype=torch.bfloat16, hkv=3, hq=9, d=64, bs=16, seed=0):
+    """A decode batch whose contexts are about `context` long, through shuffled block tables: q, the
+    arena [2, slots, kv_heads, head_dim], block tables, context lengths, block size."""
+    g = torch.Generator().manual_seed(seed)
+    spread = max(1, context // 20)
+    ctx = torch.randint(context - spread, context + spread + 1, (batch,), generator=g)
+    need = (ctx + bs - 1) // bs
+    num_blocks = int(need.sum()) + 64
+    kv = torch.randn(2, num_blocks * bs, hkv, d, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g)
+    table = torch.zeros(batch, int(need.max()), dtype=torch.long)
+    used = 0
+    for i, nb in enumerate(need.tolist()):
+        table[i, :nb] = perm[used:used + nb]
+        used += nb
+    q = torch.randn(batch, hq, d, generator=g).to(dtype)
+    return q.to(device), kv.to(device), table.to(device), ctx.to(device), bs
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=48)
@@ -51,19 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = getattr(torch, args.dtype)
     b, hkv, hq, d, bs = args.batch, args.kv_heads, args.q_heads, args.head_dim, args.block_size
 
-    g = torch.Generator().manual_seed(0)
-    spread = max(1, args.context // 20)
-    ctx = torch.randint(args.context - spread, args.context + spread + 1, (b,), generator=g)
-    need = (ctx + bs - 1) // bs
-    num_blocks = int(need.sum()) + 64
-    kv = torch.randn(2, num_blocks * bs, hkv, d, generator=g).to(dtype)
-    perm = torch.randperm(num_blocks, generator=g)
-    table = torch.zeros(b, int(need.max()), dtype=torch.long)
-    used = 0
-    for i, nb in enumerate(need.tolist()):
-        table[i, :nb] = perm[used:used + nb]
-        used += nb
-    q = torch.randn(b, hq, d, generator=g).to(dtype)
+    q, kv, table, ctx, bs = attention_case("cpu", b, args.context, dtype, hkv, hq, d, bs)
     scale = d ** -0.5
     empty = torch.empty(0, dtype=torch.long)
 

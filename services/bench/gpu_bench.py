@@ -25,6 +25,7 @@ import torch
 
 from meshserve.kernels import cuda_ops
 from meshserve.kernels.paged_attention import AttentionMetadata, decode_slots_and_mask, paged_attention
+from meshserve.services.bench.attention_bench import attention_case
 from meshserve.services.bench.engine_bench import hf_batch1, hf_static, mixed_workload, summarize
 from meshserve.shared.engine.llm_engine import EngineConfig, LLMEngine
 from meshserve.shared.engine.scheduler import SchedulerConfig
@@ -107,23 +108,6 @@ def engine_mixed(eng: LLMEngine, work: list[tuple[list[int], int]]) -> dict:
 
 
 # --- decode attention kernels
-
-
-def attention_case(device, batch: int, context: int, dtype=torch.bfloat16, hkv=3, hq=9, d=64, bs=16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    spread = max(1, context // 20)
-    ctx = torch.randint(context - spread, context + spread + 1, (batch,), generator=g)
-    need = (ctx + bs - 1) // bs
-    num_blocks = int(need.sum()) + 64
-    kv = torch.randn(2, num_blocks * bs, hkv, d, generator=g).to(dtype)
-    perm = torch.randperm(num_blocks, generator=g)
-    table = torch.zeros(batch, int(need.max()), dtype=torch.long)
-    used = 0
-    for i, nb in enumerate(need.tolist()):
-        table[i, :nb] = perm[used:used + nb]
-        used += nb
-    q = torch.randn(batch, hq, d, generator=g).to(dtype)
-    return q.to(device), kv.to(device), table.to(device), ctx.to(device), bs
 
 
 def bench_attention(device, batch: int, context: int, repeat: int) -> dict:

@@ -122,16 +122,7 @@ class KVMover:
 
     def _forget(self, blocks: list[int]) -> None:
         for b in blocks:
-            self.bm._forget(b)  # drops the key (a "removed" KV event); the block stays free
-
-    def _uncached_first(self) -> int:
-        """Puts the free blocks that cache nothing before the cached ones (those are the engine's
-        next victims then); returns how many there are."""
-        bm = self.bm
-        uncached = [b for b in bm.free if bm.hash_of[b] is None]
-        for b in reversed(uncached):
-            bm.free.move_to_end(b, last=False)
-        return len(uncached)
+            self.bm.forget(b)
 
     def blocks_next_step(self) -> int:
         """At most how many free blocks the next step takes: one per running sequence, plus the
@@ -152,7 +143,7 @@ class KVMover:
         bm = self.bm
         if all(bm.hash_of[b] is None for b in islice(bm.free, n)):
             return
-        k = n - self._uncached_first()
+        k = n - self.bm.uncached_first()
         if k <= 0:
             return
         victims = [(b, bm.hash_of[b]) for b in islice(bm.free, n - k, n)]
@@ -182,7 +173,7 @@ class KVMover:
                 break
         if not wanted:
             return 0
-        n_uncached = self._uncached_first()
+        n_uncached = self.bm.uncached_first()
         free = list(bm.free)
         dest = free[:n_uncached][:len(wanted)]
         victims = [(b, bm.hash_of[b]) for b in free[n_uncached:] if b not in protect][:len(wanted) - len(dest)]

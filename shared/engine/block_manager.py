@@ -81,7 +81,8 @@ class BlockManager:
             seq.block_hashes.append(block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs], self.model))
         return seq.block_hashes
 
-    def _forget(self, bid: int) -> None:
+    def forget(self, bid: int) -> None:
+        """Drops the block's prefix-cache key (a "removed" KV event); the block itself stays where it is."""
         h = self.hash_of[bid]
         if h is not None:
             if self.cached.get(h) == bid:
@@ -89,9 +90,17 @@ class BlockManager:
                 self.removed.append(h)
             self.hash_of[bid] = None
 
+    def uncached_first(self) -> int:
+        """Puts the free blocks that cache nothing before the cached ones, so allocation takes them
+        first and the cached ones are the next victims; returns how many there are."""
+        uncached = [b for b in self.free if self.hash_of[b] is None]
+        for b in reversed(uncached):
+            self.free.move_to_end(b, last=False)
+        return len(uncached)
+
     def _take_free(self) -> int:
         bid, _ = self.free.popitem(last=False)
-        self._forget(bid)
+        self.forget(bid)
         self.ref_count[bid] = 1
         return bid
 
@@ -177,7 +186,7 @@ class BlockManager:
             self._release_shared(bid)
 
     def _release_shared(self, bid: int) -> None:
-        self._forget(bid)
+        self.forget(bid)
         self.shared.discard(bid)
         self.to_release.append(bid)
 
@@ -202,7 +211,7 @@ class BlockManager:
             del self.free[b]
         while len(out) < n and self.free:
             b, _ = self.free.popitem(last=False)
-            self._forget(b)
+            self.forget(b)
             out.append(b)
         return out
 
