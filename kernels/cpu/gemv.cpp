@@ -4,8 +4,8 @@
 // general GEMM libraries reach about half of it on these shapes. This reads each weight row once
 // for all m, with AVX-512 BF16 dot products (32 products per instruction, fp32 accumulation),
 // one row at a time in memory order, rows split across OpenMP threads. Reading four rows side by
-// side (four short streams) reached 9 GB/s on one core; one sequential stream reaches 19, close
-// to what a plain sum over the same bytes gets (22): the hardware prefetcher follows one stream. The weight stays in its plain [N, K]
+// side (four short streams) reached under half of what a plain sum over the same bytes gets; one
+// sequential stream comes close to it: the hardware prefetcher follows one stream. The weight stays in its plain [N, K]
 // layout, so it can live in memory that other processes map. Oracle: F.linear (kernels/linear.py).
 
 #include <ATen/Parallel.h>

@@ -77,8 +77,8 @@ class Worker:
         cfg = ModelConfig(**w.config)
         # Built on the step thread, like everything that runs torch ops in parallel: OpenMP keeps a
         # thread team per thread that opens parallel regions, and once the main thread had one
-        # (from building the model) the step thread's ran on ~1.6 of 2 cores (the same engine
-        # built and stepped on one thread: 2.0 cores, 11% more tokens/s).
+        # (from building the model) the step thread's ran on ~1.6 of 2 cores (bench-mesh: the
+        # decode worker's CPU over the run's wall time, 1.55 before and 1.91 after this change).
         run_on_stepper = lambda f, *x, **k: asyncio.get_running_loop().run_in_executor(  # noqa: E731
             self.stepper, lambda: f(*x, **k))
         model = await run_on_stepper(LlamaModel, cfg, weights, pack=a.pack_weights)
