@@ -1,10 +1,10 @@
 """Dense projections, y = x @ w.T (+ b).
 
-- 1 to 4 rows of bf16 (decode at small batch, memory-bound): kernels/cpu/gemv.cpp, which reads
-  each weight row once with AVX-512 BF16 dot products, on the plain weight (shareable memory);
-- more rows: bf16 weights re-laid out once into oneDNN's blocked format when `pack` (a private
-  copy: a mesh worker that maps shared weights decides whether the speed is worth the memory);
-- otherwise F.linear, which is also the oracle of both.
+bf16 on a CPU with AVX-512 BF16: kernels/cpu/linear.cpp, from the weight in a blocked layout
+("n32k2", `to_blocked`) that whoever loads the model makes once: the mesh's model loader writes it
+into the node's shared memory, so every worker runs the fast kernel on one copy of the weights.
+Everything else (fp32, other devices, shapes the layout does not fit, the kernels disabled):
+F.linear on the plain weight, which is also the kernel's oracle.
 """
 
 from __future__ import annotations
@@ -14,35 +14,68 @@ import torch.nn.functional as F
 
 from . import cpu_build
 
-GEMV_MAX_ROWS = 4
+BLOCK_N = 32  # output columns per block of the layout
+BLOCKED = "@n32k2"  # a weights dict holds a projection's blocked form under its name + this suffix
 
 
-def _can_pack(w: torch.Tensor) -> bool:
-    return (w.device.type == "cpu" and w.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
-
-
-def gemv_kernel():
-    """The compiled small-batch bf16 kernel, or None (not built, or no AVX-512 BF16 on this CPU)."""
-    mod = cpu_build.load("meshserve_gemv_cpu", "gemv.cpp")
+def kernel():
+    """The compiled bf16 projection kernel, or None (not built, or no AVX-512 BF16 on this CPU)."""
+    mod = cpu_build.load("meshserve_linear_cpu", "linear.cpp")
     return mod if mod is not None and mod.available() else None
 
 
-class Linear:
-    __slots__ = ("weight", "bias", "packed", "gemv")
+def can_block(w: torch.Tensor) -> bool:
+    return (w.dim() == 2 and w.device.type == "cpu" and w.dtype == torch.bfloat16 and w.shape[0] % BLOCK_N == 0
+            and w.shape[1] % 2 == 0 and kernel() is not None)
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
-        self.weight, self.bias = weight, bias
-        self.gemv = gemv_kernel() if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" \
-            and weight.is_contiguous() else None
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight) if pack and _can_pack(weight) else None
+
+def to_blocked(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N/32, K/2, 32, 2]: per block of 32 output columns, each pair of inputs side by side."""
+    n, k = w.shape
+    return w.reshape(n // BLOCK_N, BLOCK_N, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def from_blocked(b: torch.Tensor) -> torch.Tensor:
+    nb, k2, _, _ = b.shape
+    return b.permute(0, 2, 1, 3).reshape(nb * BLOCK_N, k2 * 2)
+
+
+def block_weights(weights: dict[str, torch.Tensor], names: list[str], keep: set[str] = frozenset()
+                  ) -> dict[str, torch.Tensor]:
+    """`weights` with each named projection also in the blocked layout (name + BLOCKED) where it
+    fits; the plain form is dropped (one copy) unless its name is in `keep`."""
+    out = dict(weights)
+    for name in names:
+        if can_block(weights[name]):
+            out[name + BLOCKED] = to_blocked(weights[name])
+            if name not in keep:
+                del out[name]
+    return out
+
+
+class Linear:
+    __slots__ = ("weight", "blocked", "bias", "kernel", "out_features")
+
+    def __init__(self, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                 blocked: torch.Tensor | None = None):
+        """From the plain weight [N, K], or its blocked form (kernels/cpu/linear.cpp's layout)."""
+        self.kernel = kernel() if blocked is not None else None
+        if blocked is not None and self.kernel is None:  # blocked by a loader, but no kernel here
+            weight, blocked = from_blocked(blocked).contiguous(), None
+        self.weight, self.blocked, self.bias = weight, blocked, bias
+        self.out_features = blocked.shape[0] * BLOCK_N if blocked is not None else weight.shape[0]
+
+    @classmethod
+    def of(cls, weights: dict[str, torch.Tensor], name: str, bias: str | None = None) -> "Linear":
+        b = weights.get(bias) if bias else None
+        blocked = weights.get(name + BLOCKED)
+        return cls(None if blocked is not None else weights[name], b, blocked)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv is not None and x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.bfloat16:
+        if self.blocked is not None and x.dtype == torch.bfloat16:
             x = x.contiguous()
-            out = torch.empty(x.shape[0], self.weight.shape[0], dtype=x.dtype)
-            self.gemv.gemv_bf16(out, x, self.weight, self.bias)
+            out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+            self.kernel.linear_bf16(out, x, self.blocked, self.bias)
             return out
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        w = self.weight if self.weight is not None else from_blocked(self.blocked)
+        return F.linear(x, w, self.bias)

@@ -109,8 +109,6 @@ class Launcher:
         self.spawn("kv-pool", self.serve_cmd("kv-pool", "--kv-cache-gb", str(a.kv_cache_gb),
                                              "--swap-space", str(a.swap_space)))
         worker_opts = ["--max-num-batched-tokens", str(a.max_num_batched_tokens), "--max-num-seqs", str(a.max_num_seqs)]
-        if a.pack_weights:
-            worker_opts.append("--pack-weights")
         if a.prefill == 0:  # no dedicated prefill workers: decode workers do both
             for i in range(a.decode):
                 self.spawn(f"decode-{i}", self.serve_cmd("decode", *worker_opts))
@@ -172,7 +170,10 @@ def run(args) -> int:
         stopping.append(signum)
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_signal)
+    # SIGINT too: a shell starts background jobs with SIGINT ignored, and Python then installs no
+    # handler of its own, so Ctrl-C's signal sent by a supervisor would be lost.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
     try:
         launcher.start()
         if not launcher.wait_healthy(args.startup_timeout):
@@ -218,7 +219,6 @@ def add_arguments(p) -> None:
                    "blocks (the kv-pool's swap tier; 0: none)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences a worker runs at once")
-    p.add_argument("--pack-weights", action="store_true", help="workers keep a faster private weight copy")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--request-log", default=None,
                    help="the gateway's request log (default: ~/.cache/meshserve/logs/requests.jsonl)")

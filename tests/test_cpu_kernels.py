@@ -140,35 +140,57 @@ def test_bad_block_table_is_rejected(kernel):
         kernel.paged_decode_attention(torch.empty_like(q), q, kv, table[:, :1], ctx, 8, 0.25)
 
 
-# -- small-batch bf16 projections (kernels/cpu/gemv.cpp) against F.linear
+# -- bf16 projections from the blocked layout (kernels/cpu/linear.cpp) against F.linear
 
 
-def gemv_or_skip():
-    from meshserve.kernels.linear import gemv_kernel
+def linear_kernel_or_skip():
+    from meshserve.kernels.linear import kernel
 
-    mod = gemv_kernel()
-    if mod is None:
-        pytest.skip("the bf16 GEMV kernel is not available here (disabled, not buildable, or no AVX-512 BF16)")
-    return mod
+    if kernel() is None:
+        pytest.skip("the bf16 projection kernel is not available here (disabled, not buildable, or no AVX-512 BF16)")
 
 
-@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (4099, 576), (7, 64), (13, 40)])
-@pytest.mark.parametrize("m", [1, 2, 4])
+def test_blocked_layout_round_trips():
+    from meshserve.kernels.linear import from_blocked, to_blocked
+
+    w = torch.randn(96, 40).bfloat16()
+    b = to_blocked(w)
+    assert b.shape == (3, 20, 32, 2) and b[1, 3, 5, 1] == w[32 + 5, 2 * 3 + 1]
+    assert torch.equal(from_blocked(b), w)
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (4096, 576), (32, 2), (64, 38)])
+@pytest.mark.parametrize("m", [1, 2, 4, 5, 12, 13, 64, 200])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_gemv_matches_linear(n, k, m, with_bias):
-    from meshserve.kernels.linear import Linear
+def test_blocked_linear_matches_linear(n, k, m, with_bias):
+    from meshserve.kernels.linear import BLOCKED, Linear, block_weights
 
-    gemv_or_skip()
+    linear_kernel_or_skip()
     g = torch.Generator().manual_seed(n * 31 + k + m)
     w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if with_bias else None
     x = torch.randn(m, k, generator=g).bfloat16()
-    lin = Linear(w, b, pack=False)
-    assert lin.gemv is not None
+    weights = block_weights({"w": w, "b": b} if b is not None else {"w": w}, ["w"])
+    assert set(weights) - {"b"} == {"w" + BLOCKED}  # one copy: the plain form is gone
+    lin = Linear.of(weights, "w", "b" if b is not None else None)
+    assert lin.blocked is not None
     want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
     got = lin(x).float()
     # fp32 accumulation, then one rounding to bf16: within a couple of bf16 ulps of the exact value
     assert torch.allclose(got, want, rtol=2 ** -7, atol=1e-2)
+    # a rows view that is not contiguous takes the same path
+    assert torch.equal(lin(torch.cat([x, x], 1)[:, :k]), lin(x))
+
+
+def test_blocked_weights_skip_what_the_layout_does_not_fit():
+    from meshserve.kernels.linear import BLOCKED, Linear, block_weights
+
+    linear_kernel_or_skip()
+    w = {"odd_n": torch.randn(40, 64).bfloat16(), "fp32": torch.randn(64, 64), "tied": torch.randn(64, 64).bfloat16()}
+    out = block_weights(w, ["odd_n", "fp32", "tied"], keep={"tied"})
+    assert set(out) == {"odd_n", "fp32", "tied", "tied" + BLOCKED}
+    x = torch.randn(3, 64).bfloat16()
+    assert torch.equal(Linear.of(out, "odd_n")(x), torch.nn.functional.linear(x, w["odd_n"]))
 
 
 # -- a layer's element-wise steps (kernels/cpu/layer_ops.cpp) against their torch references

@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -91,7 +92,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill", type=int, default=0)
     ap.add_argument("--decode", type=int, default=1)
     ap.add_argument("--threads", type=int, default=None, help="torch threads per worker")
-    ap.add_argument("--pack-weights", action="store_true", help="workers keep a private packed weight copy")
     ap.add_argument("--up-args", default="", help="more options for `meshserve up`, e.g. '--swap-space 0'")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--json", default=None)
@@ -101,10 +101,10 @@ def main(argv: list[str] | None = None) -> int:
 
     res: dict = {"command": "meshserve bench-mesh " + " ".join(argv if argv is not None else sys.argv[1:]),
                  "model": a.model, "dtype": a.dtype,
-                 "mesh": {"prefill": a.prefill, "decode": a.decode, "pack_weights": a.pack_weights}}
+                 "mesh": {"prefill": a.prefill, "decode": a.decode}}
     port = _port()
     cmd = [sys.executable, "-m", "meshserve.services.cli", "up", "--model", a.model, "--dtype", a.dtype,
-           "--port", str(port), "--nats-port", str(_port()), "--prefill", str(a.prefill), "--decode", str(a.decode)] + (["--pack-weights"] if a.pack_weights else []) + a.up_args.split()
+           "--port", str(port), "--nats-port", str(_port()), "--prefill", str(a.prefill), "--decode", str(a.decode)] + a.up_args.split()
     env = dict(os.environ)
     if a.threads:
         env["MESHSERVE_WORKER_THREADS"] = str(a.threads)
@@ -138,8 +138,11 @@ def main(argv: list[str] | None = None) -> int:
         res["meshserve_mesh"]["gateway_cpu_ms_per_token"] = 1000 * cpu.get("gateway", 0.0) / tokens
         res["meshserve_mesh"]["mesh_cpu_ms_per_token"] = 1000 * sum(cpu.values()) / tokens
     finally:
-        up.send_signal(2)
-        up.wait(120)
+        up.send_signal(signal.SIGINT)  # Ctrl-C, as a user stops it
+        try:
+            up.wait(120)
+        except subprocess.TimeoutExpired:  # never hide the error that brought us here
+            up.kill()
     if not a.skip_engine:
         llm = LLM(a.model, a.dtype)
         t_cpu = time.process_time()

@@ -61,7 +61,7 @@ class ModelLoader:
     def _load(self, model: str, dtype: str) -> WeightsDescriptor:
         t0 = time.monotonic()
         cfg, sd, _ = load_model_files(model)
-        weights = fuse_hf_weights(cfg, sd, DTYPES[dtype])
+        weights = fuse_hf_weights(cfg, sd, DTYPES[dtype], self.device)
         del sd
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{model}-{dtype}")[-120:]
         buf, path, ipc, specs = write_weights(f"meshserve-{self.bus.subjects.ns}-{self.node_id}-weights-{safe}",

@@ -81,7 +81,7 @@ class Worker:
         # decode worker's CPU over the run's wall time, 1.55 before and 1.91 after this change).
         run_on_stepper = lambda f, *x, **k: asyncio.get_running_loop().run_in_executor(  # noqa: E731
             self.stepper, lambda: f(*x, **k))
-        model = await run_on_stepper(LlamaModel, cfg, weights, pack=a.pack_weights)
+        model = await run_on_stepper(LlamaModel, cfg, weights)
         arena = await self.bus.request(s.kv("arena", a.node_id), LeaseRequest(worker_id=self.id, num_blocks=0),
                                        ArenaDescriptor, timeout=900)
         node_memory.check_backend("KV arena", arena.backend, device)
@@ -309,8 +309,6 @@ def add_arguments(p) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--lease-blocks", type=int, default=256, help="blocks leased from the kv-pool at a time")
-    p.add_argument("--pack-weights", action="store_true",
-                   help="keep a private, faster-layout copy of the projections (costs memory per worker)")
     p.add_argument("--heartbeat-interval", type=float, default=0.5)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores, or "
                    "$MESHSERVE_WORKER_THREADS)")

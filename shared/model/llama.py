@@ -11,15 +11,17 @@ import torch
 import torch.nn.functional as F
 
 from meshserve.kernels.layer_ops import LayerOps
-from meshserve.kernels.linear import Linear
+from meshserve.kernels.linear import Linear, block_weights
 from meshserve.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 
 from .config import ModelConfig
 from .rope import rope_cos_sin
 
 
-def fuse_hf_weights(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Hugging Face names -> this model's names, with q|k|v and gate|up fused, in `dtype`.
+def fuse_hf_weights(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype,
+                    device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Hugging Face names -> this model's names, with q|k|v and gate|up fused, in `dtype`; for a
+    CPU, the projections in the blocked layout of kernels/cpu/linear.cpp where it applies.
 
     The result is the model's whole state: the model loader writes it into shared memory as is."""
     t = lambda x: x.to(dtype).contiguous()  # noqa: E731
@@ -36,26 +38,30 @@ def fuse_hf_weights(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.
         w[f"layers.{i}.down"] = t(sd[p + "mlp.down_proj.weight"])
         w[f"layers.{i}.attn_norm"] = t(sd[p + "input_layernorm.weight"])
         w[f"layers.{i}.mlp_norm"] = t(sd[p + "post_attention_layernorm.weight"])
+    if torch.device(device).type == "cpu":
+        w = block_weights(w, projection_names(cfg), keep={"embed"})  # the embedding is also read by row
     return w
+
+
+def projection_names(cfg: ModelConfig) -> list[str]:
+    per_layer = [f"layers.{i}.{p}" for i in range(cfg.num_hidden_layers) for p in ("qkv", "o", "gate_up", "down")]
+    return per_layer + ["embed" if cfg.tie_word_embeddings else "lm_head"]
 
 
 class LlamaModel:
     """Holds references to its weights, never copies: they may live in memory other processes map."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], pack: bool = True,
-                 max_positions: int | None = None):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int | None = None):
         self.cfg, self.weights = cfg, weights
         self.dtype = weights["embed"].dtype
         self.embed, self.norm = weights["embed"], weights["norm"]
         L = range(cfg.num_hidden_layers)
         self.attn_norm = [weights[f"layers.{i}.attn_norm"] for i in L]
         self.mlp_norm = [weights[f"layers.{i}.mlp_norm"] for i in L]
-        # Projections, packed into the faster private layout when `pack` (costs a copy per process).
-        self.proj = [dict(qkv=Linear(weights[f"layers.{i}.qkv"], weights.get(f"layers.{i}.qkv_bias"), pack),
-                          o=Linear(weights[f"layers.{i}.o"], None, pack),
-                          gate_up=Linear(weights[f"layers.{i}.gate_up"], None, pack),
-                          down=Linear(weights[f"layers.{i}.down"], None, pack)) for i in L]
-        self.head = Linear(weights.get("lm_head", self.embed), None, pack)
+        self.proj = [dict(qkv=Linear.of(weights, f"layers.{i}.qkv", f"layers.{i}.qkv_bias"),
+                          o=Linear.of(weights, f"layers.{i}.o"), gate_up=Linear.of(weights, f"layers.{i}.gate_up"),
+                          down=Linear.of(weights, f"layers.{i}.down")) for i in L]
+        self.head = Linear.of(weights, "embed" if cfg.tie_word_embeddings else "lm_head")
         cos, sin = rope_cos_sin(cfg, max_positions or cfg.max_position_embeddings)
         self.device = self.embed.device  # the weights' device; rope tables and the KV arena go there too
         self.cos, self.sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
@@ -64,11 +70,11 @@ class LlamaModel:
 
     @classmethod
     def from_hf(cls, cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-                pack: bool = True, device: str | torch.device = "cpu") -> "LlamaModel":
-        weights = fuse_hf_weights(cfg, sd, dtype)
+                device: str | torch.device = "cpu") -> "LlamaModel":
+        weights = fuse_hf_weights(cfg, sd, dtype, device)
         if torch.device(device).type != "cpu":
             weights = {name: w.to(device) for name, w in weights.items()}
-        return cls(cfg, weights, pack)
+        return cls(cfg, weights)
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
