@@ -182,6 +182,15 @@ class LeaseReply(Message):
     free_blocks: int
 
 
+class PoolPressure(Message):
+    """The kv-pool could not lease all a worker asked for: workers give back the free blocks they
+    keep for their prefix caches (spilling those to the host tier), not only the empty ones."""
+
+    node_id: str
+    asked: int
+    free_blocks: int
+
+
 class BlockRefs(Message):
     """Release (or retain) one reference on each block."""
 

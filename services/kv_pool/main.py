@@ -33,7 +33,7 @@ from meshserve.shared.engine.llm import DTYPES
 from meshserve.shared.engine.llm_engine import kv_arena_shape, kv_bytes_per_block
 from meshserve.shared.model.config import ModelConfig
 from meshserve.shared.schemas import (ArenaDescriptor, BlockRefs, BlockTransfer, Heartbeat, KVEvent, KVImport,
-                                      KVImportReply, LeaseReply, LeaseRequest, LoadRequest, SwapReply, SwapRequest,
+                                      KVImportReply, LeaseReply, LeaseRequest, LoadRequest, PoolPressure, SwapReply, SwapRequest,
                                       TransferReply, WeightsDescriptor)
 from meshserve.shared.service import run_service
 
@@ -198,6 +198,9 @@ class KVPool:
             self.last_seen[req.worker_id] = time.monotonic()
             blocks = self.ledger.lease(req.worker_id, req.num_blocks)
             await msg.respond(LeaseReply(block_ids=blocks, free_blocks=len(self.ledger.free)).encode())
+            if len(blocks) < req.num_blocks:
+                await self.bus.publish(self.kv("pressure"), PoolPressure(
+                    node_id=self.node, asked=req.num_blocks, free_blocks=len(self.ledger.free)))
 
         async def on_release(msg):
             r = BlockRefs.decode(msg.data)

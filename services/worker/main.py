@@ -20,6 +20,7 @@ import concurrent.futures
 import logging
 import os
 import time
+from itertools import islice
 
 from meshserve.shared import node_memory, shm
 from meshserve.shared.bus import Bus
@@ -36,6 +37,8 @@ from meshserve.shared import telemetry
 from .kv_transfer import KVMover
 
 log = logging.getLogger("meshserve.worker")
+
+PRESSURE_S = 5.0  # after the kv-pool ran short, this long the worker gives back cached blocks too
 
 
 def _set_threads(n: int) -> None:
@@ -63,6 +66,7 @@ class Worker:
                                                              initializer=_set_threads, initargs=(threads,))
         self.received: dict[str, float] = {}  # wall clock, for the queue and prefill spans
         self.decode_start: dict[str, float] = {}
+        self.pool_dry_until = 0.0  # monotonic time before which the kv-pool is known to have no free blocks
 
     # -- start-up: map the weights and the KV arena, lease blocks
 
@@ -104,6 +108,7 @@ class Worker:
         await self.bus.publish(s.kv("events", a.node_id), KVEvent(worker_id=self.id, cleared=True, node_id=a.node_id))
         for verb, cb in (("prefill", self._on_request), ("adopt", self._on_adopt), ("abort", self._on_abort)):
             await self.bus.nc.subscribe(s.worker(self.id, verb), cb=cb)
+        await self.bus.nc.subscribe(s.kv("pressure", a.node_id), cb=self._on_pressure)
         self.tasks = [asyncio.ensure_future(self._heartbeats()), asyncio.ensure_future(self._loop())]
         log.info("worker %s ready: %s, %d KV blocks of the arena leased", self.id, self.role,
                  self.engine.block_manager.num_free_blocks)
@@ -136,6 +141,11 @@ class Worker:
         self.inbox.append(("abort", Abort.decode(msg.data)))
         self.wake.set()
 
+    async def _on_pressure(self, msg) -> None:
+        self.pool_dry_until = time.monotonic() + PRESSURE_S
+        self.inbox.append(("reclaim", None))
+        self.wake.set()
+
     async def _apply_inbox(self) -> None:
         inbox, self.inbox = self.inbox, []
         for kind, m in inbox:
@@ -143,6 +153,8 @@ class Worker:
                 await self._add(m)
             elif kind == "adopt":
                 self._adopt(m)
+            elif kind == "reclaim":  # another worker of the node is short of blocks
+                await self._give_back(self.engine.block_manager.num_free_blocks - self._blocks_wanted())
             else:
                 self.kv.cancel(m.request_id)
                 self.engine.abort(m.request_id, m.reason)
@@ -272,10 +284,30 @@ class Worker:
         if bm.num_free_blocks < want:
             await self._lease(max(want - bm.num_free_blocks, self.args.lease_blocks // 4))
         elif bm.num_free_blocks > want + 2 * self.args.lease_blocks and not self.engine.scheduler.waiting:
-            n = bm.num_free_blocks - want - self.args.lease_blocks
-            await self.kv.make_room(n)  # cached blocks among those given back go to the host tier
-            bm.to_release.extend(bm.take_surplus(n))
-        await self.kv.make_room(self.kv.blocks_next_step())  # ... and those the step would overwrite
+            await self._give_back(bm.num_free_blocks - want - self.args.lease_blocks)
+        need = self.kv.blocks_next_step()
+        if time.monotonic() >= self.pool_dry_until and bm.uncached_first() < need \
+                and any(bm.hash_of[b] is not None for b in islice(bm.free, need)):
+            # The step would overwrite cached prefixes: while the node's arena has blocks no one
+            # uses, lease those instead, and spill (or lose) prefixes only once it has none.
+            asked = max(need - bm.uncached_first(), self.args.lease_blocks // 4)
+            if await self._lease(asked) < asked:
+                self.pool_dry_until = time.monotonic() + 1.0  # do not ask again every step
+        await self.kv.make_room(need)  # ... and those the step would still overwrite
+
+    async def _give_back(self, n: int) -> None:
+        """Returns up to n free blocks to the pool. While it has blocks to spare, only blocks that
+        cache nothing: the free blocks that hold prefixes stay this worker's prefix cache (copying
+        them to the host tier would cost time for nothing). Under pressure, those too, least
+        recently used first, spilled to the host tier on the way."""
+        bm = self.engine.block_manager
+        if time.monotonic() >= self.pool_dry_until:
+            n = min(n, sum(1 for b in bm.free if bm.hash_of[b] is None))
+        if n <= 0:
+            return
+        await self.kv.make_room(n)
+        bm.to_release.extend(bm.take_surplus(n))
+        await self._flush_block_changes()
 
     async def _flush_block_changes(self) -> None:
         bm, s = self.engine.block_manager, self.bus.subjects
