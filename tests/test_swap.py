@@ -165,3 +165,42 @@ def test_prefix_evicted_from_the_arena_comes_back_from_the_host_tier(small_mesh,
     assert cached == 112, "the prefix was recomputed instead of coming back from the host tier"
     assert after["swap"]["hits"] - before["hits"] >= 7 and after["swap"]["swapped_in"] >= 7, after["swap"]
     assert after["cached_blocks"].get("kv-pool-node0", 0) == after["swap"]["used_blocks"] > 0  # host-tier events
+
+
+# -- a mesh whose arena has room: cached prefixes stay in the worker, nothing is copied to the host
+
+
+@pytest.fixture(scope="module")
+def roomy_mesh(tiny_llama, tmp_path_factory):
+    m = Mesh(tiny_llama, tmp_path_factory.mktemp("roomy-mesh"), prefill=0, decode=1,
+             extra=["--swap-space", "0.01", "--max-num-batched-tokens", "64"])
+    try:
+        yield m.wait_ready()
+    finally:
+        m.stop()
+
+
+def test_a_prefix_stays_cached_without_spilling_while_the_arena_has_room(roomy_mesh, reference):
+    mesh = roomy_mesh
+    client = OpenAI(base_url=mesh.url + "/v1", api_key="unused")
+
+    def complete(prompt):
+        r = client.completions.create(model=mesh.model, prompt=prompt, max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        details = r.usage.prompt_tokens_details
+        return r.choices[0].text, (details.cached_tokens if details else 0) or 0
+
+    async def status():
+        nc = await nats.connect(mesh.nats_url)
+        try:
+            return orjson.loads((await nc.request(f"{mesh.namespace}.kv.node0.status", b"", timeout=5)).data)
+        finally:
+            await nc.close()
+
+    want = reference.generate([PREFIX], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0].text
+    assert complete(PREFIX) == (want, 0)
+    for i in range(40):  # 40 x 8 blocks: more than the worker's first lease of 256 blocks
+        complete(other(100 + i))
+    assert complete(PREFIX) == (want, 112)  # still in the worker's prefix cache
+    swap = asyncio.run(status())["swap"]
+    assert swap["swapped_out"] == 0, swap  # the worker leased fresh blocks instead of spilling

@@ -1,0 +1,77 @@
+"""The projection benchmark: kernels/cpu/linear.cpp on the blocked layout against F.linear on the
+plain weight and oneDNN's packed GEMM (a private re-laid-out copy), on SmolLM2-135M's shapes.
+
+    python -m meshserve.services.bench.linear_bench [--rows 1,4,16,64,192,512] [--json OUT]
+
+Prints, per shape and row count, milliseconds per product (median of repeats) and the largest
+difference from the fp32 product rounded to bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from meshserve.kernels.linear import Linear, block_weights, kernel
+
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
+
+
+def _ms(f, reps: int) -> float:
+    for _ in range(3):
+        f()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1,4,16,64,192,512")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    if kernel() is None:
+        print("kernels/cpu/linear.cpp is not available here (no AVX-512 BF16, or not buildable)", file=sys.stderr)
+        return 1
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+        lin = Linear.of(block_weights({name: w}, [name]), name)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w)
+        for m in [int(r) for r in a.rows.split(",")]:
+            x = torch.randn(m, k, generator=g).bfloat16()
+            reps = max(3, a.reps // 4) if n * m > 5_000_000 else a.reps
+            row = {"shape": name, "n": n, "k": k, "rows": m,
+                   "blocked_ms": _ms(lambda: lin(x), reps),
+                   "f_linear_ms": _ms(lambda: F.linear(x, w), reps),
+                   "onednn_packed_ms": _ms(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+                                           reps)}
+            row["blocked_vs_packed"] = row["blocked_ms"] / row["onednn_packed_ms"]
+            row["max_abs_diff"] = (lin(x).float() - F.linear(x.float(), w.float()).bfloat16().float()).abs().max().item()
+            rows.append(row)
+            print(f"{name:8s} {m:4d} rows: blocked {row['blocked_ms']:8.3f} ms  F.linear {row['f_linear_ms']:8.3f}  "
+                  f"oneDNN packed {row['onednn_packed_ms']:8.3f}  ({row['blocked_vs_packed']:.2f}x packed's time)",
+                  file=sys.stderr)
+    res = {"command": "python -m meshserve.services.bench.linear_bench " + " ".join(argv or sys.argv[1:]),
+           "threads": torch.get_num_threads(), "results": rows}
+    text = json.dumps(res, indent=2)
+    print(text)
+    if a.json:
+        with open(a.json, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
