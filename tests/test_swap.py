@@ -121,6 +121,26 @@ def other(i: int) -> list[int]:
     return [(11 * j + 17 * i) % 300 + 40 for j in range(120)]
 
 
+def complete(mesh, prompt) -> tuple[str, int]:
+    """Greedy text of 4 tokens and how many prompt tokens were prefix-cache hits."""
+    client = OpenAI(base_url=mesh.url + "/v1", api_key="unused")
+    r = client.completions.create(model=mesh.model, prompt=prompt, max_tokens=4, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    details = r.usage.prompt_tokens_details
+    return r.choices[0].text, (details.cached_tokens if details else 0) or 0
+
+
+def pool_status(mesh) -> dict:
+    async def ask():
+        nc = await nats.connect(mesh.nats_url)
+        try:
+            return orjson.loads((await nc.request(f"{mesh.namespace}.kv.node0.status", b"", timeout=5)).data)
+        finally:
+            await nc.close()
+
+    return asyncio.run(ask())
+
+
 @pytest.fixture(scope="module")
 def small_mesh(tiny_llama, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("swap-mesh")
@@ -135,32 +155,18 @@ def small_mesh(tiny_llama, tmp_path_factory):
 
 def test_prefix_evicted_from_the_arena_comes_back_from_the_host_tier(small_mesh, reference):
     mesh = small_mesh
-    client = OpenAI(base_url=mesh.url + "/v1", api_key="unused")
-
-    def complete(prompt):
-        r = client.completions.create(model=mesh.model, prompt=prompt, max_tokens=4, temperature=0,
-                                      extra_body={"ignore_eos": True})
-        details = r.usage.prompt_tokens_details
-        return r.choices[0].text, (details.cached_tokens if details else 0) or 0
 
     def want(prompt):
         return reference.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0].text
 
-    async def status():
-        nc = await nats.connect(mesh.nats_url)
-        try:
-            return orjson.loads((await nc.request(f"{mesh.namespace}.kv.node0.status", b"", timeout=5)).data)
-        finally:
-            await nc.close()
-
-    assert complete(PREFIX) == (want(PREFIX), 0)
+    assert complete(mesh, PREFIX) == (want(PREFIX), 0)
     for i in range(8):  # 8 x 8 blocks through a 52-block arena: the prefix's blocks are taken
-        assert complete(other(i))[0] == want(other(i))
-    before = asyncio.run(status())["swap"]
+        assert complete(mesh, other(i))[0] == want(other(i))
+    before = pool_status(mesh)["swap"]
     assert before["swapped_out"] >= 7, before
 
-    text, cached = complete(PREFIX)
-    after = asyncio.run(status())
+    text, cached = complete(mesh, PREFIX)
+    after = pool_status(mesh)
     assert text == want(PREFIX)
     assert cached == 112, "the prefix was recomputed instead of coming back from the host tier"
     assert after["swap"]["hits"] - before["hits"] >= 7 and after["swap"]["swapped_in"] >= 7, after["swap"]
@@ -182,25 +188,10 @@ def roomy_mesh(tiny_llama, tmp_path_factory):
 
 def test_a_prefix_stays_cached_without_spilling_while_the_arena_has_room(roomy_mesh, reference):
     mesh = roomy_mesh
-    client = OpenAI(base_url=mesh.url + "/v1", api_key="unused")
-
-    def complete(prompt):
-        r = client.completions.create(model=mesh.model, prompt=prompt, max_tokens=4, temperature=0,
-                                      extra_body={"ignore_eos": True})
-        details = r.usage.prompt_tokens_details
-        return r.choices[0].text, (details.cached_tokens if details else 0) or 0
-
-    async def status():
-        nc = await nats.connect(mesh.nats_url)
-        try:
-            return orjson.loads((await nc.request(f"{mesh.namespace}.kv.node0.status", b"", timeout=5)).data)
-        finally:
-            await nc.close()
-
     want = reference.generate([PREFIX], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0].text
-    assert complete(PREFIX) == (want, 0)
+    assert complete(mesh, PREFIX) == (want, 0)
     for i in range(40):  # 40 x 8 blocks: more than the worker's first lease of 256 blocks
-        complete(other(100 + i))
-    assert complete(PREFIX) == (want, 112)  # still in the worker's prefix cache
-    swap = asyncio.run(status())["swap"]
+        complete(mesh, other(100 + i))
+    assert complete(mesh, PREFIX) == (want, 112)  # still in the worker's prefix cache
+    swap = pool_status(mesh)["swap"]
     assert swap["swapped_out"] == 0, swap  # the worker leased fresh blocks instead of spilling

@@ -21,6 +21,7 @@ import time
 import numpy as np
 import torch
 
+from meshserve.services.bench.report import emit_json
 from meshserve.shared.engine.llm import DTYPES, LLM
 from meshserve.shared.engine.sequence import SamplingParams
 from meshserve.shared.models_repo import DEFAULT_MODEL, resolve
@@ -180,9 +181,5 @@ def main(argv: list[str] | None = None) -> int:
             theirs["static"] = hf_static(m, work, a.hf_batch) | {"batch_size": a.hf_batch}
             res["ratios"]["mixed_output_tok_s"] = ours["mixed"]["output_tok_s"] / theirs["static"]["output_tok_s"]
         res["transformers"] = theirs
-    text = json.dumps(res, indent=2)
-    print(text)
-    if a.json:
-        with open(a.json, "w") as f:
-            f.write(text + "\n")
+    emit_json(res, a.json)
     return 0

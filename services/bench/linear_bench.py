@@ -10,7 +10,6 @@ difference from the fp32 product rounded to bf16.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -19,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from meshserve.kernels.linear import Linear, block_weights, kernel
+from meshserve.services.bench.report import emit_json
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 
@@ -65,11 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
     res = {"command": "python -m meshserve.services.bench.linear_bench " + " ".join(argv or sys.argv[1:]),
            "threads": torch.get_num_threads(), "results": rows}
-    text = json.dumps(res, indent=2)
-    print(text)
-    if a.json:
-        with open(a.json, "w") as f:
-            f.write(text + "\n")
+    emit_json(res, a.json)
     return 0
 
 

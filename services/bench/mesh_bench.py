@@ -25,6 +25,7 @@ import httpx
 import numpy as np
 
 from meshserve.services.bench.engine_bench import add_workload_arguments, engine_mixed, mixed_workload, summarize
+from meshserve.services.bench.report import emit_json
 from meshserve.shared.models_repo import load_tokenizer
 
 
@@ -153,11 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         res["ratios"] = {"mesh_vs_engine_output_tok_s": m["output_tok_s"] / e["output_tok_s"],
                          "ttft_p50_added_s": m["ttft_p50_s"] - e["ttft_p50_s"],
                          "cpu_ms_per_token_added": m["mesh_cpu_ms_per_token"] - e["cpu_ms_per_token"]}
-    text = json.dumps(res, indent=2)
-    print(text)
-    if a.json:
-        with open(a.json, "w") as f:
-            f.write(text + "\n")
+    emit_json(res, a.json)
     return 0
 
 

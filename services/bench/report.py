@@ -15,6 +15,7 @@ throughputs add up to the total. Goodput counts the requests that met every SLO 
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,6 +85,15 @@ class RequestResult:
                 "requested_output_tokens": self.requested_output_tokens, "cached_tokens": self.cached_tokens,
                 "arrival": self.arrival, "start": self.start, "end": self.end, "ttft": self.ttft,
                 "tpot": self.tpot, "e2e": self.e2e, "chunks": len(self.chunk_times), "error": self.error}
+
+
+def emit_json(res: dict, path: str | None) -> None:
+    """A benchmark's result: printed, and written to `path` when given."""
+    text = json.dumps(res, indent=2)
+    print(text)
+    if path:
+        with open(path, "w") as f:
+            f.write(text + "\n")
 
 
 def stats(xs: list[float]) -> dict[str, float | None]:
