@@ -144,6 +144,10 @@ class Heartbeat(Message):
     num_priority_preemptions: int = 0  # of num_preemptions, those that made room for a higher priority
     running_by_priority: dict[str, int] = Field(default_factory=dict)  # {"interactive": n, ...}
     waiting_by_priority: dict[str, int] = Field(default_factory=dict)
+    # CPU seconds of the worker's event-loop thread so far (NATS in and out, the token messages,
+    # block leases): what the mesh adds around the engine's steps; and the tokens it streamed.
+    io_cpu_s: float = 0.0
+    tokens_streamed: int = 0
     time: float
 
 

@@ -72,9 +72,9 @@ class Subjects:
     def kv(self, verb: str, node: str) -> str:
         return f"{self.ns}.kv.{node_token(node)}.{verb}"
 
-    # model-loader
-    def models(self, verb: str) -> str:
-        return f"{self.ns}.models.{verb}"
+    # model-loader: one per node too (its descriptors name memory on that node)
+    def models(self, verb: str, node: str) -> str:
+        return f"{self.ns}.models.{node_token(node)}.{verb}"
 
     # token streams
     def tokens(self, gateway_id: str) -> str:

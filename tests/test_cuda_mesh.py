@@ -88,7 +88,7 @@ def test_workers_share_one_copy_of_the_weights_and_the_arena(mesh, tiny_llama):
     async def descriptors():
         bus = await _connect(mesh)
         try:
-            w = await bus.request(bus.subjects.models("load"), LoadRequest(model=mesh.model, dtype="float32"),
+            w = await bus.request(bus.subjects.models("load", "node0"), LoadRequest(model=mesh.model, dtype="float32"),
                                   WeightsDescriptor, timeout=30)
             a = await bus.request(bus.subjects.kv("arena", "node0"), LeaseRequest(worker_id="test", num_blocks=0),
                                   ArenaDescriptor, timeout=30)

@@ -4,8 +4,9 @@ in-process engine, side by side in one run.
     meshserve bench-mesh [--model M] [--dtype bfloat16] [--prefill 0 --decode 1] [--json OUT]
 
 Reports output tokens/s, TTFT and inter-token latency for both, the TTFT the mesh adds, and the
-CPU time the gateway spends per streamed token (tokenizing, detokenizing, SSE: the token stream's
-cost on the client-facing side), plus the whole mesh's CPU per token against the engine's.
+token stream's CPU per token: the gateway's (tokenizing, detokenizing, SSE) and the workers'
+event-loop thread's (the token messages, NATS in and out, block leases: all a worker does besides
+its engine steps), plus the whole mesh's CPU per token against the engine's.
 """
 
 from __future__ import annotations
@@ -71,6 +72,20 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
     return {"start": t0, "times": times, "tokens": tokens}
 
 
+async def _worker_io(nats_port: int) -> dict[str, tuple[float, int]]:
+    """Each worker's event-loop CPU seconds and tokens streamed so far (their heartbeats, via the
+    scheduler): the worker's side of the token stream, apart from its engine steps."""
+    import nats
+    import orjson
+
+    nc = await nats.connect(f"nats://127.0.0.1:{nats_port}")
+    try:
+        r = orjson.loads((await nc.request("meshserve.scheduler.status", b"", timeout=10)).data)
+    finally:
+        await nc.close()
+    return {w["id"]: (w["io_cpu_s"], w["tokens_streamed"]) for w in r["workers"]}
+
+
 async def mesh_mixed(url: str, model: str, work) -> dict:
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=len(work) + 4)) as client:
         await _one(client, url, model, work[0][0][:8], 2)  # warm up
@@ -103,9 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     res: dict = {"command": "meshserve bench-mesh " + " ".join(argv if argv is not None else sys.argv[1:]),
                  "model": a.model, "dtype": a.dtype,
                  "mesh": {"prefill": a.prefill, "decode": a.decode}}
-    port = _port()
+    port, nats_port = _port(), _port()
     cmd = [sys.executable, "-m", "meshserve.services.cli", "up", "--model", a.model, "--dtype", a.dtype,
-           "--port", str(port), "--nats-port", str(_port()), "--prefill", str(a.prefill), "--decode", str(a.decode)] + a.up_args.split()
+           "--port", str(port), "--nats-port", str(nats_port), "--prefill", str(a.prefill), "--decode", str(a.decode)] + a.up_args.split()
     env = dict(os.environ)
     if a.threads:
         env["MESHSERVE_WORKER_THREADS"] = str(a.threads)
@@ -126,7 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         work = mixed_workload(a.num_requests, a.seed, tok.vocab_size, set(tok.eos_token_ids) | {0})
         kids = _children(up.pid)
         cpu0 = {p: _cpu_seconds(p) for p in kids}
+        io0 = asyncio.run(_worker_io(nats_port))
         res["meshserve_mesh"] = asyncio.run(mesh_mixed(url, a.model, work))
+        time.sleep(1.2)  # two heartbeats: the workers' counters as of the end of the run
+        io1 = asyncio.run(_worker_io(nats_port))
         metrics = httpx.get(url + "/metrics", timeout=10).text
         res["meshserve_mesh"]["preemptions"] = sum(
             float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
@@ -138,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         res["meshserve_mesh"]["cpu_s"] = cpu
         res["meshserve_mesh"]["gateway_cpu_ms_per_token"] = 1000 * cpu.get("gateway", 0.0) / tokens
         res["meshserve_mesh"]["mesh_cpu_ms_per_token"] = 1000 * sum(cpu.values()) / tokens
+        streamed = sum(io1[w][1] - io0.get(w, (0.0, 0))[1] for w in io1)
+        io_ms = 1000 * sum(io1[w][0] - io0.get(w, (0.0, 0))[0] for w in io1) / max(streamed, 1)
+        res["meshserve_mesh"]["worker_io_cpu_ms_per_token"] = io_ms
+        res["meshserve_mesh"]["stream_cpu_ms_per_token"] = io_ms + res["meshserve_mesh"]["gateway_cpu_ms_per_token"]
     finally:
         up.send_signal(signal.SIGINT)  # Ctrl-C, as a user stops it
         try:

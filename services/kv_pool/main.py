@@ -281,7 +281,7 @@ def add_arguments(p) -> None:
 async def make_arena(bus: Bus, args) -> tuple[ArenaDescriptor, torch.Tensor]:
     """Sizes the arena from the model's shape (asked of the model loader) and creates it, in shared
     memory or on the GPU (--device). Returns its descriptor and its memory (keep it alive)."""
-    w = await bus.request(bus.subjects.models("load"), LoadRequest(model=args.model, dtype=args.dtype),
+    w = await bus.request(bus.subjects.models("load", args.node_id), LoadRequest(model=args.model, dtype=args.dtype),
                           WeightsDescriptor, timeout=600)
     cfg = ModelConfig(**w.config)
     dtype = DTYPES[args.dtype]

@@ -105,8 +105,8 @@ class ModelLoader:
             await msg.respond(orjson.dumps([{"model": m, "dtype": d, "ready": f.done()}
                                             for (m, d), f in self.loaded.items()]))
 
-        await self.bus.nc.subscribe(self.bus.subjects.models("load"), cb=on_load)
-        await self.bus.nc.subscribe(self.bus.subjects.models("list"), cb=on_list)
+        await self.bus.nc.subscribe(self.bus.subjects.models("load", self.node_id), cb=on_load)
+        await self.bus.nc.subscribe(self.bus.subjects.models("list", self.node_id), cb=on_list)
 
     def close(self) -> None:
         for fut in self.loaded.values():

@@ -66,6 +66,7 @@ class Worker:
                                                              initializer=_set_threads, initargs=(threads,))
         self.received: dict[str, float] = {}  # wall clock, for the queue and prefill spans
         self.decode_start: dict[str, float] = {}
+        self.tokens_streamed = 0
         self.pool_dry_until = 0.0  # monotonic time before which the kv-pool is known to have no free blocks
 
     # -- start-up: map the weights and the KV arena, lease blocks
@@ -73,7 +74,7 @@ class Worker:
     async def start(self) -> None:
         a, s = self.args, self.bus.subjects
         device = getattr(a, "device", "cpu")
-        w = await self.bus.request(s.models("load"), LoadRequest(model=a.model, dtype=a.dtype),
+        w = await self.bus.request(s.models("load", a.node_id), LoadRequest(model=a.model, dtype=a.dtype),
                                    WeightsDescriptor, timeout=900)
         node_memory.check_backend("weights", w.backend, device)
         buf = node_memory.open_buffer(w.backend, w.path, w.ipc)  # the loader's memory: no copy
@@ -214,6 +215,7 @@ class Worker:
                 continue
             seq_no = self.chunk_seq[out.request_id]
             self.chunk_seq[out.request_id] = seq_no + 1
+            self.tokens_streamed += len(out.new_token_ids)
             self._trace(req, out)
             lps = None if req.sampling.logprobs is None else [Logprob.of(lp) for lp in out.new_logprobs]
             await self.bus.publish(req.stream_subject, TokenChunk(
@@ -332,7 +334,7 @@ class Worker:
                 num_preemptions=e.scheduler.num_preemptions, max_num_seqs=e.config.scheduler.max_num_seqs,
                 num_priority_preemptions=stats["num_priority_preemptions"],
                 running_by_priority=stats["running_by_priority"], waiting_by_priority=stats["waiting_by_priority"],
-                time=time.time()))
+                io_cpu_s=time.thread_time(), tokens_streamed=self.tokens_streamed, time=time.time()))
             await asyncio.sleep(self.args.heartbeat_interval)
 
 
