@@ -196,17 +196,32 @@ class Worker:
     # -- the loop
 
     async def _loop(self) -> None:
+        # A step's tokens are streamed while the next step computes (the cores would otherwise wait
+        # on the messages); a prefill worker streams before its next step, since its hand-offs
+        # detach sequences from the engine, which only happens between steps.
+        pending: list[RequestOutput] = []
         while True:
             await self._apply_inbox()
             if not self.engine.has_unfinished():
+                if pending:
+                    await self._publish(pending)
+                    pending = []
+                    continue
                 self.wake.clear()
                 if not self.inbox:
                     await self.wake.wait()
                 continue
             await self._keep_blocks()
-            outputs = await asyncio.get_running_loop().run_in_executor(self.stepper, self.engine.step)
-            await self._publish(outputs)
+            step = asyncio.get_running_loop().run_in_executor(self.stepper, self.engine.step)
+            if pending:
+                await self._publish(pending)
+                pending = []
+            outputs = await step
             await self._flush_block_changes()
+            if self.role == "prefill":
+                await self._publish(outputs)
+            else:
+                pending = outputs
 
     async def _publish(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
