@@ -20,7 +20,6 @@ import concurrent.futures
 import logging
 import os
 import time
-from itertools import islice
 
 from meshserve.shared import node_memory, shm
 from meshserve.shared.bus import Bus
@@ -297,29 +296,30 @@ class Worker:
         return len(r.block_ids)
 
     async def _keep_blocks(self) -> None:
-        bm, want = self.engine.block_manager, self._blocks_wanted()
-        if bm.num_free_blocks < want:
-            await self._lease(max(want - bm.num_free_blocks, self.args.lease_blocks // 4))
-        elif bm.num_free_blocks > want + 2 * self.args.lease_blocks and not self.engine.scheduler.waiting:
-            await self._give_back(bm.num_free_blocks - want - self.args.lease_blocks)
+        bm, want, lease = self.engine.block_manager, self._blocks_wanted(), self.args.lease_blocks
         need = self.kv.blocks_next_step()
-        if time.monotonic() >= self.pool_dry_until and bm.uncached_first() < need \
-                and any(bm.hash_of[b] is not None for b in islice(bm.free, need)):
+        if bm.num_free_blocks < want:
+            await self._lease(max(want - bm.num_free_blocks, lease // 4))
+        elif bm.num_free_blocks > want + 2 * lease and not self.engine.scheduler.waiting:
+            await self._give_back(bm.num_free_blocks - want - lease, keep_uncached=need)
+        uncached = bm.uncached_first()
+        if uncached < min(need, bm.num_free_blocks) and time.monotonic() >= self.pool_dry_until:
             # The step would overwrite cached prefixes: while the node's arena has blocks no one
             # uses, lease those instead, and spill (or lose) prefixes only once it has none.
-            asked = max(need - bm.uncached_first(), self.args.lease_blocks // 4)
+            asked = max(need - uncached, lease // 4)
             if await self._lease(asked) < asked:
                 self.pool_dry_until = time.monotonic() + 1.0  # do not ask again every step
         await self.kv.make_room(need)  # ... and those the step would still overwrite
 
-    async def _give_back(self, n: int) -> None:
+    async def _give_back(self, n: int, keep_uncached: int = 0) -> None:
         """Returns up to n free blocks to the pool. While it has blocks to spare, only blocks that
-        cache nothing: the free blocks that hold prefixes stay this worker's prefix cache (copying
-        them to the host tier would cost time for nothing). Under pressure, those too, least
-        recently used first, spilled to the host tier on the way."""
+        cache nothing, beyond the `keep_uncached` the next step takes: the free blocks that hold
+        prefixes stay this worker's prefix cache (copying them to the host tier would cost time for
+        nothing). Under pressure, those too, least recently used first, spilled to the host tier on
+        the way."""
         bm = self.engine.block_manager
         if time.monotonic() >= self.pool_dry_until:
-            n = min(n, sum(1 for b in bm.free if bm.hash_of[b] is None))
+            n = min(n, sum(1 for b in bm.free if bm.hash_of[b] is None) - keep_uncached)
         if n <= 0:
             return
         await self.kv.make_room(n)
