@@ -109,6 +109,9 @@ class Launcher:
         self.spawn("kv-pool", self.serve_cmd("kv-pool", "--kv-cache-gb", str(a.kv_cache_gb),
                                              "--swap-space", str(a.swap_space)))
         worker_opts = ["--max-num-batched-tokens", str(a.max_num_batched_tokens), "--max-num-seqs", str(a.max_num_seqs)]
+        threads = worker_threads(a)
+        if threads:
+            worker_opts += ["--threads", str(threads)]
         if a.prefill == 0:  # no dedicated prefill workers: decode workers do both
             for i in range(a.decode):
                 self.spawn(f"decode-{i}", self.serve_cmd("decode", *worker_opts))
@@ -194,6 +197,20 @@ def run(args) -> int:
         launcher.stop()
 
 
+def worker_threads(a) -> int | None:
+    """torch threads per worker: the cores divided among the node's workers on the CPU backend.
+    Two workers that each spread over all cores fight for them (each step's OpenMP threads wait on
+    the ones the other worker took): on 2 cores, a prefill and a decode worker at 2 threads each ran
+    mixed-64 at a third of the speed of one worker."""
+    if getattr(a, "worker_threads", None):
+        return a.worker_threads
+    if getattr(a, "device", "cpu") != "cpu" or os.environ.get("MESHSERVE_WORKER_THREADS"):
+        return None  # the GPU does the work / the environment decides
+    workers = (a.prefill + a.decode) if a.prefill else a.decode
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(1, workers))
+
+
 def gateway_log_options(a) -> list[str]:
     """The gateway's request-log options, as `meshserve up` was given them."""
     if getattr(a, "no_request_log", False):
@@ -219,6 +236,8 @@ def add_arguments(p) -> None:
                    "blocks (the kv-pool's swap tier; 0: none)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences a worker runs at once")
+    p.add_argument("--worker-threads", type=int, default=None,
+                   help="torch threads per worker (default on the CPU backend: the cores divided among the workers)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--request-log", default=None,
                    help="the gateway's request log (default: ~/.cache/meshserve/logs/requests.jsonl)")

@@ -5,6 +5,7 @@ where CUDA cannot run. The GPU half is tests/test_cuda_mesh.py."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -59,6 +60,30 @@ def test_up_forwards_the_device_to_every_service_of_the_node(device, prefill):
             build_parser().parse_args(cmd[cmd.index("serve"):])  # what the child parses
         else:
             assert "--device" not in cmd, cmd
+
+
+@pytest.mark.parametrize("opts,want", [
+    (["--prefill", "1", "--decode", "1"], "2"),  # 4 cores, 2 workers
+    (["--prefill", "0", "--decode", "1"], "4"),
+    (["--prefill", "2", "--decode", "4"], "1"),  # never below 1
+    (["--prefill", "1", "--decode", "1", "--worker-threads", "3"], "3"),
+    (["--prefill", "1", "--decode", "1", "--device", "cuda"], None),
+])
+def test_up_divides_the_cores_among_the_workers(monkeypatch, opts, want):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.delenv("MESHSERVE_WORKER_THREADS", raising=False)
+    args = build_parser().parse_args(["up", "--nats-url", "nats://127.0.0.1:1", *opts])
+    launcher = Launcher(args)
+    spawned = {}
+    launcher.spawn = lambda name, cmd, env=None: spawned.setdefault(name, cmd)
+    try:
+        launcher.start()
+    finally:
+        shutil.rmtree(launcher.tmp, ignore_errors=True)
+    workers = [cmd for name, cmd in spawned.items() if name.startswith(("prefill", "decode"))]
+    assert workers
+    for cmd in workers:
+        assert (cmd[cmd.index("--threads") + 1] if "--threads" in cmd else None) == want, cmd
 
 
 def test_descriptors_round_trip_with_a_cuda_ipc_handle():
