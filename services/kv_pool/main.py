@@ -33,8 +33,8 @@ from meshserve.shared.engine.llm import DTYPES
 from meshserve.shared.engine.llm_engine import kv_arena_shape, kv_bytes_per_block
 from meshserve.shared.model.config import ModelConfig
 from meshserve.shared.schemas import (ArenaDescriptor, BlockRefs, BlockTransfer, Heartbeat, KVEvent, KVImport,
-                                      KVImportReply, LeaseReply, LeaseRequest, LoadRequest, PoolPressure, SwapReply, SwapRequest,
-                                      TransferReply, WeightsDescriptor)
+                                      KVImportReply, LeaseReply, LeaseRequest, LoadRequest, PoolPressure, SwapReply,
+                                      SwapRequest, TransferReply, WeightsDescriptor)
 from meshserve.shared.service import run_service
 
 from . import transfer
@@ -281,7 +281,8 @@ def add_arguments(p) -> None:
 async def make_arena(bus: Bus, args) -> tuple[ArenaDescriptor, torch.Tensor]:
     """Sizes the arena from the model's shape (asked of the model loader) and creates it, in shared
     memory or on the GPU (--device). Returns its descriptor and its memory (keep it alive)."""
-    w = await bus.request(bus.subjects.models("load", args.node_id), LoadRequest(model=args.model, dtype=args.dtype),
+    w = await bus.request(bus.subjects.models("load", args.node_id), LoadRequest(model=args.model,
+                                                                                 dtype=args.dtype),
                           WeightsDescriptor, timeout=600)
     cfg = ModelConfig(**w.config)
     dtype = DTYPES[args.dtype]
