@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -11,12 +12,22 @@ import time
 from pathlib import Path
 
 import httpx
+import nats
+import orjson
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+async def _ask(nats_url: str, subject: str) -> dict:
+    nc = await nats.connect(nats_url)
+    try:
+        return orjson.loads((await nc.request(subject, b"", timeout=5)).data)
+    finally:
+        await nc.close()
 
 
 class Mesh:
@@ -47,6 +58,20 @@ class Mesh:
                 pass
             time.sleep(0.5)
         raise TimeoutError(f"mesh not healthy in {timeout}s:\n{self.log.read_text()[-4000:]}")
+
+    def __enter__(self) -> "Mesh":
+        try:
+            return self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def ask(self, subject: str) -> dict:
+        """The JSON reply of a request on `<namespace>.<subject>` (a status subject)."""
+        return asyncio.run(_ask(self.nats_url, f"{self.namespace}.{subject}"))
 
     def children(self) -> list[int]:
         """Every process started under the launcher (they run in their own sessions)."""
@@ -91,19 +116,6 @@ class Node:
 
     def wait_ready(self, timeout: float = 240) -> "Node":
         """Until the scheduler has heard every worker of this node."""
-        import asyncio
-
-        import nats
-        import orjson
-
-        async def workers() -> list[dict]:
-            nc = await nats.connect(self.mesh.nats_url)
-            try:
-                msg = await nc.request(f"{self.mesh.namespace}.scheduler.status", b"", timeout=5)
-                return orjson.loads(msg.data)["workers"]
-            finally:
-                await nc.close()
-
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for p in self.procs:
@@ -111,7 +123,8 @@ class Node:
                     raise RuntimeError(f"a process of {self.node_id} exited ({p.returncode}):\n"
                                        f"{self.log.read_text()[-4000:]}")
             try:
-                if sum(w.get("node_id") == self.node_id for w in asyncio.run(workers())) >= self.num_workers:
+                workers = self.mesh.ask("scheduler.status")["workers"]
+                if sum(w.get("node_id") == self.node_id for w in workers) >= self.num_workers:
                     return self
             except Exception:  # noqa: BLE001 - the scheduler may not answer yet
                 pass

@@ -37,18 +37,22 @@ def test_device_option_defaults_to_cpu_and_takes_cuda():
         assert not hasattr(p.parse_args(["serve", role]), "device")
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
-@pytest.mark.parametrize("prefill", [0, 1])
-def test_up_forwards_the_device_to_every_service_of_the_node(device, prefill):
-    args = build_parser().parse_args(["up", "--device", device, "--nats-url", "nats://127.0.0.1:1",
-                                      "--prefill", str(prefill), "--decode", "2"])
-    launcher = Launcher(args)
+def spawned_by_up(opts: list[str]) -> dict[str, list[str]]:
+    """The command line of each process `meshserve up OPTS` starts (on an existing NATS), none run."""
+    launcher = Launcher(build_parser().parse_args(["up", "--nats-url", "nats://127.0.0.1:1", *opts]))
     spawned = {}
     launcher.spawn = lambda name, cmd, env=None: spawned.setdefault(name, cmd)
     try:
         launcher.start()
     finally:
         shutil.rmtree(launcher.tmp, ignore_errors=True)
+    return spawned
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("prefill", [0, 1])
+def test_up_forwards_the_device_to_every_service_of_the_node(device, prefill):
+    spawned = spawned_by_up(["--device", device, "--prefill", str(prefill), "--decode", "2"])
     assert "nats-server" not in spawned
     expect = {"model-loader", "kv-pool", "decode-0", "decode-1", "scheduler", "gateway"} | (
         {"prefill-0"} if prefill else set())
@@ -72,15 +76,7 @@ def test_up_forwards_the_device_to_every_service_of_the_node(device, prefill):
 def test_up_divides_the_cores_among_the_workers(monkeypatch, opts, want):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     monkeypatch.delenv("MESHSERVE_WORKER_THREADS", raising=False)
-    args = build_parser().parse_args(["up", "--nats-url", "nats://127.0.0.1:1", *opts])
-    launcher = Launcher(args)
-    spawned = {}
-    launcher.spawn = lambda name, cmd, env=None: spawned.setdefault(name, cmd)
-    try:
-        launcher.start()
-    finally:
-        shutil.rmtree(launcher.tmp, ignore_errors=True)
-    workers = [cmd for name, cmd in spawned.items() if name.startswith(("prefill", "decode"))]
+    workers = [cmd for name, cmd in spawned_by_up(opts).items() if name.startswith(("prefill", "decode"))]
     assert workers
     for cmd in workers:
         assert (cmd[cmd.index("--threads") + 1] if "--threads" in cmd else None) == want, cmd

@@ -35,10 +35,8 @@ def mesh(tiny_llama, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mesh")
     m = Mesh(tiny_llama, tmp, prefill=2, decode=2, env={"MESHSERVE_TRACE_FILE": str(tmp / "spans.jsonl")})
     m.trace_file = tmp / "spans.jsonl"
-    try:
-        yield m.wait_ready()
-    finally:
-        m.stop()
+    with m:
+        yield m
 
 
 def expected(llm: LLM, prompt, max_tokens: int) -> str:

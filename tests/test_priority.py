@@ -308,10 +308,6 @@ def test_mesh_interactive_request_overtakes_a_background_batch(tiny_llama, tmp_p
     """One worker that runs 2 sequences at once, 8 background requests: an interactive request
     sent while they occupy it gets its first token before most of them finish (FCFS would put it
     behind all 8), and every output still equals the in-process engine's."""
-    import asyncio
-
-    import nats
-    import orjson
     from openai import OpenAI
 
     from mesh_util import Mesh
@@ -335,13 +331,6 @@ def test_mesh_interactive_request_overtakes_a_background_batch(tiny_llama, tmp_p
             events.append(("done", name))
             return text
 
-        async def status():
-            nc = await nats.connect(mesh.nats_url)
-            try:
-                return orjson.loads((await nc.request(f"{mesh.namespace}.scheduler.status", b"", timeout=5)).data)
-            finally:
-                await nc.close()
-
         with concurrent.futures.ThreadPoolExecutor(9) as ex:
             bg = [ex.submit(one, f"bg{i}", p, 64, "background") for i, p in enumerate(prompts)]
             # Sent once two background requests stream: the worker then runs two and holds the rest
@@ -351,13 +340,13 @@ def test_mesh_interactive_request_overtakes_a_background_batch(tiny_llama, tmp_p
             while sum(what == "first" for what, _ in list(events)) < 2 and time.monotonic() < deadline:
                 time.sleep(0.005)
             if not events:
-                pytest.fail(f"the background batch never started: {asyncio.run(status())}")
+                pytest.fail(f"the background batch never started: {mesh.ask('scheduler.status')}")
             inter = ex.submit(one, "inter", "Tell me a joke about computers.", 8, "interactive")
             texts = [f.result(timeout=120) for f in bg] + [inter.result(timeout=120)]
         done_before = [w for what, w in events[:events.index(("first", "inter"))] if what == "done"]
         assert len(done_before) < 4, events
         time.sleep(1.0)  # the next heartbeat carries the counters
-        assert asyncio.run(status())["num_priority_preemptions"] >= 1
+        assert mesh.ask("scheduler.status")["num_priority_preemptions"] >= 1
     finally:
         mesh.stop()
     llm = LLM(str(tiny_llama), "float32")

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import types
 
-import nats
-import orjson
 import pytest
 import torch
 from openai import OpenAI
@@ -130,27 +128,13 @@ def complete(mesh, prompt) -> tuple[str, int]:
     return r.choices[0].text, (details.cached_tokens if details else 0) or 0
 
 
-def pool_status(mesh) -> dict:
-    async def ask():
-        nc = await nats.connect(mesh.nats_url)
-        try:
-            return orjson.loads((await nc.request(f"{mesh.namespace}.kv.node0.status", b"", timeout=5)).data)
-        finally:
-            await nc.close()
-
-    return asyncio.run(ask())
-
-
 @pytest.fixture(scope="module")
 def small_mesh(tiny_llama, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("swap-mesh")
     # 52 blocks of 16 tokens in the arena, one worker that prefills and decodes, small steps.
-    m = Mesh(tiny_llama, tmp, prefill=0, decode=1,
-             extra=["--kv-cache-gb", "0.0004", "--swap-space", "0.01", "--max-num-batched-tokens", "64"])
-    try:
-        yield m.wait_ready()
-    finally:
-        m.stop()
+    with Mesh(tiny_llama, tmp, prefill=0, decode=1,
+              extra=["--kv-cache-gb", "0.0004", "--swap-space", "0.01", "--max-num-batched-tokens", "64"]) as m:
+        yield m
 
 
 def test_prefix_evicted_from_the_arena_comes_back_from_the_host_tier(small_mesh, reference):
@@ -162,11 +146,11 @@ def test_prefix_evicted_from_the_arena_comes_back_from_the_host_tier(small_mesh,
     assert complete(mesh, PREFIX) == (want(PREFIX), 0)
     for i in range(8):  # 8 x 8 blocks through a 52-block arena: the prefix's blocks are taken
         assert complete(mesh, other(i))[0] == want(other(i))
-    before = pool_status(mesh)["swap"]
+    before = mesh.ask("kv.node0.status")["swap"]
     assert before["swapped_out"] >= 7, before
 
     text, cached = complete(mesh, PREFIX)
-    after = pool_status(mesh)
+    after = mesh.ask("kv.node0.status")
     assert text == want(PREFIX)
     assert cached == 112, "the prefix was recomputed instead of coming back from the host tier"
     assert after["swap"]["hits"] - before["hits"] >= 7 and after["swap"]["swapped_in"] >= 7, after["swap"]
@@ -178,12 +162,9 @@ def test_prefix_evicted_from_the_arena_comes_back_from_the_host_tier(small_mesh,
 
 @pytest.fixture(scope="module")
 def roomy_mesh(tiny_llama, tmp_path_factory):
-    m = Mesh(tiny_llama, tmp_path_factory.mktemp("roomy-mesh"), prefill=0, decode=1,
-             extra=["--swap-space", "0.01", "--max-num-batched-tokens", "64"])
-    try:
-        yield m.wait_ready()
-    finally:
-        m.stop()
+    with Mesh(tiny_llama, tmp_path_factory.mktemp("roomy-mesh"), prefill=0, decode=1,
+              extra=["--swap-space", "0.01", "--max-num-batched-tokens", "64"]) as m:
+        yield m
 
 
 def test_a_prefix_stays_cached_without_spilling_while_the_arena_has_room(roomy_mesh, reference):
@@ -193,5 +174,5 @@ def test_a_prefix_stays_cached_without_spilling_while_the_arena_has_room(roomy_m
     for i in range(40):  # 40 x 8 blocks: more than the worker's first lease of 256 blocks
         complete(mesh, other(100 + i))
     assert complete(mesh, PREFIX) == (want, 112)  # still in the worker's prefix cache
-    swap = pool_status(mesh)["swap"]
+    swap = mesh.ask("kv.node0.status")["swap"]
     assert swap["swapped_out"] == 0, swap  # the worker leased fresh blocks instead of spilling

@@ -120,9 +120,12 @@ class KVMover:
             return None
         return r
 
-    def _forget(self, blocks: list[int]) -> None:
-        for b in blocks:
+    def _spilled(self, victims: list[tuple[int, int]]) -> None:
+        """(block, key) pairs now in the host tier: this worker's cache forgets them."""
+        for b, h in victims:
             self.bm.forget(b)
+            self.host.add(h)
+        self.num_spilled += len(victims)
 
     def blocks_next_step(self) -> int:
         """At most how many free blocks the next step takes: one per running sequence, plus the
@@ -147,11 +150,8 @@ class KVMover:
         if k <= 0:
             return
         victims = [(b, bm.hash_of[b]) for b in islice(bm.free, n - k, n)]
-        if await self._swap(SwapRequest(worker_id=self.w.id, swap_out=victims)) is None:
-            return
-        self._forget([b for b, _ in victims])
-        self.host.update(h for _, h in victims)
-        self.num_spilled += len(victims)
+        if await self._swap(SwapRequest(worker_id=self.w.id, swap_out=victims)) is not None:
+            self._spilled(victims)
 
     async def prepare(self, tokens: list[int]) -> int:
         """Before a prompt is queued: marks its cached prefix as recently used, and brings back the
@@ -184,14 +184,9 @@ class KVMover:
         r = await self._swap(SwapRequest(worker_id=self.w.id, swap_out=victims, swap_in=list(zip(wanted, dest))))
         if r is None:
             return 0
-        self._forget([b for b, _ in victims])
-        self.host.update(h for _, h in victims)
-        self.num_spilled += len(victims)
+        self._spilled(victims)
         for k, b in zip(wanted[:r.restored], dest):
-            bm.hash_of[b] = k
-            bm.cached[k] = b
-            bm.stored.append(k)  # back in this worker's arena: a "stored" KV event
-            bm.free.move_to_end(b)
+            bm.restore(b, k)  # back in this worker's arena and prefix cache
         self.host.difference_update(wanted[r.restored:])  # what the tier no longer had
         self.num_restored += r.restored
         return r.restored

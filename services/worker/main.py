@@ -319,7 +319,7 @@ class Worker:
         the way."""
         bm = self.engine.block_manager
         if time.monotonic() >= self.pool_dry_until:
-            n = min(n, sum(1 for b in bm.free if bm.hash_of[b] is None) - keep_uncached)
+            n = min(n, bm.uncached_first() - keep_uncached)
         if n <= 0:
             return
         await self.kv.make_room(n)

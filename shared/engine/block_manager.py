@@ -90,6 +90,14 @@ class BlockManager:
                 self.removed.append(h)
             self.hash_of[bid] = None
 
+    def restore(self, bid: int, h: int) -> None:
+        """A free block whose bytes were put back from elsewhere (the host tier) caches key h again
+        (a "stored" KV event), as the most recently used free block."""
+        self.hash_of[bid] = h
+        self.cached[h] = bid
+        self.stored.append(h)
+        self.free.move_to_end(bid)
+
     def uncached_first(self) -> int:
         """Puts the free blocks that cache nothing before the cached ones, so allocation takes them
         first and the cached ones are the next victims; returns how many there are."""
