@@ -27,6 +27,8 @@ COPY meshserve ./meshserve
 COPY shared ./shared
 COPY services ./services
 COPY kernels ./kernels
+COPY bench ./bench
+COPY cli ./cli
 # torch==2.13.0 is already satisfied (2.13.0+cpu counts), so this does not fetch another build.
 RUN pip install ".${EXTRAS:+[${EXTRAS}]}"
 

@@ -4,10 +4,10 @@ architecture describes while the installed names stay inside one namespace."""
 
 from setuptools import find_packages, setup
 
-ROOTS = ("shared", "services", "kernels")
+ROOTS = ("shared", "services", "kernels", "bench", "cli")
 packages = ["meshserve"] + [f"meshserve.{p}" for p in find_packages(include=[f"{r}*" for r in ROOTS])]
 setup(
     packages=packages,
     package_dir={"meshserve": "meshserve", **{f"meshserve.{r}": r for r in ROOTS}},
-    package_data={"meshserve.kernels": ["cuda/*.cu", "cpu/*.cpp"], "meshserve.services": ["bench/workloads/*"]},
+    package_data={"meshserve.kernels": ["cuda/*.cu", "cpu/*.cpp"], "meshserve.bench": ["workloads/*"]},
 )

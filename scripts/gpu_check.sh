@@ -110,7 +110,7 @@ timeout "$(limit 120)" "$PY" -m pytest -q -ra -p no:cacheprovider --basetemp "$B
 echo "pytest (kernels) exit: $?"
 
 if [ "${MESHSERVE_GPU_BENCH:-0}" = 1 ]; then
-  timeout "$(limit 150)" "$PY" -m meshserve.services.bench.gpu_bench --json "$OUT/gpu_bench.json" 2>&1 | tee "$OUT/gpu_bench.log"
+  timeout "$(limit 150)" "$PY" -m meshserve.bench.gpu_bench --json "$OUT/gpu_bench.json" 2>&1 | tee "$OUT/gpu_bench.log"
   echo "gpu_bench exit: $?"
 fi
 set +x

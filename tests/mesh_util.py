@@ -38,7 +38,7 @@ class Mesh:
         self.nats_url = f"nats://127.0.0.1:{self.nats_port}"
         self.namespace, self.model = namespace, str(model)
         self.log = tmp / f"mesh-{self.port}.log"
-        cmd = [sys.executable, "-m", "meshserve.services.cli", "up", "--model", str(model), "--dtype", "float32",
+        cmd = [sys.executable, "-m", "meshserve.cli.main", "up", "--model", str(model), "--dtype", "float32",
                "--port", str(self.port), "--nats-port", str(self.nats_port), "--namespace", namespace,
                "--prefill", str(prefill), "--decode", str(decode), "--kv-cache-gb", "0.02",
                "--startup-timeout", "240", *(extra or [])]
@@ -93,7 +93,7 @@ class Node:
 
     def __init__(self, mesh: Mesh, node_id: str, tmp: Path, prefill: int = 0, decode: int = 1,
                  kv_pool_args: list[str] | None = None, worker_args: list[str] | None = None):
-        from meshserve.services.launcher import _die_with_parent
+        from meshserve.cli.launcher import _die_with_parent
 
         self.mesh, self.node_id, self.procs = mesh, node_id, []
         self.log = tmp / f"node-{node_id}-{mesh.port}.log"
@@ -101,7 +101,7 @@ class Node:
         env = {**os.environ, "MESHSERVE_SHM_DIR": str(mesh.shm_dir)}
 
         def spawn(role: str, *extra: str) -> None:
-            cmd = [sys.executable, "-m", "meshserve.services.cli", "serve", role, "--nats-url", mesh.nats_url,
+            cmd = [sys.executable, "-m", "meshserve.cli.main", "serve", role, "--nats-url", mesh.nats_url,
                    "--namespace", mesh.namespace, "--model", mesh.model, "--dtype", "float32", "--node-id", node_id,
                    *extra]
             self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,

@@ -11,7 +11,7 @@ import numpy as np
 import orjson
 import pytest
 
-from meshserve.services.bench import analyze as A
+from meshserve.bench import analyze as A
 
 CLASSES = ("interactive", "normal", "background")
 

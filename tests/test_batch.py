@@ -24,7 +24,7 @@ def test_batch_command(tiny_llama, tmp_path):
     ]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_bytes(b"\n".join(orjson.dumps(x) for x in lines) + b"\nnot json\n")
-    r = subprocess.run([sys.executable, "-m", "meshserve.services.cli", "batch", "-i", str(inp), "-o", str(out),
+    r = subprocess.run([sys.executable, "-m", "meshserve.cli.main", "batch", "-i", str(inp), "-o", str(out),
                         "--model", str(tiny_llama), "--dtype", "float32", "--served-model-name", "tiny"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

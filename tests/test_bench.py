@@ -17,9 +17,9 @@ import yaml
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from meshserve.services.bench import loadgen
-from meshserve.services.bench.report import RequestResult, summarize
-from meshserve.services.bench.workload import load_workload
+from meshserve.bench import loadgen
+from meshserve.bench.report import RequestResult, summarize
+from meshserve.bench.workload import load_workload
 from mesh_util import free_port
 
 FIRST, GAP = 0.25, 0.04  # the fakes' first-token delay and inter-token delay, seconds
@@ -104,7 +104,7 @@ def test_bench_command_measures_the_delays_it_was_given(fake, tmp_path):
     wl = tmp_path / "fake.yaml"
     wl.write_text(yaml.safe_dump(WORKLOAD))
     out, plots = tmp_path / "out.json", tmp_path / "plots"
-    r = subprocess.run([sys.executable, "-m", "meshserve.services.cli", "bench", "--url", fake.url,
+    r = subprocess.run([sys.executable, "-m", "meshserve.cli.main", "bench", "--url", fake.url,
                         "--workload", str(wl), "--seed", "3", "--vocab-size", "300", "--json", str(out),
                         "--plots", str(plots), "--slo-ttft", "1.0", "--slo-tpot", "0.1"],
                        capture_output=True, text=True, timeout=120)
@@ -180,7 +180,7 @@ def test_nats_api_target(tmp_path):
     import nats
     import orjson
 
-    from meshserve.services.launcher import nats_server_binary
+    from meshserve.cli.launcher import nats_server_binary
 
     port = free_port()
     server = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)],
@@ -238,7 +238,7 @@ def test_compare_engine_and_transformers_on_the_tiny_model(tiny_llama, tmp_path)
     out, wl = tmp_path / "compare.json", tmp_path / "small.yaml"
     wl.write_text(yaml.safe_dump({"name": "small", "num_requests": 6, "prompt_len": {"dist": "uniform", "low": 8, "high": 300},
                                   "output_len": {"dist": "uniform", "low": 4, "high": 12}}))
-    r = subprocess.run([sys.executable, "-m", "meshserve.services.cli", "compare", "--workload", str(wl),
+    r = subprocess.run([sys.executable, "-m", "meshserve.cli.main", "compare", "--workload", str(wl),
                         "--model", str(tiny_llama), "--dtype", "float32", "--skip-mesh",
                         "--hf-batch", "4", "--out", str(out), "--quiet", "--per-request"],
                        capture_output=True, text=True, timeout=120)
@@ -298,7 +298,7 @@ def test_request_bodies_ids_text_and_chat(tmp_path):
 
 
 def test_engine_adds_requests_at_their_arrival_times(tiny_llama):
-    from meshserve.services.bench.compare import engine_run
+    from meshserve.bench.compare import engine_run
     from meshserve.shared.engine.llm import LLM
 
     llm = LLM(str(tiny_llama), "float32")
@@ -316,7 +316,7 @@ def test_engine_adds_requests_at_their_arrival_times(tiny_llama):
 
 
 def test_transformers_static_batches_take_what_has_arrived(monkeypatch):
-    from meshserve.services.bench import compare, engine_bench
+    from meshserve.bench import compare, engine_bench
 
     batches = []
 

@@ -324,7 +324,7 @@ def meshserve_help():
 
     code, text = run("serve")
     if code != 0 and "invalid choice: 'serve'" in text:
-        pytest.skip("`meshserve serve` is not in the command line yet (services/cli.py); "
+        pytest.skip("`meshserve serve` is not in the command line yet (cli/main.py); "
                     "the container commands are checked against it once it is")
     return run
 

@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 
-from meshserve.services.cli import build_parser
-from meshserve.services.launcher import DEVICE_ROLES, Launcher
+from meshserve.cli.main import build_parser
+from meshserve.cli.launcher import DEVICE_ROLES, Launcher
 from meshserve.shared import node_memory, shm
 from meshserve.shared.schemas import ArenaDescriptor, TensorSpec, WeightsDescriptor
 
@@ -131,7 +131,7 @@ needs_no_cuda = pytest.mark.skipif(node_memory.cuda_problem() is None, reason="C
                                   ["serve", "decode", "--nats-url", "nats://127.0.0.1:1"]])
 def test_device_cuda_without_cuda_fails_at_once_with_the_reason(argv):
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "meshserve.services.cli", *argv, "--device", "cuda"],
+    r = subprocess.run([sys.executable, "-m", "meshserve.cli.main", *argv, "--device", "cuda"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "--device cuda:" in r.stderr and ("no CUDA device" in r.stderr or "CuPy" in r.stderr), r.stderr[-2000:]

@@ -21,7 +21,7 @@ from mesh_util import Mesh, Node, free_port
 from meshserve.services.kv_pool import transfer
 from meshserve.services.kv_pool.blocks import ArenaBlocks
 from meshserve.services.kv_pool.main import BlockLedger
-from meshserve.services.launcher import nats_server_binary
+from meshserve.cli.launcher import nats_server_binary
 from meshserve.services.scheduler.routing import pick_decode
 from meshserve.shared.bus import Bus
 from meshserve.shared.engine.llm import LLM

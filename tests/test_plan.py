@@ -11,7 +11,7 @@ import numpy as np
 import orjson
 import pytest
 
-from meshserve.services.bench import plan as P
+from meshserve.bench import plan as P
 
 # The worked example (docs/planning.md):
 #   rate R = 10 req/s, every prompt 1000 tokens, every output 250 tokens;
@@ -114,7 +114,7 @@ def test_decode_points():
 
 
 def bench_report(output_tps: float, tpot_p99: float, ttft_p50: float) -> dict:
-    """The shape `meshserve bench --json` writes (services/bench/report.py), trimmed."""
+    """The shape `meshserve bench --json` writes (bench/report.py), trimmed."""
     stats = lambda x: {"mean": x, "p50": x, "p90": x, "p99": x}  # noqa: E731
     return {"command": "meshserve bench ...", "requests": 4, "completed": 4, "prompt_tokens": 2000,
             "output_tokens": 800, "output_throughput": output_tps, "ttft": stats(ttft_p50),
@@ -178,7 +178,7 @@ def test_from_log(tmp_path):
 
 
 def test_from_workload(tmp_path):
-    pytest.importorskip("meshserve.services.bench.workload")
+    pytest.importorskip("meshserve.bench.workload")
     out = tmp_path / "plan.json"
     # mixed-chat: Poisson at 2 req/s, so no --rate is needed
     assert P.main(["--workload", "mixed-chat", "--prefill-tps", "4000", "--decode-tps", "500",

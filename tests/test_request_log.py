@@ -164,8 +164,8 @@ def test_unwritable_log_does_not_fail(tmp_path):
 @pytest.mark.parametrize("argv,want", [([], []), (["--no-request-log"], ["--no-request-log"]),
                                        (["--request-log", "/x/r.jsonl"], ["--request-log", "/x/r.jsonl"])])
 def test_up_forwards_the_options(argv, want):
-    from meshserve.services.cli import build_parser
-    from meshserve.services.launcher import gateway_log_options
+    from meshserve.cli.main import build_parser
+    from meshserve.cli.launcher import gateway_log_options
 
     args = build_parser().parse_args(["up", *argv])
     assert gateway_log_options(args) == want

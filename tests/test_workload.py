@@ -1,4 +1,4 @@
-"""Benchmark workloads (services/bench/workload.py): seeded, reproducible, and the samples follow
+"""Benchmark workloads (bench/workload.py): seeded, reproducible, and the samples follow
 the distributions, shares and arrival processes the files ask for."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from meshserve.services.bench.workload import (LogNormal, Normal, Uniform, exact_counts, list_workloads,
+from meshserve.bench.workload import (LogNormal, Normal, Uniform, exact_counts, list_workloads,
                                                load_workload)
 
 VOCAB = 500
@@ -57,7 +57,7 @@ def test_same_file_and_seed_same_requests_other_seed_differs(tmp_path):
 
 
 def test_mixed_64_is_the_engine_benchmarks_workload():
-    from meshserve.services.bench.engine_bench import mixed_workload
+    from meshserve.bench.engine_bench import mixed_workload
 
     reqs = gen("mixed-64", 0, vocab_size=49152)
     want = mixed_workload(64, 0, 49152, SPECIAL)

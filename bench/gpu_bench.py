@@ -1,6 +1,6 @@
 """The GPU benchmark: meshserve's engine on CUDA vs Hugging Face Transformers on the same GPU, one run.
 
-    python -m meshserve.services.bench.gpu_bench [--json OUT] [--quick]
+    python -m meshserve.bench.gpu_bench [--json OUT] [--quick]
 
 The model has SmolLM2-135M-Instruct's exact shape (hidden 576, 30 layers, 9 heads, 3 KV heads,
 intermediate 1536, vocabulary 49152, tied embeddings, RoPE theta 100000) with random weights,
@@ -25,8 +25,8 @@ import torch
 
 from meshserve.kernels import cuda_ops
 from meshserve.kernels.paged_attention import AttentionMetadata, decode_slots_and_mask, paged_attention
-from meshserve.services.bench.attention_bench import attention_case
-from meshserve.services.bench.engine_bench import hf_batch1, hf_static, mixed_workload, summarize
+from meshserve.bench.attention_bench import attention_case
+from meshserve.bench.engine_bench import hf_batch1, hf_static, mixed_workload, summarize
 from meshserve.shared.engine.llm_engine import EngineConfig, LLMEngine
 from meshserve.shared.engine.scheduler import SchedulerConfig
 from meshserve.shared.engine.sequence import SamplingParams
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     device, dtype = torch.device("cuda"), torch.bfloat16
     n_req, b1_tokens, repeat = (8, 32, 5) if a.quick else (64, 256, 50)
-    res: dict = {"command": "python -m meshserve.services.bench.gpu_bench " + " ".join(argv or sys.argv[1:]),
+    res: dict = {"command": "python -m meshserve.bench.gpu_bench " + " ".join(argv or sys.argv[1:]),
                  "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "python": platform.python_version(),
                  "model": "SmolLM2-135M-Instruct shape, random weights", "dtype": "bfloat16",
                  "cuda_kernels": cuda_ops.available()}

@@ -300,7 +300,7 @@ def list_workloads() -> list[str]:
 
 
 def load_workload(name_or_path: str | Path) -> WorkloadSpec:
-    """A workload file (YAML or JSON), or the name of one shipped in services/bench/workloads/."""
+    """A workload file (YAML or JSON), or the name of one shipped in bench/workloads/."""
     path = Path(name_or_path).expanduser()
     if not path.is_file():
         for ext in (".yaml", ".yml", ".json"):

@@ -20,7 +20,7 @@ Where the numbers come from: --prefill-tps / --decode-tps given, or --from-bench
 `meshserve bench --json` (several files: several operating points); lengths from --input-len and
 --output-len (a number, `uniform:LOW:HIGH`, `normal:MEAN:STD`, `lognormal:MEDIAN:SIGMA`,
 `exp:MEAN`, or a workload-style mapping such as "{dist: uniform, low: 32, high: 256}"), a
---workload (a file or a shipped name, services/bench/workloads/) or a gateway request log
+--workload (a file or a shipped name, bench/workloads/) or a gateway request log
 (--from-log, see `meshserve analyze`).
 """
 
@@ -148,7 +148,7 @@ def lengths_from_workload(name: str, max_model_len: int, n: int = 4000) -> tuple
     """The workload's requests (n of them, its own generator: classes, traces, clipping and context
     scaling as `meshserve bench` sends them); prompt lengths include shared prefixes. Also what the
     workload says about rate and SLOs."""
-    from meshserve.services.bench.workload import generate, load_workload
+    from meshserve.bench.workload import generate, load_workload
 
     spec = load_workload(name)
     reqs = generate(spec, vocab_size=64, max_model_len=max_model_len, num_requests=max(n, spec.num_requests))
@@ -167,7 +167,7 @@ def lengths_from_workload(name: str, max_model_len: int, n: int = 4000) -> tuple
 
 def lengths_from_log(paths: list[str]) -> Lengths:
     """Finished requests of gateway request logs (with their rotations)."""
-    from meshserve.services.bench.analyze import find_files, load
+    from meshserve.bench.analyze import find_files, load
 
     records, _ = load(find_files(paths))
     ok = [r for r in records if r.get("finish_reason") is not None

@@ -1,7 +1,7 @@
 """One layer's decode attention over a paged KV cache: the gather + SDPA reference vs the compiled
 CPU kernel, on the same arena and block tables.
 
-    python -m meshserve.services.bench.attention_bench [--batch 48] [--context 1000] [--kv-heads 3]
+    python -m meshserve.bench.attention_bench [--batch 48] [--context 1000] [--kv-heads 3]
         [--q-heads 9] [--head-dim 64] [--block-size 16] [--dtype bfloat16] [--repeat 20]
 
 Defaults are SmolLM2-135M at 48 sequences of ~1000 tokens (lengths spread +-5%, blocks shuffled

@@ -1,7 +1,7 @@
 """The projection benchmark: kernels/cpu/linear.cpp on the blocked layout against F.linear on the
 plain weight and oneDNN's packed GEMM (a private re-laid-out copy), on SmolLM2-135M's shapes.
 
-    python -m meshserve.services.bench.linear_bench [--rows 1,4,16,64,192,512] [--json OUT]
+    python -m meshserve.bench.linear_bench [--rows 1,4,16,64,192,512] [--json OUT]
 
 Prints, per shape and row count, milliseconds per product (median of repeats) and the largest
 difference from the fp32 product rounded to bf16.
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from meshserve.kernels.linear import Linear, block_weights, kernel
-from meshserve.services.bench.report import emit_json
+from meshserve.bench.report import emit_json
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:8s} {m:4d} rows: blocked {row['blocked_ms']:8.3f} ms  F.linear {row['f_linear_ms']:8.3f}  "
                   f"oneDNN packed {row['onednn_packed_ms']:8.3f}  ({row['blocked_vs_packed']:.2f}x packed's time)",
                   file=sys.stderr)
-    res = {"command": "python -m meshserve.services.bench.linear_bench " + " ".join(argv or sys.argv[1:]),
+    res = {"command": "python -m meshserve.bench.linear_bench " + " ".join(argv or sys.argv[1:]),
            "threads": torch.get_num_threads(), "results": rows}
     emit_json(res, a.json)
     return 0

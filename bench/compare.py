@@ -38,11 +38,11 @@ from collections import deque
 from dataclasses import fields
 from pathlib import Path
 
-from meshserve.services.bench.loadgen import (HTTPTarget, add_workload_arguments, build_body, new_result,
+from meshserve.bench.loadgen import (HTTPTarget, add_workload_arguments, build_body, new_result,
                                               prepare_workload, progress_run, quiet_http_logs, slo_of, special_ids,
                                               write_json)
-from meshserve.services.bench.report import RequestResult, plots, print_table, summarize
-from meshserve.services.bench.workload import Request, summary
+from meshserve.bench.report import RequestResult, plots, print_table, summarize
+from meshserve.bench.workload import Request, summary
 
 SYSTEMS = ("meshserve_mesh", "meshserve_engine", "transformers", "llama_cpp")
 RATIO_METRICS = {"output_throughput": ("output_throughput",), "request_throughput": ("request_throughput",),
@@ -136,7 +136,7 @@ def engine_warmup(llm, reqs: list[Request]) -> None:
 
 def hf_run(m, reqs: list[Request], batch: int) -> list[RequestResult]:
     """Static batches: when idle, up to `batch` arrived requests in arrival order, run to the longest."""
-    from meshserve.services.bench.engine_bench import hf_generate
+    from meshserve.bench.engine_bench import hf_generate
 
     results, i, n = [], 0, len(reqs)
     t0 = time.monotonic()  # hf_generate stamps steps with time.monotonic()
@@ -171,7 +171,7 @@ def start_mesh(a: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     import httpx
 
     port = _free_port()
-    cmd = [sys.executable, "-m", "meshserve.services.cli", "up", "--model", a.model, "--dtype", a.dtype,
+    cmd = [sys.executable, "-m", "meshserve.cli.main", "up", "--model", a.model, "--dtype", a.dtype,
            "--port", str(port), "--nats-port", str(_free_port()), "--prefill", str(a.prefill),
            "--decode", str(a.decode), *shlex.split(a.mesh_args or "")]
     up = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -305,11 +305,11 @@ def main(argv: list[str] | None = None) -> int:
         del llm
         gc.collect()
     if not a.skip_hf:
-        from meshserve.services.bench.engine_bench import load_hf
+        from meshserve.bench.engine_bench import load_hf
 
         log(f"Transformers, static batches of {a.hf_batch} ...")
         m = load_hf(a.model, a.dtype)
-        from meshserve.services.bench.engine_bench import hf_generate
+        from meshserve.bench.engine_bench import hf_generate
 
         hf_generate(m, [reqs[0].prompt[:8]], 4)  # warm up
         raw["transformers"] = hf_run(m, reqs, a.hf_batch)

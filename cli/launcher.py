@@ -92,7 +92,7 @@ class Launcher:
 
     def serve_cmd(self, role: str, *extra: str) -> list[str]:
         a = self.args
-        cmd = [sys.executable, "-m", "meshserve.services.cli", "serve", role, "--nats-url", a.nats_url,
+        cmd = [sys.executable, "-m", "meshserve.cli.main", "serve", role, "--nats-url", a.nats_url,
                "--namespace", a.namespace, "--model", a.model, "--dtype", a.dtype, "--node-id", a.node_id]
         if role in DEVICE_ROLES:  # one backend for the node: weights, arena and workers together
             cmd += ["--device", getattr(a, "device", "cpu")]

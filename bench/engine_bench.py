@@ -21,7 +21,7 @@ import time
 import numpy as np
 import torch
 
-from meshserve.services.bench.report import emit_json
+from meshserve.bench.report import emit_json
 from meshserve.shared.engine.llm import DTYPES, LLM
 from meshserve.shared.engine.sequence import SamplingParams
 from meshserve.shared.models_repo import DEFAULT_MODEL, resolve

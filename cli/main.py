@@ -84,17 +84,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--model", default=DEFAULT_MODEL, help="model name, HF directory or .gguf file")
     b.add_argument("--served-model-name", default=None, help="name in the responses (default: --model)")
     b.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    b.set_defaults(func=lambda a: __import__("meshserve.services.batch", fromlist=["main"]).main(a))
+    b.set_defaults(func=lambda a: __import__("meshserve.cli.batch", fromlist=["main"]).main(a))
 
     up = sub.add_parser("up", help="start the whole mesh on this machine (its own nats-server too)")
     _common(up, nats_default=None)
-    from meshserve.services.launcher import add_arguments as up_arguments
+    from meshserve.cli.launcher import add_arguments as up_arguments
     up_arguments(up)
-    up.set_defaults(func=lambda a: __import__("meshserve.services.launcher", fromlist=["run"]).run(a))
+    up.set_defaults(func=lambda a: __import__("meshserve.cli.launcher", fromlist=["run"]).run(a))
 
     serve = sub.add_parser("serve", help="run one service of the mesh")
     roles = serve.add_subparsers(dest="role", required=True)
-    from meshserve.services.launcher import DEVICE_ROLES, add_device_argument
+    from meshserve.cli.launcher import DEVICE_ROLES, add_device_argument
     for role in ROLES:
         rp = roles.add_parser(role, help=f"the {role} service", conflict_handler="resolve")
         _common(rp)
@@ -110,11 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench-engine", add_help=False,
                            help="the engine benchmark: meshserve vs Transformers, side by side")
-    bench.set_defaults(func=lambda a: __import__("meshserve.services.bench.engine_bench",
+    bench.set_defaults(func=lambda a: __import__("meshserve.bench.engine_bench",
                                                  fromlist=["main"]).main(a.rest), passthrough=True)
     bm = sub.add_parser("bench-mesh", add_help=False,
                         help="the mesh benchmark: meshserve up vs the in-process engine, side by side")
-    bm.set_defaults(func=lambda a: __import__("meshserve.services.bench.mesh_bench",
+    bm.set_defaults(func=lambda a: __import__("meshserve.bench.mesh_bench",
                                               fromlist=["main"]).main(a.rest), passthrough=True)
     # Measurement commands (issue 4); each module parses its own options.
     for name, module, text in (

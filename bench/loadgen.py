@@ -4,7 +4,7 @@
                     [--json OUT] [--plots DIR] [--slo-ttft 1.0 --slo-tpot 0.1]
     meshserve bench --nats-url nats://127.0.0.1:4222 [--namespace meshserve] --workload priority-mix
 
-Workloads are files (YAML or JSON; see services/bench/workload.py) or the names of the shipped
+Workloads are files (YAML or JSON; see bench/workload.py) or the names of the shipped
 ones: mixed-chat, mixed-64, short-long, shared-prefix, priority-mix, multi-model. Prompts are
 token-id lists drawn from the seed over the tokenizer's vocabulary (special tokens left out),
 sent to /v1/completions with max_tokens = the output length, ignore_eos, temperature 0 (unless the
@@ -22,8 +22,8 @@ import sys
 import time
 from typing import Any, AsyncIterator, Callable
 
-from meshserve.services.bench.report import RequestResult, plots, print_table, summarize, table
-from meshserve.services.bench.workload import Request, WorkloadSpec, load_workload, summary
+from meshserve.bench.report import RequestResult, plots, print_table, summarize, table
+from meshserve.bench.workload import Request, WorkloadSpec, load_workload, summary
 from meshserve.shared.models_repo import DEFAULT_MODEL
 
 

@@ -25,8 +25,8 @@ import time
 import httpx
 import numpy as np
 
-from meshserve.services.bench.engine_bench import add_workload_arguments, engine_mixed, mixed_workload, summarize
-from meshserve.services.bench.report import emit_json
+from meshserve.bench.engine_bench import add_workload_arguments, engine_mixed, mixed_workload, summarize
+from meshserve.bench.report import emit_json
 from meshserve.shared.models_repo import load_tokenizer
 
 
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                  "model": a.model, "dtype": a.dtype,
                  "mesh": {"prefill": a.prefill, "decode": a.decode}}
     port, nats_port = _port(), _port()
-    cmd = [sys.executable, "-m", "meshserve.services.cli", "up", "--model", a.model, "--dtype", a.dtype,
+    cmd = [sys.executable, "-m", "meshserve.cli.main", "up", "--model", a.model, "--dtype", a.dtype,
            "--port", str(port), "--nats-port", str(nats_port), "--prefill", str(a.prefill), "--decode", str(a.decode)] + a.up_args.split()
     env = dict(os.environ)
     if a.threads:
