@@ -16,7 +16,9 @@ quoted glob is expanded; `.gz` files are read too) and reports:
 - tokens in flight: a request holds prompt + output tokens of KV from its arrival to arrival + e2e
   (an upper bound: the output grows during that time); the peak of their sum over time, found by a
   sweep over arrival and end events, and the peak number of requests in flight;
-- the mix of classes (priorities), models, endpoints, finish reasons and errors.
+- the mix of classes (priorities), tenants, models, endpoints, finish reasons and errors;
+- traffic by tenant (the `tenant` of each line, from the tenants file's API keys; "(none)" without
+  one): requests, finished, refused or failed by status, tokens, TTFT and e2e percentiles.
 
 Percentiles are numpy's (`np.percentile`, linear interpolation). --plots DIR writes lengths.png
 (histograms and CDFs), rate.png, inflight.png and mix.png.
@@ -171,6 +173,27 @@ def _mix(values) -> dict:
     return {k: {"count": v, "share": v / n} for k, v in c.most_common()}
 
 
+def by_tenant(records: list[dict]) -> dict:
+    """Per tenant: requests, finished, errors by status, class mix, tokens (prompt: every admitted
+    request's; output: every generated token, failed requests' too), TTFT and e2e of finished ones."""
+    groups: dict[str, list[dict]] = {}
+    for r in records:
+        groups.setdefault("(none)" if r.get("tenant") is None else str(r["tenant"]), []).append(r)
+    out = {}
+    for name, rs in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        ok = [r for r in rs if r.get("finish_reason") is not None]
+        errors = Counter(str((r.get("error") or {}).get("status", "?")) for r in rs if r.get("finish_reason") is None)
+        out[name] = {
+            "requests": len(rs), "finished": len(ok), "failed": len(rs) - len(ok),
+            "errors_by_status": dict(errors.most_common()),
+            "class": dict(Counter("(none)" if r.get("class") is None else str(r["class"]) for r in rs).most_common()),
+            "prompt_tokens": int(sum(_num(r, "prompt_tokens") or 0 for r in rs)),
+            "output_tokens": int(sum(_num(r, "output_tokens") or 0 for r in rs)),
+            "ttft_s": describe([_num(r, "ttft") for r in ok if _num(r, "ttft") is not None]),
+            "e2e_s": describe([_num(r, "e2e") for r in ok if _num(r, "e2e") is not None])}
+    return out
+
+
 def _iso(t: float) -> str:
     return dt.datetime.fromtimestamp(t, dt.timezone.utc).isoformat(timespec="seconds")
 
@@ -236,7 +259,9 @@ def analyze(records: list[dict], bucket: float | None = None, top: int = 3) -> d
                       "peak_requests": peak_requests,
                       "peak_requests_t_s": None if peak_requests_at is None else peak_requests_at - t0,
                       "mean_requests": float(np.sum(ends - starts)) / span},
-        "mix": {"class": _mix(r.get("class") for r in records), "model": _mix(r.get("model") for r in records),
+        "by_tenant": by_tenant(records),
+        "mix": {"class": _mix(r.get("class") for r in records), "tenant": _mix(r.get("tenant") for r in records),
+                "model": _mix(r.get("model") for r in records),
                 "endpoint": _mix(r.get("endpoint") for r in records),
                 "stream": _mix(r.get("stream") for r in records)},
     }
@@ -295,9 +320,25 @@ def render(s: dict, files: list[Path], bad: int, console=None) -> None:
     for col in ("", "value", "requests", "share"):
         t.add_column(col, justify="right" if col in ("requests", "share") else "left")
     for dim, rows in s["mix"].items():
+        if dim == "tenant" and list(rows) == ["(none)"]:
+            continue  # no tenants file: nothing to break down
         for value, row in rows.items():
             t.add_row(dim, value, f"{row['count']:,}", f"{row['share']:.1%}")
     console.print(t)
+
+    tenants = s["by_tenant"]
+    if list(tenants) != ["(none)"]:
+        t = Table(title="by tenant")
+        for col in ("tenant", "requests", "finished", "failed (by status)", "prompt tok", "output tok",
+                    "TTFT p50", "TTFT p99", "e2e p50", "e2e p99"):
+            t.add_column(col, justify="left" if col.startswith(("tenant", "failed")) else "right")
+        for name, row in tenants.items():
+            errs = " ".join(f"{k}:{v}" for k, v in row["errors_by_status"].items())
+            t.add_row(name, f"{row['requests']:,}", f"{row['finished']:,}",
+                      f"{row['failed']:,}" + (f" ({errs})" if errs else ""), f"{row['prompt_tokens']:,}",
+                      f"{row['output_tokens']:,}", *(_fmt(row[k].get(q)) for k in ("ttft_s", "e2e_s")
+                                                    for q in ("p50", "p99")))
+        console.print(t)
 
 
 def plot(records: list[dict], s: dict, outdir: Path) -> list[Path]:
@@ -381,7 +422,8 @@ def plot(records: list[dict], s: dict, outdir: Path) -> list[Path]:
     fig.savefig(written[-1], dpi=110)
     plt.close(fig)
 
-    dims = [d for d in ("class", "model", "endpoint") if s["mix"][d]]
+    dims = [d for d in ("class", "tenant", "model", "endpoint")
+            if s["mix"][d] and not (d == "tenant" and list(s["mix"][d]) == ["(none)"])]
     fig, axes = plt.subplots(1, len(dims), figsize=(4 * len(dims), 3.5), squeeze=False)
     for ax, d in zip(axes[0], dims):
         rows = s["mix"][d]

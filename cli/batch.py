@@ -1,4 +1,5 @@
-"""`meshserve batch`: the OpenAI Batch file format, run through the in-process engine.
+"""`meshserve batch`: the OpenAI Batch file format, run through the in-process engine, or with
+`--url` sent to a running mesh over HTTP (batch_remote.py).
 
 Every valid line is added to the engine at once, so they are served by continuous batching
 together; a bad line gets its own error result and the others still run. Results are written
@@ -9,15 +10,16 @@ from __future__ import annotations
 
 import sys
 import uuid
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import orjson
 
-from meshserve.shared.engine.llm import LLM, Completion
-from meshserve.shared.engine.llm_engine import RequestError
 from meshserve.shared.openai_protocol import (ChatCompletionRequest, OpenAIError, chat_logprobs, chat_response,
                                               completion_logprobs, completion_response, new_id, parse_request,
                                               usage)
+
+if TYPE_CHECKING:
+    from meshserve.shared.engine.llm import LLM, Completion
 
 URLS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
@@ -41,13 +43,19 @@ def _read_line(line: bytes) -> dict:
     return item
 
 
-def _prepare(llm: LLM, item: dict, served: str):
-    """Turns one input line into (kind, request, prompt ids, sampling params); raises OpenAIError."""
+def _kind(item: dict) -> str:
+    """The endpoint of a line ("completions" or "chat"); raises OpenAIError for another method or url."""
     if item.get("method", "POST") != "POST":
         raise OpenAIError("method must be POST", param="method")
     kind = URLS.get(item.get("url"))
     if kind is None:
         raise OpenAIError(f"url must be one of {sorted(URLS)}", param="url", code="invalid_url")
+    return kind
+
+
+def _prepare(llm: LLM, item: dict, served: str):
+    """Turns one input line into (kind, request, prompt ids, sampling params); raises OpenAIError."""
+    kind = _kind(item)
     req = parse_request(kind, item.get("body"))
     if req.model not in (None, served, llm.model_name):
         raise OpenAIError(f"the model {req.model!r} does not exist; this batch serves {served!r}",
@@ -77,6 +85,8 @@ def _body(llm: LLM, kind: str, served: str, c: Completion, want_logprobs: bool) 
 
 def run_batch(llm: LLM, inp: IO[bytes], out: IO[bytes], served: str) -> tuple[int, int]:
     """Returns (succeeded, failed)."""
+    from meshserve.shared.engine.llm_engine import RequestError
+
     results: list[dict | None] = []
     pending: list[tuple[int, str, Completion, bool, object]] = []
     for line in inp:
@@ -97,6 +107,11 @@ def run_batch(llm: LLM, inp: IO[bytes], out: IO[bytes], served: str) -> tuple[in
     llm.run()
     for i, kind, c, want_lp, cid in pending:
         results[i] = _result(cid, 200, _body(llm, kind, served, c, want_lp))
+    return write_results(results, out)
+
+
+def write_results(results: list[dict], out: IO[bytes]) -> tuple[int, int]:
+    """Writes the result lines; returns (succeeded, failed)."""
     failed = 0
     for r in results:
         failed += r["response"]["status_code"] != 200
@@ -105,6 +120,11 @@ def run_batch(llm: LLM, inp: IO[bytes], out: IO[bytes], served: str) -> tuple[in
 
 
 def main(args) -> int:
+    if getattr(args, "url", None):
+        from .batch_remote import main as remote_main
+
+        return remote_main(args)
+    from meshserve.shared.engine.llm import LLM
     from meshserve.shared.engine.llm_engine import EngineConfig
 
     llm = LLM(args.model, args.dtype, EngineConfig())

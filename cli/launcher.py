@@ -120,9 +120,10 @@ class Launcher:
                 self.spawn(f"prefill-{i}", self.serve_cmd("prefill", *worker_opts))
             for i in range(a.decode):
                 self.spawn(f"decode-{i}", self.serve_cmd("decode", *worker_opts))
-        self.spawn("scheduler", self.serve_cmd("scheduler"))
+        tenants = ["--tenants", str(Path(a.tenants).expanduser().resolve())] if getattr(a, "tenants", None) else []
+        self.spawn("scheduler", self.serve_cmd("scheduler", *tenants))
         self.spawn("gateway", self.serve_cmd("gateway", "--host", a.host, "--port", str(a.port),
-                                             *gateway_log_options(a)))
+                                             *gateway_log_options(a), *tenants))
 
     def wait_healthy(self, timeout: float) -> bool:
         url = f"http://{self.args.host}:{self.args.port}/health"
@@ -242,3 +243,6 @@ def add_arguments(p) -> None:
     p.add_argument("--request-log", default=None,
                    help="the gateway's request log (default: ~/.cache/meshserve/logs/requests.jsonl)")
     p.add_argument("--no-request-log", action="store_true", help="the gateway writes no request log")
+    p.add_argument("--tenants", default=None, metavar="FILE",
+                   help="tenants file (docs/tenants.md): API keys, classes, quotas and queue bounds, for the gateway "
+                        "and the scheduler (default: none, the API is open)")

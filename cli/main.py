@@ -78,9 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshserve", description="An LLM inference mesh over NATS.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    b = sub.add_parser("batch", help="run an OpenAI Batch JSONL file through the in-process engine")
+    b = sub.add_parser("batch", help="run an OpenAI Batch JSONL file through the in-process engine, or with --url "
+                                     "through a running mesh")
     b.add_argument("-i", "--input", required=True, help="input JSONL ('-' for stdin)")
     b.add_argument("-o", "--output", required=True, help="output JSONL ('-' for stdout)")
+    b.add_argument("--url", default=None, help="send the lines to this running server (http://HOST:PORT) as the "
+                                              "background class, instead of running the engine here")
+    b.add_argument("--api-key", default=os.environ.get("MESHSERVE_API_KEY"),
+                   help="with --url: the tenant's API key (default: $MESHSERVE_API_KEY)")
+    b.add_argument("--concurrency", type=int, default=8, help="with --url: lines in flight at once (default: 8)")
+    b.add_argument("--max-retries", type=int, default=5,
+                   help="with --url: retries of a line answered 429 or 503, after its Retry-After (default: 5)")
     b.add_argument("--model", default=DEFAULT_MODEL, help="model name, HF directory or .gguf file")
     b.add_argument("--served-model-name", default=None, help="name in the responses (default: --model)")
     b.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -123,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
             ("plan", "bench.plan", "size prefill and decode workers for a workload, a rate and SLOs"),
             ("compare", "bench.compare", "one workload against the mesh, the engine, Transformers, llama.cpp")):
         sp = sub.add_parser(name, add_help=False, help=text)
-        sp.set_defaults(func=lambda a, m=module: __import__(f"meshserve.services.{m}", fromlist=["main"]).main(a.rest),
+        sp.set_defaults(func=lambda a, m=module: __import__(f"meshserve.{m}", fromlist=["main"]).main(a.rest),
                         passthrough=True)
     return p
 
@@ -136,6 +144,15 @@ def main(argv: list[str] | None = None) -> int:
         args.rest = rest  # the subcommand parses its own options
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if getattr(args, "tenants", None):  # a bad tenants file: one line, before anything starts
+        from meshserve.shared.tenants import TenantsFileError, load_tenants
+
+        try:
+            load_tenants(args.tenants)
+        except TenantsFileError as e:
+            command = " ".join(filter(None, (args.command, getattr(args, "role", None))))
+            print(f"meshserve {command}: error: --tenants: {e}", file=sys.stderr)
+            return 2
     if getattr(args, "device", "cpu") == "cuda":  # before any process, connection or allocation: fail fast
         from meshserve.shared.node_memory import cuda_problem
 

@@ -20,9 +20,10 @@ class OpenAIError(Exception):
     """An error the client caused or must hear about, rendered as OpenAI's error JSON."""
 
     def __init__(self, message: str, status_code: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message, self.status_code, self.type, self.param, self.code = message, status_code, type, param, code
+        self.headers = headers or {}  # e.g. Retry-After on a 429 or 503
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -61,12 +61,25 @@ class GenerateRequest(Message):
     # recomputes prompt + these and continues from there.
     output_token_ids: list[int] = Field(default_factory=list)
     trace: dict[str, str] = Field(default_factory=dict)  # W3C traceparent carrier
+    tenant: str | None = None  # who sent it (the gateway found it by API key); None: no tenants file
 
 
 class SubmitReply(Message):
     ok: bool
     error: str | None = None
     status_code: int = 200
+    # A refusal the client should hear in OpenAI's terms: error type and code, and when to retry (seconds).
+    error_type: str | None = None
+    error_code: str | None = None
+    retry_after: float | None = None
+
+
+class Usage(Message):
+    """A tenant's request ended at its gateway (finished, failed or abandoned): the scheduler frees
+    its concurrency slot and charges what it used against the tenant's tokens_per_minute."""
+
+    request_id: str
+    output_tokens: int = 0
 
 
 class Logprob(Message):

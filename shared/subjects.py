@@ -2,6 +2,7 @@
 
     <ns>.v1.completions, <ns>.v1.chat.completions   public request/reply API (gateway)
     <ns>.scheduler.{submit,handoff,abort,done,status} gateway/workers -> scheduler
+    <ns>.scheduler.usage                             gateway -> scheduler (a tenant's request ended)
     <ns>.worker.<id>.{prefill,adopt,abort}           scheduler -> one worker
     <ns>.workers.heartbeat                           workers -> scheduler
     <ns>.kv.<node>.{arena,lease,release,retain,transfer,status}  workers, scheduler <-> the node's kv-pool
@@ -55,6 +56,10 @@ class Subjects:
     @property
     def done(self) -> str:
         return f"{self.ns}.scheduler.done"
+
+    @property
+    def usage(self) -> str:
+        return f"{self.ns}.scheduler.usage"
 
     @property
     def heartbeat(self) -> str:

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API (FastAPI). Framing only: the work is in handler.py.
 
 Every error, FastAPI's own included, is answered with OpenAI's error JSON, and 400 rather than
-FastAPI's 422 for an invalid body, because that is what OpenAI clients expect.
+FastAPI's 422 for an invalid body, because that is what OpenAI clients expect. With a tenants file,
+every route but /health checks the API key first (auth.py), as one app-wide dependency.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ import logging
 from typing import AsyncIterator
 
 import orjson
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from meshserve.shared.openai_protocol import OpenAIError
 
+from .auth import AUTH_HEADER
 from .handler import Gateway, Generation, Kind
 
 log = logging.getLogger(__name__)
@@ -30,7 +32,9 @@ def json_response(body: dict, status_code: int = 200) -> Response:
 
 
 def error_response(e: OpenAIError) -> Response:
-    return json_response(e.body(), e.status_code)
+    r = json_response(e.body(), e.status_code)
+    r.headers.update(e.headers)
+    return r
 
 
 def sse(data: dict | str) -> bytes:
@@ -79,7 +83,18 @@ async def _body_unless_disconnected(request: Request, gen: Generation) -> dict |
 
 
 def create_app(gw: Gateway) -> FastAPI:
-    app = FastAPI(title="meshserve gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    async def authenticate(request: Request) -> None:
+        """The API key, before anything else; the tenant is left in request.state.tenant."""
+        path, header = request.url.path, request.headers.get(AUTH_HEADER)
+        if path == "/health":
+            return
+        if path == "/metrics":
+            gw.auth.check_metrics(header)
+            return
+        request.state.tenant = gw.authenticate(header)
+
+    app = FastAPI(title="meshserve gateway", docs_url=None, redoc_url=None, openapi_url=None,
+                  dependencies=[Depends(authenticate)])
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, e: OpenAIError):
@@ -108,7 +123,7 @@ def create_app(gw: Gateway) -> FastAPI:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as e:
             raise OpenAIError(f"the request body is not valid JSON: {e}") from None
-        gen = await gw.submit(kind, body)
+        gen = await gw.submit(kind, body, getattr(request.state, "tenant", None))
         if gen.stream:
             return StreamingResponse(_sse_stream(gen), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -137,6 +152,8 @@ def create_app(gw: Gateway) -> FastAPI:
             return error_response(OpenAIError("the scheduler does not answer", 503, type="server_error"))
         if not status.get("ready"):
             return error_response(OpenAIError("no worker is ready yet", 503, type="server_error"))
+        if gw.auth.enabled:  # /health needs no key: it names no tenant
+            status = {k: v for k, v in status.items() if k != "admission"}
         return json_response({"status": "ok", "scheduler": status})
 
     @app.get("/metrics")

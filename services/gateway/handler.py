@@ -20,9 +20,11 @@ from meshserve.shared.engine.sequence import SamplingParams
 from meshserve.shared.openai_protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, chat_chunk,
                                               chat_logprobs, chat_response, completion_chunk, completion_logprobs,
                                               completion_response, parse_request, usage, usage_chunk)
-from meshserve.shared.schemas import Abort, GenerateRequest, Logprob, Sampling, TokenChunk
+from meshserve.shared.schemas import Abort, GenerateRequest, Logprob, Message, Sampling, TokenChunk, Usage
+from meshserve.shared.tenants import Tenant
 from meshserve.shared.tokenizer import IncrementalDetokenizer, Tokenizer
 
+from .auth import Auth, rejection_reason
 from .metrics import GatewayMetrics
 from .request_log import RequestLog
 from .streams import RequestStream, TokenStreams, submit
@@ -30,7 +32,6 @@ from .streams import RequestStream, TokenStreams, submit
 log = logging.getLogger(__name__)
 
 Kind = Literal["completions", "chat"]
-PRIORITIES = ("interactive", "normal", "background")
 STATUS_TIMEOUT = 1.0
 
 
@@ -41,6 +42,7 @@ class Prepared:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: str
+    tenant: Tenant | None = None
 
 
 @dataclass
@@ -64,25 +66,32 @@ class Gateway:
 
     def __init__(self, bus: Bus, tokenizer: Tokenizer, served_model_name: str, streams: TokenStreams,
                  metrics: GatewayMetrics, max_model_len: int = 8192, stream_timeout: float = 300.0,
-                 request_log: RequestLog | None = None):
+                 request_log: RequestLog | None = None, auth: Auth | None = None):
         self.bus, self.tokenizer, self.served_model_name = bus, tokenizer, served_model_name
+        self.auth = auth or Auth(None)  # API keys and classes (the tenants file); none: open
         self.streams, self.metrics = streams, metrics
         self.request_log = request_log  # a line per ended request (request_log.py); None: off
         self.max_model_len, self.stream_timeout = max_model_len, stream_timeout
         self.created = int(time.time())
         self._background: set[asyncio.Task] = set()
 
-    # -- validation and tokenization
+    # -- keys, validation and tokenization
 
-    def prepare(self, kind: Kind, body) -> Prepared:
+    def authenticate(self, authorization: str | None) -> Tenant | None:
+        """The tenant of an Authorization header value (None: no tenants file); raises 401."""
+        try:
+            return self.auth.tenant(authorization)
+        except OpenAIError as e:
+            self.metrics.tenant_rejected(None, rejection_reason(e))
+            raise
+
+    def prepare(self, kind: Kind, body, tenant: Tenant | None = None) -> Prepared:
         """Raises OpenAIError(4xx) for anything wrong with the request."""
         req = parse_request(kind, body)
         if req.model not in (None, self.served_model_name):
             raise OpenAIError(f"the model {req.model!r} does not exist; this server serves "
                               f"{self.served_model_name!r}", 404, param="model", code="model_not_found")
-        priority = body.get("priority", "normal")
-        if priority not in PRIORITIES:
-            raise OpenAIError(f"priority must be one of {', '.join(PRIORITIES)}", param="priority")
+        priority = self.auth.request_class(body.get("priority"), tenant)
         if isinstance(req, ChatCompletionRequest):
             try:
                 text = self.tokenizer.apply_chat_template(req.template_messages(),
@@ -108,7 +117,7 @@ class Gateway:
             params.validate()
         except ValueError as e:
             raise OpenAIError(str(e)) from None
-        return Prepared(kind, req, prompt, params, priority)
+        return Prepared(kind, req, prompt, params, priority, tenant)
 
     def _check_length(self, prompt: list[int], param: str) -> None:
         """The scheduler checks too (with max_tokens); this keeps a chat's default max_tokens positive."""
@@ -119,14 +128,15 @@ class Gateway:
 
     # -- submission
 
-    async def submit(self, kind: Kind, body) -> "Generation":
-        """Validates and submits; raises OpenAIError before anything is sent to the client.
-        The caller must `close()` the returned Generation."""
+    async def submit(self, kind: Kind, body, tenant: Tenant | None = None) -> "Generation":
+        """Validates and submits (as `tenant`, from `authenticate`); raises OpenAIError before
+        anything is sent to the client. The caller must `close()` the returned Generation."""
         came = time.time()
         try:
-            p = self.prepare(kind, body)
+            p = self.prepare(kind, body, tenant)
         except OpenAIError as e:
-            self._log_rejected(kind, body, came, e)
+            self._log_rejected(kind, body, came, e, tenant=tenant)
+            self.metrics.tenant_rejected(tenant, rejection_reason(e))
             raise
         arrival = time.time()
         rid = uuid.uuid4().hex
@@ -135,43 +145,62 @@ class Gateway:
         request = GenerateRequest(
             request_id=rid, model=self.served_model_name, prompt_token_ids=p.prompt_token_ids,
             sampling=Sampling.from_params(p.params), priority=p.priority, stream_subject=self.streams.subject,
-            arrival_time=arrival, trace=telemetry.inject_span(span))
+            arrival_time=arrival, trace=telemetry.inject_span(span), tenant=tenant and tenant.name)
         stream = self.streams.open(request)
         try:
             await submit(self.bus, request)
         except OpenAIError as e:
             self._log_rejected(kind, body, arrival, e, p, rid)
+            self.metrics.tenant_rejected(tenant, rejection_reason(e))
             span.end()
             self.streams.close(request.request_id)
             if e.status_code == 503:  # the reply may be what got lost: make sure nothing runs
                 self.abort(request.request_id)
+            if rejection_reason(e) is None:  # not refused at admission: it may have been admitted
+                self.settle(request, 0)
             raise
         except BaseException as e:
             self._log_rejected(kind, body, arrival, e, p, rid)
             span.end()
             self.streams.close(request.request_id)
             self.abort(request.request_id)
+            self.settle(request, 0)
             raise
         self.metrics.queue.observe(time.time() - arrival)
         self.metrics.prompt_tokens.inc(len(p.prompt_token_ids))
+        self.metrics.tenant_admitted(tenant, len(p.prompt_token_ids))
         gen = Generation(self, p, request, stream)
         gen.span = span
         return gen
 
     def _log_rejected(self, kind: Kind, body, arrival: float, e: BaseException, p: Prepared | None = None,
-                      rid: str | None = None) -> None:
+                      rid: str | None = None, tenant: Tenant | None = None) -> None:
         if self.request_log:
+            tenant = p.tenant if p else tenant
+            priority = p.priority if p else None
+            if priority is None and tenant is not None and isinstance(body, dict) and "priority" not in body:
+                priority = tenant.default_priority  # the class it would have had
             self.request_log.log_rejected(kind, body, self.served_model_name, arrival, e,
-                                          p and len(p.prompt_token_ids), p and p.priority,
-                                          p and p.params.max_tokens, rid)
+                                          p and len(p.prompt_token_ids), priority,
+                                          p and p.params.max_tokens, rid, tenant=tenant and tenant.name)
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
-        """Publishes Abort from a task of its own: callers are often being cancelled."""
+        self._publish_soon(self.bus.subjects.abort, Abort(request_id=request_id, reason=reason))
+
+    def settle(self, request: GenerateRequest, output_tokens: int) -> None:
+        """Tells the scheduler a tenant's request ended, with the tokens it generated (admission.py)."""
+        if request.tenant is not None:
+            self._publish_soon(self.bus.subjects.usage, Usage(request_id=request.request_id,
+                                                              output_tokens=output_tokens))
+
+    def _publish_soon(self, subject: str, msg: Message) -> None:
+        """Publishes from a task of its own: callers are often being cancelled."""
         async def publish():
             try:
-                await self.bus.publish(self.bus.subjects.abort, Abort(request_id=request_id, reason=reason))
+                await self.bus.publish(subject, msg)
             except Exception as e:  # noqa: BLE001 - nothing more to do for a gone request
-                log.warning("could not publish Abort for %s: %s", request_id, e)
+                log.warning("could not publish %s for %s: %s", type(msg).__name__,
+                            getattr(msg, "request_id", "?"), e)
 
         task = asyncio.get_running_loop().create_task(publish())
         self._background.add(task)
@@ -232,6 +261,7 @@ class Generation:
         self.gw.streams.close(self.request.request_id)
         if not self.done:
             self.gw.abort(self.request.request_id)
+        self.gw.settle(self.request, len(self.token_ids))
         if self.gw.request_log:
             self.gw.request_log.log_generation(self)
 
@@ -278,6 +308,7 @@ class Generation:
                 m.observe_itl(now - self._last_token_time, len(token_ids))
             self._last_token_time = now
             m.generation_tokens.inc(len(token_ids))
+            m.tenant_generated(self.prepared.tenant, len(token_ids))
         if finish:
             self.finish_reason = finish
             self.finish_time = now

@@ -49,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-log-backups", type=int, default=REQUEST_LOG_BACKUPS,
                         help="rotated request logs kept, .1 the newest (default: %(default)s)")
     parser.add_argument("--no-request-log", action="store_true", help="do not write the request log")
+    parser.add_argument("--tenants", default=None, metavar="FILE",
+                        help="tenants file (docs/tenants.md): API keys, classes and quotas; every endpoint but /health "
+                             "then needs a key. Give the scheduler the same file (default: none, the API is open)")
 
 
 def _server(config):
@@ -88,7 +91,10 @@ async def run(args) -> int:
 
     from meshserve.shared.bus import DEFAULT_NATS_URL, Bus
 
+    from meshserve.shared.tenants import load_tenants
+
     from .app import create_app
+    from .auth import Auth
     from .handler import Gateway
     from .metrics import GatewayMetrics
     from .request_log import RequestLog
@@ -100,6 +106,10 @@ async def run(args) -> int:
     args = with_defaults(args)
     telemetry.init_tracing("gateway")
     served = args.served_model_name or args.model
+    auth = Auth(load_tenants(args.tenants) if args.tenants else None)
+    if auth.enabled:
+        log.info("tenants: %d from %s; every endpoint but /health needs an API key", len(auth.config.tenants),
+                 args.tenants)
     tokenizer = load_tokenizer(args.model)
     bus = await Bus.connect(args.nats_url or DEFAULT_NATS_URL, name=f"meshserve-gateway-{GATEWAY_ID[:8]}",
                             namespace=args.namespace)
@@ -110,7 +120,7 @@ async def run(args) -> int:
     if request_log:
         log.info("request log: %s", request_log.path)
     gw = Gateway(bus, tokenizer, served, streams, GatewayMetrics(served), max_model_len=args.max_model_len,
-                 stream_timeout=args.stream_timeout, request_log=request_log)
+                 stream_timeout=args.stream_timeout, request_log=request_log, auth=auth)
     nats_api = NatsAPI(gw)
     await nats_api.start()
 

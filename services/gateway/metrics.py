@@ -54,6 +54,20 @@ class GatewayMetrics:
         self._success = Counter("meshserve:request_success", "Finished requests.", labels + ["finished_reason"],
                                 registry=r)
         self._model = model_name
+        # Per tenant (the tenants file; tenant="" for requests without a known key).
+        tl = labels + ["tenant"]
+        self._tenant_requests = Counter("meshserve:tenant_requests", "Requests admitted, by tenant.", tl, registry=r)
+        self._tenant_prompt = Counter("meshserve:tenant_prompt_tokens", "Prompt tokens admitted, by tenant.", tl,
+                                      registry=r)
+        self._tenant_generation = Counter("meshserve:tenant_generation_tokens", "Tokens generated, by tenant.", tl,
+                                          registry=r)
+        self._tenant_rejections = Counter(
+            "meshserve:tenant_rejections", "Requests refused at admission, by tenant and reason (invalid_api_key, "
+            "priority_not_allowed, max_concurrent_requests, tokens_per_minute, queue_full).", tl + ["reason"],
+            registry=r)
+        self._tenant_in_flight = Gauge("meshserve:tenant_requests_in_flight",
+                                       "Requests admitted and not yet ended, by tenant (the scheduler's count).", tl,
+                                       registry=r)
         self._status = {key: Gauge(name, doc, labels, registry=r).labels(model_name)
                         for key, (name, doc) in STATUS_GAUGES.items()}
 
@@ -65,6 +79,24 @@ class GatewayMetrics:
     def finished(self, reason: str) -> None:
         self._success.labels(self._model, reason).inc()
 
+    @staticmethod
+    def _tenant(tenant) -> str:
+        return "" if tenant is None else tenant.name
+
+    def tenant_admitted(self, tenant, prompt_tokens: int) -> None:
+        if tenant is not None:
+            self._tenant_requests.labels(self._model, tenant.name).inc()
+            self._tenant_prompt.labels(self._model, tenant.name).inc(prompt_tokens)
+
+    def tenant_generated(self, tenant, num_tokens: int) -> None:
+        if tenant is not None:
+            self._tenant_generation.labels(self._model, tenant.name).inc(num_tokens)
+
+    def tenant_rejected(self, tenant, reason: str | None) -> None:
+        """`reason` None: not an admission refusal (a bad request, say), not counted here."""
+        if reason is not None:
+            self._tenant_rejections.labels(self._model, self._tenant(tenant), reason).inc()
+
     def refresh(self, status: dict | None) -> None:
         """Sets the scheduler gauges; leaves them as they were when the scheduler did not answer."""
         if not status:
@@ -73,6 +105,9 @@ class GatewayMetrics:
             value = status.get(key)
             if isinstance(value, (int, float)):
                 gauge.set(value)
+        for name, t in ((status.get("admission") or {}).get("tenants") or {}).items():
+            if isinstance(t, dict) and isinstance(t.get("in_flight"), int):
+                self._tenant_in_flight.labels(self._model, name).set(t["in_flight"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -2,7 +2,9 @@
 
 Same bodies and responses as HTTP, framed as messages: a non-streaming request gets one reply; a
 streaming one gets one message per chunk on its reply subject, then b"[DONE]". There is no status
-line, so an error is the OpenAI error JSON, with its HTTP status in the `Meshserve-Status` header.
+line, so an error is the OpenAI error JSON, with its HTTP status in the `Meshserve-Status` header
+(and `Retry-After` where HTTP has one). With a tenants file, a request carries its API key in an
+`Authorization: Bearer <key>` header, as on HTTP.
 Gateways subscribe in one queue group, so each request is served by exactly one of them.
 """
 
@@ -16,6 +18,7 @@ import orjson
 
 from meshserve.shared.openai_protocol import OpenAIError
 
+from .auth import AUTH_HEADER
 from .handler import Gateway, Generation, Kind
 from .streams import confirm_subscriptions
 
@@ -73,11 +76,14 @@ class NatsAPI:
         gen: Generation | None = None
         try:
             try:
-                body = orjson.loads(msg.data)
+                body, bad_json = orjson.loads(msg.data), None
             except orjson.JSONDecodeError as e:
-                raise OpenAIError(f"the request body is not valid JSON: {e}") from None
+                body, bad_json = None, e
             streaming = isinstance(body, dict) and body.get("stream") is True
-            gen = await self.gw.submit(kind, body)
+            tenant = self.gw.authenticate(_header(msg, AUTH_HEADER))  # first, as on HTTP
+            if bad_json is not None:
+                raise OpenAIError(f"the request body is not valid JSON: {bad_json}")
+            gen = await self.gw.submit(kind, body, tenant)
             if not gen.stream:
                 await self._send(msg.reply, await gen.body())
                 return
@@ -106,10 +112,18 @@ class NatsAPI:
         await self._publish(reply, data)
 
     async def _send_error(self, reply: str, e: OpenAIError) -> None:
-        await self._publish(reply, orjson.dumps(e.body()), {STATUS_HEADER: str(e.status_code)})
+        await self._publish(reply, orjson.dumps(e.body()), {STATUS_HEADER: str(e.status_code), **e.headers})
 
     async def _publish(self, reply: str, data: bytes, headers: dict[str, str] | None = None) -> None:
         try:
             await self.gw.bus.nc.publish(reply, data, headers=headers)
         except Exception as e:  # noqa: BLE001 - the connection is going away; nothing to tell anyone
             log.warning("could not reply on %s: %s", reply, e)
+
+
+def _header(msg, name: str) -> str | None:
+    """A NATS message header, its name matched without regard to case (HTTP's rule)."""
+    headers = msg.headers or {}
+    if name in headers:
+        return headers[name]
+    return next((v for k, v in headers.items() if k.lower() == name.lower()), None)

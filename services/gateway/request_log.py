@@ -5,13 +5,14 @@ failed (an `error` with its HTTP status and message, `finish_reason` null) or gi
 (`error.status` 499). A line:
 
     {"arrival": 1732900000.123, "id": "3f2a...", "model": "smollm2-135m-instruct", "class": "normal",
-     "endpoint": "chat", "stream": true, "prompt_tokens": 412, "cached_tokens": 0, "output_tokens": 87,
+     "tenant": "acme", "endpoint": "chat", "stream": true, "prompt_tokens": 412, "cached_tokens": 0, "output_tokens": 87,
      "max_tokens": 256, "ttft": 0.081, "e2e": 1.93, "finish_reason": "stop", "error": null}
 
 `arrival` is unix time in seconds (when the request was tokenized and submitted; for a request that
 failed validation, when it came in); `ttft` and `e2e` are seconds from `arrival` to the first
 output token and to the last one (or to the failure); `ttft` is null when no token came;
-`prompt_tokens` is null when the request failed before it was tokenized.
+`prompt_tokens` is null when the request failed before it was tokenized; `tenant` is the tenant whose
+API key the request carried (the tenants file), null without one.
 
 The file rotates by size: when a line would take it past `max_bytes`, `requests.jsonl` becomes
 `requests.jsonl.1` (`.1` becomes `.2`, ... up to `backups`; the oldest is dropped). Lines are written
@@ -105,7 +106,7 @@ class RequestLog:
             end = now
         self.write({
             "arrival": arrival, "id": req.request_id, "model": req.model, "class": req.priority,
-            "endpoint": gen.kind, "stream": bool(gen.stream), "prompt_tokens": len(req.prompt_token_ids),
+            "tenant": req.tenant, "endpoint": gen.kind, "stream": bool(gen.stream), "prompt_tokens": len(req.prompt_token_ids),
             "cached_tokens": gen.num_cached_tokens, "output_tokens": len(gen.token_ids),
             "max_tokens": req.sampling.max_tokens,
             "ttft": None if gen.first_token_time is None else gen.first_token_time - arrival,
@@ -113,7 +114,7 @@ class RequestLog:
 
     def log_rejected(self, kind: str, body, model: str, arrival: float, error, prompt_tokens: int | None = None,
                      priority: str | None = None, max_tokens: int | None = None, request_id: str | None = None,
-                     now: float | None = None) -> None:
+                     now: float | None = None, tenant: str | None = None) -> None:
         """A request that failed before any token could come (validation, submission)."""
         now = time.time() if now is None else now
         if isinstance(body, dict):  # what the client asked for, even if that was the problem
@@ -123,7 +124,8 @@ class RequestLog:
             if isinstance(body.get("model"), str):
                 model = body["model"]
         self.write({
-            "arrival": arrival, "id": request_id, "model": model, "class": priority, "endpoint": kind,
+            "arrival": arrival, "id": request_id, "model": model, "class": priority, "tenant": tenant,
+            "endpoint": kind,
             "stream": isinstance(body, dict) and body.get("stream") is True, "prompt_tokens": prompt_tokens,
             "cached_tokens": 0, "output_tokens": 0, "max_tokens": max_tokens, "ttft": None, "e2e": now - arrival,
             "finish_reason": None, "error": _error(error)})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import uuid
 
 import nats.errors
@@ -61,7 +62,9 @@ async def submit(bus: Bus, request: GenerateRequest) -> None:
         raise OpenAIError(f"the scheduler failed: {e}", 500, type="server_error") from None
     if not reply.ok:
         status = reply.status_code if reply.status_code >= 400 else 500
-        raise OpenAIError(reply.error or "the scheduler refused the request", status, type=error_type(status))
+        headers = {} if reply.retry_after is None else {"Retry-After": str(max(1, math.ceil(reply.retry_after)))}
+        raise OpenAIError(reply.error or "the scheduler refused the request", status,
+                          type=reply.error_type or error_type(status), code=reply.error_code, headers=headers)
 
 
 class RequestStream:

@@ -4,6 +4,9 @@ sequences to decode workers, and re-dispatches the requests of workers that disa
 A decode worker on the prefill's node gets the sequence's blocks by id (the kv-pool moves one
 reference); one on another node pulls their bytes through its own kv-pool first (cross-node).
 
+With a tenants file (`--tenants`), it admits each new request against its tenant's quotas and
+its class's queue bound first (admission.py) and answers a refusal with its status (429, 503).
+
 It never sees tokens: the gateway owns each stream. When a worker goes silent, the scheduler
 tells the gateway of each of its requests ("worker_lost"); the gateway re-submits with the
 tokens the client already has, and a new worker recomputes and continues from there.
@@ -21,10 +24,12 @@ import orjson
 from meshserve.shared.bus import Bus
 from meshserve.shared.engine.block_manager import prompt_block_hashes
 from meshserve.shared.schemas import (Abort, BlockRefs, BlockTransfer, Done, GenerateRequest, Handoff, Heartbeat,
-                                      KVEvent, SubmitReply, TokenChunk, TransferReply)
+                                      KVEvent, SubmitReply, TokenChunk, TransferReply, Usage)
 from meshserve.shared.service import run_service
 from meshserve.shared.telemetry import span
+from meshserve.shared.tenants import load_tenants
 
+from .admission import Admission, waiting_by_class
 from .routing import WorkerView, pick_decode, pick_idle_for_short_prompt, pick_prefill
 
 log = logging.getLogger("meshserve.scheduler")
@@ -50,6 +55,8 @@ class Scheduler:
         self.workers: dict[str, WorkerView] = {}
         self.requests: dict[str, Tracked] = {}
         self.aborted: set[str] = set()
+        tenants = getattr(args, "tenants", None)
+        self.admission = Admission(load_tenants(tenants) if tenants else None)
 
     # -- views
 
@@ -84,7 +91,17 @@ class Scheduler:
                 "num_preemptions": sum(w.hb.num_preemptions for w in ws),
                 "num_priority_preemptions": sum(w.hb.num_priority_preemptions for w in ws),
                 "running_by_priority": _by_priority(w.hb.running_by_priority for w in ws),
-                "waiting_by_priority": _by_priority(w.hb.waiting_by_priority for w in ws)}
+                "waiting_by_priority": _by_priority(w.hb.waiting_by_priority for w in ws),
+                **({"admission": {**self.admission.status(), "waiting_by_class": self.waiting_by_class()}}
+                   if self.admission.enabled else {})}
+
+    def waiting_by_class(self) -> dict[str, int]:
+        """Requests waiting for a seat on some worker, by class (admission.waiting_by_class)."""
+        def classes(w: WorkerView) -> list[str]:
+            return [self.requests[r].req.priority for r in w.assigned if r in self.requests]
+
+        return waiting_by_class((classes(w), w.hb.max_num_seqs, w.hb.waiting_by_priority)
+                                for w in self.workers.values())
 
     # -- requests
 
@@ -102,6 +119,9 @@ class Scheduler:
             return SubmitReply(ok=False, status_code=400, error=(
                 f"this model's maximum context length is {max_len} tokens; the request asks for {n} "
                 f"({len(req.prompt_token_ids)} in the prompt, {req.sampling.max_tokens} to generate)"))
+        refusal = self.admission.admit(req, self.waiting_by_class)
+        if refusal is not None:
+            return refusal
         block_size = cands[0].hb.block_size
         hashes = prompt_block_hashes(req.prompt_token_ids + req.output_token_ids, block_size, req.model)
         n_prompt = len(req.prompt_token_ids) + len(req.output_token_ids)
@@ -198,6 +218,7 @@ class Scheduler:
                     for t in lost:
                         del self.requests[t.req.request_id]
                         await self._lost(t.req)
+            self.admission.sweep(self.requests.__contains__)
 
     async def serve(self) -> None:
         s, nc = self.bus.subjects, self.bus.nc
@@ -225,6 +246,10 @@ class Scheduler:
         async def on_event(msg):
             self.kv_event(KVEvent.decode(msg.data))
 
+        async def on_usage(msg):
+            u = Usage.decode(msg.data)
+            self.admission.settle(u.request_id, u.output_tokens)
+
         async def on_status(msg):
             await msg.respond(orjson.dumps(self.status()))
 
@@ -235,6 +260,7 @@ class Scheduler:
         await nc.subscribe(s.heartbeat, cb=on_heartbeat)
         await nc.subscribe(s.kv("events", "*"), cb=on_event)
         await nc.subscribe(s.scheduler_status, cb=on_status)
+        await nc.subscribe(s.usage, cb=on_usage)
         self.reaper = asyncio.ensure_future(self.reap())
 
 
@@ -243,6 +269,9 @@ def add_arguments(p) -> None:
                    help="seconds without a heartbeat before a worker's requests are re-dispatched")
     p.add_argument("--short-prefill", type=int, default=32,
                    help="prompts up to this many tokens may be prefilled by an idle decode worker (0: never)")
+    p.add_argument("--tenants", default=None, metavar="FILE",
+                   help="tenants file (docs/tenants.md): quotas per tenant and a bound per class queue; give the "
+                        "gateway the same file (default: none, everything is admitted)")
 
 
 async def main(args) -> None:
