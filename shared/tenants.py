@@ -90,7 +90,8 @@ class TenantsFile(BaseModel):
 
     tenants: list[Tenant] = Field(min_length=1)
     queues: dict[Priority, QueueLimit] = Field(default_factory=dict)
-    metrics_api_keys: list[str] | None = Field(default=None, repr=False)  # None: /metrics takes any tenant's key; []: open
+    # Who may read /metrics: None, any tenant's key; [], anyone.
+    metrics_api_keys: list[str] | None = Field(default=None, repr=False)
 
     @field_validator("metrics_api_keys")
     @classmethod

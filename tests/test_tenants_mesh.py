@@ -236,8 +236,8 @@ def test_batch_url_runs_lines_as_background(mesh, tmp_path):
     assert res[0]["response"]["status_code"] == 401 and res[0]["error"]["code"] == "invalid_api_key"
 
 
-def test_metrics_and_analyze_by_tenant_and_still_healthy(mesh):
-    from meshserve.bench.analyze import analyze, load
+def test_metrics_and_analyze_by_tenant_and_still_healthy(mesh, tmp_path):
+    from meshserve.cli.main import main
 
     assert complete(mesh, "sk-acme").usage.completion_tokens == 4
     text = httpx.get(mesh.url + "/metrics", headers={"Authorization": "Bearer sk-scrape"}).text
@@ -260,8 +260,8 @@ def test_metrics_and_analyze_by_tenant_and_still_healthy(mesh):
                            ("acme", "queue_full")):
         assert value("meshserve:tenant_rejections_total", tenant=tenant, reason=reason) >= 1, (tenant, reason)
 
-    records, _ = load([mesh.request_log])
-    by = analyze(records)["by_tenant"]
+    assert main(["analyze", str(mesh.request_log), "--json", str(tmp_path / "a.json")]) == 0
+    by = orjson.loads((tmp_path / "a.json").read_bytes())["by_tenant"]
     assert {"acme", "lowly", "single", "metered"} <= set(by)
     assert by["metered"]["errors_by_status"].get("429", 0) >= 2 and by["metered"]["output_tokens"] == 40
     assert by["lowly"]["errors_by_status"] == {"403": 1} and by["lowly"]["class"]["background"] == 1

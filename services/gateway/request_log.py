@@ -5,8 +5,8 @@ failed (an `error` with its HTTP status and message, `finish_reason` null) or gi
 (`error.status` 499). A line:
 
     {"arrival": 1732900000.123, "id": "3f2a...", "model": "smollm2-135m-instruct", "class": "normal",
-     "tenant": "acme", "endpoint": "chat", "stream": true, "prompt_tokens": 412, "cached_tokens": 0, "output_tokens": 87,
-     "max_tokens": 256, "ttft": 0.081, "e2e": 1.93, "finish_reason": "stop", "error": null}
+     "tenant": "acme", "endpoint": "chat", "stream": true, "prompt_tokens": 412, "cached_tokens": 0,
+     "output_tokens": 87, "max_tokens": 256, "ttft": 0.081, "e2e": 1.93, "finish_reason": "stop", "error": null}
 
 `arrival` is unix time in seconds (when the request was tokenized and submitted; for a request that
 failed validation, when it came in); `ttft` and `e2e` are seconds from `arrival` to the first
@@ -106,7 +106,8 @@ class RequestLog:
             end = now
         self.write({
             "arrival": arrival, "id": req.request_id, "model": req.model, "class": req.priority,
-            "tenant": req.tenant, "endpoint": gen.kind, "stream": bool(gen.stream), "prompt_tokens": len(req.prompt_token_ids),
+            "tenant": req.tenant, "endpoint": gen.kind, "stream": bool(gen.stream),
+            "prompt_tokens": len(req.prompt_token_ids),
             "cached_tokens": gen.num_cached_tokens, "output_tokens": len(gen.token_ids),
             "max_tokens": req.sampling.max_tokens,
             "ttft": None if gen.first_token_time is None else gen.first_token_time - arrival,
