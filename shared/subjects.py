@@ -10,6 +10,7 @@
     <ns>.kv.<node>.import                            a decode worker -> its kv-pool (pull blocks from another node)
     <ns>.kv.<node>.{fetch,chunk,close}               kv-pool -> kv-pool (KV bytes between nodes, in chunks)
     <ns>.kv.<node>.events                            workers, kv-pool -> scheduler, kv-pools (blocks stored/removed)
+    <ns>.kv.<node>.host_events                       kv-pool -> its workers (keys stored/removed in the host swap tier)
     <ns>.models.{load,list}                          workers -> model-loader
     <ns>.tokens.<gateway id>                         workers -> the gateway that owns the request
 """

@@ -758,7 +758,7 @@ def test_gpu_engine_matches_transformers(tiny_cuda):
     assert eng.kv_cache.is_cuda and pa.decode_kernel(eng.kv_cache[0]) is cuda_ops
     assert run_two_waves(eng, prompts, SamplingParams(max_tokens=16, temperature=0)) == ref
     assert eng.stats["num_preemptions"] > 0 and eng.stats["prefix_hits"] > 0
-    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    assert eng.block_pool.num_free == eng.block_pool.num_blocks
 
 
 @gpu

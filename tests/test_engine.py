@@ -66,7 +66,7 @@ def test_greedy_matches_transformers(tiny, chunk, prefix, pool):
         assert stats["num_preemptions"] > 0
     if prefix:
         assert stats["prefix_hits"] > 0  # the two prompts sharing 100 tokens
-    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks  # nothing leaked
+    assert eng.block_pool.num_free == eng.block_pool.num_blocks  # nothing leaked
 
 
 def test_prefix_hit_gives_same_tokens_and_counts_cached(tiny):
@@ -152,7 +152,7 @@ def test_stop_strings_and_detokenization_in_process(tiny_llama, tiny):
     cut = llm.generate([prompts[5]], SamplingParams(max_tokens=MAX_NEW, temperature=0, stop=[stop]))[0]
     assert cut.finish_reason == "stop"
     assert cut.text == full.text[:full.text.index(stop)]
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    assert llm.engine.block_pool.num_free == llm.engine.block_pool.num_blocks
 
 
 def test_bfloat16_runs_and_mostly_agrees(tiny_llama, tiny):

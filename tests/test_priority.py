@@ -160,13 +160,13 @@ def test_interactive_preempts_background_when_blocks_run_out(tiny):
     bg = [eng.add_request(f"bg{i}", prompts[i], LONG, priority="background") for i in (1, 3, 5, 8)]
     run(eng, steps=4)
     assert all(s.num_output_tokens > 0 for s in bg) and eng.scheduler.num_preemptions == 0
-    assert eng.block_manager.num_free_blocks < eng.block_manager.blocks_needed(len(prompts[0]) + len(prompts[5]))
+    assert eng.block_pool.num_free < eng.kv_cache_manager.blocks_needed(len(prompts[0]) + len(prompts[5]))
     eng.add_request("i", prompts[0] + prompts[5], GREEDY, priority="interactive")
     first = run(eng, steps=1)
     assert "i" in first  # admitted and prefilled in the next step
     assert eng.scheduler.num_priority_preemptions >= 1
     run(eng)
-    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    assert eng.block_pool.num_free == eng.block_pool.num_blocks
 
 
 @pytest.mark.parametrize("late", ["interactive", "background"])
@@ -263,7 +263,7 @@ def test_greedy_with_priorities_and_preemption_matches_transformers(tiny, pool):
     run(eng, on_step=arrive)
     assert [seqs[j].output_token_ids for j in range(len(prompts))] == ref
     assert eng.scheduler.num_priority_preemptions > 0
-    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    assert eng.block_pool.num_free == eng.block_pool.num_blocks
 
 
 # -- (d) equal priorities: first come, first served, exactly as before

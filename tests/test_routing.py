@@ -6,7 +6,7 @@ import time
 
 from meshserve.services.scheduler.routing import (LOAD_WEIGHT, WorkerView, pick_decode,
                                                    pick_idle_for_short_prompt, pick_prefill, uncached_blocks)
-from meshserve.shared.engine.block_manager import prompt_block_hashes
+from meshserve.shared.prefix_hash import prompt_block_hashes
 from meshserve.shared.schemas import Heartbeat
 
 

@@ -5,7 +5,6 @@ kv-pool's host tier, the prompt skips recomputing it, and greedy outputs still e
 from __future__ import annotations
 
 import asyncio
-import types
 
 import pytest
 import torch
@@ -14,7 +13,8 @@ from openai import OpenAI
 from mesh_util import Mesh
 from meshserve.services.kv_pool.blocks import ArenaBlocks
 from meshserve.services.kv_pool.swap import HostTier
-from meshserve.services.worker.kv_transfer import KVMover
+from meshserve.services.worker.kv_blocks import KVBlocks
+from meshserve.services.worker.kv_pool_client import KVPoolClient
 from meshserve.shared.engine.llm import LLM
 from meshserve.shared.engine.sequence import SamplingParams
 from meshserve.shared.schemas import SwapReply, SwapRequest
@@ -85,28 +85,28 @@ def test_spilled_prefix_comes_back_and_is_a_prefix_hit(tiny_llama, reference):
     from meshserve.shared.engine.llm_engine import EngineConfig
 
     llm = LLM(str(tiny_llama), "float32", config=EngineConfig(num_kv_blocks=24))
-    e, bm = llm.engine, llm.engine.block_manager
-    bus = FakeBus(e.kv_cache, bm.block_size, capacity=16)
-    worker = types.SimpleNamespace(engine=e, bus=bus, id="decode-node0-1", args=types.SimpleNamespace(node_id="node0"))
-    mover = KVMover(worker, swap_blocks=16)
+    e, pool, kv = llm.engine, llm.engine.block_pool, llm.engine.kv_cache_manager
+    bus = FakeBus(e.kv_cache, kv.block_size, capacity=16)
+    mover = KVBlocks(e, KVPoolClient(bus, "node0", "decode-node0-1"), lease_blocks=0, swap_blocks=16,
+                     report=lambda kind, h: None)
     prompt = [(7 * j) % 300 + 3 for j in range(70)]  # 4 full blocks
     greedy = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     want = reference.generate([prompt], greedy)[0].token_ids
 
     assert e.generate([prompt], greedy)[0] == want
-    cached = {k: b for k, b in bm.cached.items()}
+    cached = pool.cached_keys()
     assert len(cached) >= 4
     asyncio.run(mover.make_room(3))  # enough uncached free blocks: nothing to spill
     assert not bus.requests
-    asyncio.run(mover.make_room(bm.num_free_blocks))  # the step may take every block: spill them all
-    assert not bm.cached and set(cached) <= set(bus.host.index) and mover.num_spilled == len(cached)
+    asyncio.run(mover.make_room(pool.num_free))  # the step may take every block: spill them all
+    assert not pool.cached_keys() and set(cached) <= set(bus.host.index) and mover.num_spilled == len(cached)
     e.kv_cache.zero_()  # the arena forgets: only the host tier has the prefix now
 
-    hits = bm.prefix_hits
+    hits = kv.prefix_hits
     assert asyncio.run(mover.prepare(prompt)) == 4  # the prompt's 4 full blocks come back
     assert e.generate([prompt], greedy)[0] == want
-    assert bm.prefix_hits - hits == 4 * bm.block_size  # found in the prefix cache, not recomputed
-    stored, removed = bm.drain_events()
+    assert kv.prefix_hits - hits == 4 * kv.block_size  # found in the prefix cache, not recomputed
+    stored, removed = pool.drain_events()
     assert set(cached) <= set(removed) and len(set(stored) & set(cached)) >= 4
 
 

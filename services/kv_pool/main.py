@@ -143,8 +143,8 @@ class KVPool:
     async def _publish_host_events(self) -> None:
         stored, removed = self.host.drain_events()
         if stored or removed:
-            await self.bus.publish(self.kv("events"), KVEvent(worker_id=f"kv-pool-{self.node}", node_id=self.node,
-                                                              stored=stored, removed=removed, tier="host"))
+            await self.bus.publish(self.kv("host_events"), KVEvent(
+                worker_id=f"kv-pool-{self.node}", node_id=self.node, stored=stored, removed=removed, tier="host"))
 
     # -- cross-node transfers, destination side
 
@@ -243,7 +243,7 @@ class KVPool:
 
         for verb, cb in (("arena", on_arena), ("lease", on_lease), ("release", on_release),
                          ("retain", on_retain), ("transfer", on_transfer), ("status", on_status),
-                         ("events", on_event), ("swap", on_swap), ("import", on_import),
+                         ("events", on_event), ("host_events", on_event), ("swap", on_swap), ("import", on_import),
                          ("fetch", self.fetch.on_open), ("chunk", self.fetch.on_chunk), ("close", self.fetch.on_close)):
             await nc.subscribe(self.kv(verb), cb=cb)
         await nc.subscribe(s.heartbeat, cb=on_heartbeat)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import orjson
 
 from meshserve.shared.bus import Bus
-from meshserve.shared.engine.block_manager import prompt_block_hashes
+from meshserve.shared.prefix_hash import prompt_block_hashes
 from meshserve.shared.schemas import (Abort, BlockRefs, BlockTransfer, Done, GenerateRequest, Handoff, Heartbeat,
                                       KVEvent, SubmitReply, TokenChunk, TransferReply, Usage)
 from meshserve.shared.service import run_service

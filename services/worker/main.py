@@ -4,13 +4,14 @@ Roles:
 - prefill: computes prompts (chunked) into KV blocks of the node's shared arena, streams the first
   token, then hands the sequence to a decode worker by block ids (no KV bytes move);
 - decode: adopts handed-off sequences and runs the continuous-batching loop, streaming tokens
-  (a sequence prefilled on another node has its blocks pulled over first: kv_transfer.py);
+  (a sequence prefilled on another node has its blocks pulled over first);
 - mixed: does both for its own requests (a decode worker takes prefills when the scheduler sends
   them, e.g. when no prefill worker is up).
 
 Everything that changes the engine (new requests, adoptions, aborts) is queued by the NATS
 callbacks and applied between steps, at iteration boundaries. The step itself runs in a thread so
-heartbeats and messages keep flowing while it computes.
+heartbeats and messages keep flowing while it computes. Which blocks of the node's KV arena the
+worker holds (leases, give-back, host-tier spill and restore, handoffs, imports) is kv_blocks.py's.
 """
 
 from __future__ import annotations
@@ -27,17 +28,15 @@ from meshserve.shared.engine.llm_engine import EngineConfig, LLMEngine, RequestE
 from meshserve.shared.engine.scheduler import SchedulerConfig
 from meshserve.shared.model.config import ModelConfig
 from meshserve.shared.model.llama import LlamaModel
-from meshserve.shared.schemas import (Abort, ArenaDescriptor, BlockRefs, Done, GenerateRequest, Handoff,
-                                      Heartbeat, KVEvent, LeaseReply, LeaseRequest, LoadRequest, Logprob,
+from meshserve.shared.schemas import (Abort, Done, GenerateRequest, Handoff, Heartbeat, LoadRequest, Logprob,
                                       TokenChunk, WeightsDescriptor)
 from meshserve.shared.service import run_service
 from meshserve.shared import telemetry
 
-from .kv_transfer import KVMover
+from .kv_blocks import KVBlocks
+from .kv_pool_client import KVPoolClient
 
 log = logging.getLogger("meshserve.worker")
-
-PRESSURE_S = 5.0  # after the kv-pool ran short, this long the worker gives back cached blocks too
 
 
 def _set_threads(n: int) -> None:
@@ -66,7 +65,6 @@ class Worker:
         self.received: dict[str, float] = {}  # wall clock, for the queue and prefill spans
         self.decode_start: dict[str, float] = {}
         self.tokens_streamed = 0
-        self.pool_dry_until = 0.0  # monotonic time before which the kv-pool is known to have no free blocks
 
     # -- start-up: map the weights and the KV arena, lease blocks
 
@@ -86,8 +84,8 @@ class Worker:
         run_on_stepper = lambda f, *x, **k: asyncio.get_running_loop().run_in_executor(  # noqa: E731
             self.stepper, lambda: f(*x, **k))
         model = await run_on_stepper(LlamaModel, cfg, weights)
-        arena = await self.bus.request(s.kv("arena", a.node_id), LeaseRequest(worker_id=self.id, num_blocks=0),
-                                       ArenaDescriptor, timeout=900)
+        pool = KVPoolClient(self.bus, a.node_id, self.id)
+        arena = await pool.arena()
         node_memory.check_backend("KV arena", arena.backend, device)
         kv = shm.view(node_memory.open_buffer(arena.backend, arena.path, arena.ipc), 0, arena.dtype, arena.shape)
         sched = SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
@@ -102,49 +100,39 @@ class Worker:
             log.info("worker %s memory: weights=%s weights_handle=%s weights_bytes=%d arena=%s arena_handle=%s "
                      "own_gpu_bytes=%d", self.id, w.path, w.ipc["handle"][:16], w.ipc["alloc_bytes"], arena.path,
                      arena.ipc["handle"][:16], torch.cuda.memory_allocated(kv.device))
-        self.kv = KVMover(self, arena.swap_blocks)  # cross-node adoption, host swap tier
-        await self.kv.start()
-        await self._lease(a.lease_blocks)
-        await self.bus.publish(s.kv("events", a.node_id), KVEvent(worker_id=self.id, cleared=True, node_id=a.node_id))
+        self.blocks = KVBlocks(self.engine, pool, a.lease_blocks, arena.swap_blocks, report=self._post)
+        await self.blocks.start()
         for verb, cb in (("prefill", self._on_request), ("adopt", self._on_adopt), ("abort", self._on_abort)):
             await self.bus.nc.subscribe(s.worker(self.id, verb), cb=cb)
-        await self.bus.nc.subscribe(s.kv("pressure", a.node_id), cb=self._on_pressure)
         self.tasks = [asyncio.ensure_future(self._heartbeats()), asyncio.ensure_future(self._loop())]
         log.info("worker %s ready: %s, %d KV blocks of the arena leased", self.id, self.role,
-                 self.engine.block_manager.num_free_blocks)
+                 self.engine.block_pool.num_free)
 
     async def stop(self) -> None:
         for t in self.tasks:
             t.cancel()
-        bm = self.engine.block_manager
-        held = [b for b in range(bm.num_blocks) if bm.ref_count[b]] + list(bm.free) + list(bm.free_shared)
-        if held:
-            await self.bus.publish(self.bus.subjects.kv("release", self.args.node_id),
-                                   BlockRefs(worker_id=self.id, block_ids=held))
+        await self.blocks.close()
         await self.bus.nc.flush()
 
     # -- messages in (applied between steps)
 
-    async def _on_request(self, msg) -> None:
-        self.inbox.append(("request", GenerateRequest.decode(msg.data)))
+    def _post(self, kind: str, m) -> None:
+        """Queues something that changes the engine, applied at the next iteration boundary."""
+        self.inbox.append((kind, m))
         self.wake.set()
+
+    async def _on_request(self, msg) -> None:
+        self._post("request", GenerateRequest.decode(msg.data))
 
     async def _on_adopt(self, msg) -> None:
         h = Handoff.decode(msg.data)
         if h.node_id != self.args.node_id:  # prefilled on another node: its blocks come over first
-            self.kv.adopt_remote(h)
-            return
-        self.inbox.append(("adopt", h))
-        self.wake.set()
+            self.blocks.import_remote(h)
+        else:
+            self._post("adopt", h)
 
     async def _on_abort(self, msg) -> None:
-        self.inbox.append(("abort", Abort.decode(msg.data)))
-        self.wake.set()
-
-    async def _on_pressure(self, msg) -> None:
-        self.pool_dry_until = time.monotonic() + PRESSURE_S
-        self.inbox.append(("reclaim", None))
-        self.wake.set()
+        self._post("abort", Abort.decode(msg.data))
 
     async def _apply_inbox(self) -> None:
         inbox, self.inbox = self.inbox, []
@@ -153,10 +141,16 @@ class Worker:
                 await self._add(m)
             elif kind == "adopt":
                 self._adopt(m)
+            elif kind == "recompute":  # its blocks could not come over from another node
+                self.chunk_seq[m.request.request_id] = m.next_seq
+                await self._add(m.request.model_copy(
+                    update={"output_token_ids": m.token_ids[len(m.request.prompt_token_ids):]}))
+            elif kind == "aborted":  # while its blocks came over
+                await self._done(m.request.request_id, "abort")
             elif kind == "reclaim":  # another worker of the node is short of blocks
-                await self._give_back(self.engine.block_manager.num_free_blocks - self._blocks_wanted())
+                await self.blocks.reclaim()
             else:
-                self.kv.cancel(m.request_id)
+                self.blocks.cancel(m.request_id)
                 self.engine.abort(m.request_id, m.reason)
                 self.received.pop(m.request_id, None)
                 self.decode_start.pop(m.request_id, None)
@@ -164,7 +158,7 @@ class Worker:
                     await self._done(m.request_id, m.reason)
 
     async def _add(self, req: GenerateRequest) -> None:
-        await self.kv.prepare(req.prompt_token_ids + req.output_token_ids)  # its prefix back from the host tier
+        await self.blocks.prepare(req.prompt_token_ids + req.output_token_ids)  # its prefix back from the host tier
         try:
             self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling.to_params(),
                                     arrival_time=time.monotonic(), output_token_ids=req.output_token_ids,
@@ -183,11 +177,7 @@ class Worker:
 
     def _adopt(self, h: Handoff) -> None:
         req = h.request
-        seq = self.engine.new_sequence(req.request_id, req.prompt_token_ids, req.sampling.to_params(),
-                                       time.monotonic(), h.token_ids[len(req.prompt_token_ids):], req.priority)
-        seq.num_computed_tokens = h.num_computed_tokens
-        seq.num_cached_tokens = h.num_cached_tokens
-        self.engine.adopt(seq, h.block_ids, h.shared_block_ids)
+        self.blocks.adopt(h)
         self.streams[req.request_id] = req
         self.chunk_seq[req.request_id] = h.next_seq
         self.decode_start[req.request_id] = time.time()
@@ -210,13 +200,13 @@ class Worker:
                 if not self.inbox:
                     await self.wake.wait()
                 continue
-            await self._keep_blocks()
+            await self.blocks.before_step()
             step = asyncio.get_running_loop().run_in_executor(self.stepper, self.engine.step)
             if pending:
                 await self._publish(pending)
                 pending = []
             outputs = await step
-            await self._flush_block_changes()
+            await self.blocks.publish_changes()
             if self.role == "prefill":
                 await self._publish(outputs)
             else:
@@ -264,16 +254,12 @@ class Worker:
                              output_tokens=out.num_output_tokens)
 
     async def _hand_off(self, request_id: str) -> None:
-        """Prefill is done: pass the sequence on by block ids. The blocks this worker keeps in its
-        prefix cache get one more reference first, so the pool never frees them under anyone."""
+        """Prefill is done: pass the sequence on by block ids (no KV byte moves)."""
         self.to_hand_off.discard(request_id)
         req = self.streams.pop(request_id)
-        seq, blocks, shared = self.engine.detach(request_id)
-        s = self.bus.subjects
-        if shared:
-            await self.bus.publish(s.kv("retain", self.args.node_id), BlockRefs(worker_id=self.id, block_ids=shared))
+        seq, blocks, shared = await self.blocks.detach(request_id)
         with telemetry.span("kv.handoff", req.trace, worker=self.id, request_id=request_id, blocks=len(blocks)):
-            await self.bus.publish(s.handoff, Handoff(
+            await self.bus.publish(self.bus.subjects.handoff, Handoff(
                 request=req, token_ids=seq.token_ids, block_ids=blocks, shared_block_ids=shared,
                 num_computed_tokens=seq.num_computed_tokens, num_cached_tokens=seq.num_cached_tokens,
                 next_seq=self.chunk_seq.pop(request_id), from_worker=self.id, node_id=self.args.node_id))
@@ -283,71 +269,18 @@ class Worker:
         await self.bus.publish(self.bus.subjects.done, Done(request_id=request_id, worker_id=self.id,
                                                             finish_reason=reason))
 
-    # -- blocks: keep enough leased for the next step, give back the surplus
-
-    def _blocks_wanted(self) -> int:
-        e = self.engine
-        return len(e.scheduler.running) + e.config.scheduler.max_num_batched_tokens // e.config.block_size + 2
-
-    async def _lease(self, n: int) -> int:
-        r = await self.bus.request(self.bus.subjects.kv("lease", self.args.node_id),
-                                   LeaseRequest(worker_id=self.id, num_blocks=n), LeaseReply, timeout=10)
-        self.engine.block_manager.add_free(r.block_ids)
-        return len(r.block_ids)
-
-    async def _keep_blocks(self) -> None:
-        bm, want, lease = self.engine.block_manager, self._blocks_wanted(), self.args.lease_blocks
-        need = self.kv.blocks_next_step()
-        if bm.num_free_blocks < want:
-            await self._lease(max(want - bm.num_free_blocks, lease // 4))
-        elif bm.num_free_blocks > want + 2 * lease and not self.engine.scheduler.waiting:
-            await self._give_back(bm.num_free_blocks - want - lease, keep_uncached=need)
-        uncached = bm.uncached_first()
-        if uncached < min(need, bm.num_free_blocks) and time.monotonic() >= self.pool_dry_until:
-            # The step would overwrite cached prefixes: while the node's arena has blocks no one
-            # uses, lease those instead, and spill (or lose) prefixes only once it has none.
-            asked = max(need - uncached, lease // 4)
-            if await self._lease(asked) < asked:
-                self.pool_dry_until = time.monotonic() + 1.0  # do not ask again every step
-        await self.kv.make_room(need)  # ... and those the step would still overwrite
-
-    async def _give_back(self, n: int, keep_uncached: int = 0) -> None:
-        """Returns up to n free blocks to the pool. While it has blocks to spare, only blocks that
-        cache nothing, beyond the `keep_uncached` the next step takes: the free blocks that hold
-        prefixes stay this worker's prefix cache (copying them to the host tier would cost time for
-        nothing). Under pressure, those too, least recently used first, spilled to the host tier on
-        the way."""
-        bm = self.engine.block_manager
-        if time.monotonic() >= self.pool_dry_until:
-            n = min(n, bm.uncached_first() - keep_uncached)
-        if n <= 0:
-            return
-        await self.kv.make_room(n)
-        bm.to_release.extend(bm.take_surplus(n))
-        await self._flush_block_changes()
-
-    async def _flush_block_changes(self) -> None:
-        bm, s = self.engine.block_manager, self.bus.subjects
-        stored, removed = bm.drain_events()
-        if stored or removed:
-            await self.bus.publish(s.kv("events", self.args.node_id), KVEvent(
-                worker_id=self.id, stored=stored, removed=removed, node_id=self.args.node_id))
-        released = bm.drain_releases()
-        if released:
-            await self.bus.publish(s.kv("release", self.args.node_id),
-                                   BlockRefs(worker_id=self.id, block_ids=released))
-
     async def _heartbeats(self) -> None:
+        e, pool = self.engine, self.engine.block_pool
         while True:
-            e, bm = self.engine, self.engine.block_manager
             stats = e.stats
             await self.bus.publish(self.bus.subjects.heartbeat, Heartbeat(
                 worker_id=self.id, role=self.role, model=self.served, node_id=self.args.node_id,
-                num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting) + len(self.inbox),
-                free_blocks=bm.num_free_blocks, held_blocks=bm.num_held_blocks, total_blocks=bm.num_blocks, block_size=bm.block_size,
-                max_model_len=e.max_model_len, prefix_queries=bm.prefix_queries, prefix_hits=bm.prefix_hits,
-                num_preemptions=e.scheduler.num_preemptions, max_num_seqs=e.config.scheduler.max_num_seqs,
-                num_priority_preemptions=stats["num_priority_preemptions"],
+                num_running=stats["num_running"], num_waiting=stats["num_waiting"] + len(self.inbox),
+                free_blocks=pool.num_free, held_blocks=pool.num_held, total_blocks=pool.num_blocks,
+                block_size=e.config.block_size, max_model_len=e.max_model_len,
+                max_num_seqs=e.config.scheduler.max_num_seqs,
+                prefix_queries=stats["prefix_queries"], prefix_hits=stats["prefix_hits"],
+                num_preemptions=stats["num_preemptions"], num_priority_preemptions=stats["num_priority_preemptions"],
                 running_by_priority=stats["running_by_priority"], waiting_by_priority=stats["waiting_by_priority"],
                 io_cpu_s=time.thread_time(), tokens_streamed=self.tokens_streamed, time=time.time()))
             await asyncio.sleep(self.args.heartbeat_interval)

@@ -1,1 +1,1 @@
-"""The serving engine: sequences, KV block manager, scheduler, sampler, runner."""
+"""The serving engine: sequences, KV block pool and per-sequence KV cache manager, scheduler, sampler, runner."""

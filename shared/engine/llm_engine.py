@@ -15,7 +15,8 @@ import torch
 
 from meshserve.kernels.paged_attention import use_decode_kernel
 
-from .block_manager import BlockManager
+from .block_pool import BlockPool
+from .kv_cache_manager import KVCacheManager
 from .model_runner import ModelRunner
 from .sampler import TokenLogprobs
 from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -62,7 +63,7 @@ class LLMEngine:
     def __init__(self, model, config: EngineConfig | None = None, eos_token_ids: list[int] | None = None,
                  model_name: str = "", kv_cache: torch.Tensor | None = None):
         """kv_cache: an arena mapped from the kv-pool (the mesh); then the engine starts holding no
-        blocks and its owner leases them (block_manager.add_free). The engine runs on the model's
+        blocks and its owner leases them (block_pool.add_free). The engine runs on the model's
         device (LlamaModel.from_hf(..., device="cuda")); its own arena is allocated there."""
         self.model = model
         self.config = config = config or EngineConfig()
@@ -78,9 +79,10 @@ class LLMEngine:
             num_blocks, free = kv_cache.shape[2] // config.block_size, []
         self.kv_cache = kv_cache
         use_decode_kernel(kv_cache[0])  # builds the compiled attention kernel now, not on the first request
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                          model_name, free_blocks=free)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.block_pool = BlockPool(num_blocks, free_blocks=free)
+        self.kv_cache_manager = KVCacheManager(self.block_pool, config.block_size, config.enable_prefix_caching,
+                                               model_name)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self.runner = ModelRunner(model, self.kv_cache, config.block_size)
         self.eos_token_ids = set(eos_token_ids if eos_token_ids is not None else cfg.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
@@ -107,10 +109,9 @@ class LLMEngine:
             raise RequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
                 f"{n + params.max_tokens} ({n} in the prompt, {params.max_tokens} to generate)")
-        bm = self.block_manager
-        if bm.blocks_needed(n + params.max_tokens) > bm.num_blocks:
+        if self.kv_cache_manager.blocks_needed(n + params.max_tokens) > self.block_pool.num_blocks:
             raise RequestError(f"the request needs {n + params.max_tokens} tokens of KV cache; "
-                               f"the pool holds {bm.num_blocks * bm.block_size}")
+                               f"the pool holds {self.block_pool.num_blocks * self.config.block_size}")
         seq = self.new_sequence(request_id, prompt_token_ids, params, arrival_time, output_token_ids, priority)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
@@ -132,13 +133,14 @@ class LLMEngine:
         """Takes a running sequence out of this engine with its KV blocks (prefill -> decode handoff).
         Returns (sequence, block ids, block ids this engine keeps sharing)."""
         seq = self.requests.pop(request_id)
-        self.scheduler.running.remove(seq)
-        blocks, shared = self.block_manager.detach_seq(seq)
+        blocks, shared = self.scheduler.detach(seq)
         return seq, blocks, shared
 
-    def adopt(self, seq: Sequence, block_ids: list[int], shared_ids: list[int]) -> None:
-        """Continues a sequence whose first num_computed_tokens are already in block_ids."""
-        self.block_manager.adopt_seq(seq, block_ids, shared_ids)
+    def adopt(self, seq: Sequence, block_ids: list[int], shared_ids: list[int], num_computed_tokens: int,
+              num_cached_tokens: int = 0) -> None:
+        """Continues a sequence whose first num_computed_tokens are already in block_ids (shared_ids:
+        those the engine it comes from keeps in its prefix cache)."""
+        self.kv_cache_manager.adopt(seq, block_ids, shared_ids, num_computed_tokens, num_cached_tokens)
         self.requests[seq.request_id] = seq
         self.scheduler.adopt(seq)
 
@@ -159,7 +161,7 @@ class LLMEngine:
         outputs = []
         for seq, n, res in zip(batch.seqs, batch.num_tokens, results):
             seq.num_computed_tokens += n
-            self.block_manager.cache_computed_blocks(seq)
+            self.kv_cache_manager.cache_computed_blocks(seq)
             if res is None:
                 continue
             token, logprobs = res
@@ -193,11 +195,12 @@ class LLMEngine:
 
     @property
     def stats(self) -> dict:
-        bm, sched = self.block_manager, self.scheduler
+        kv, sched = self.kv_cache_manager, self.scheduler
         running = [sum(s.priority == p for s in sched.running) for p in range(len(PRIORITIES))]
-        return {"num_running": len(sched.running), "num_waiting": len(sched.waiting),
-                "kv_usage": bm.usage, "num_blocks": bm.num_blocks, "prefix_queries": bm.prefix_queries,
-                "prefix_hits": bm.prefix_hits, "num_preemptions": sched.num_preemptions,
+        return {"num_running": sched.num_running, "num_waiting": sched.num_waiting,
+                "kv_usage": self.block_pool.usage, "num_blocks": self.block_pool.num_blocks,
+                "prefix_queries": kv.prefix_queries, "prefix_hits": kv.prefix_hits,
+                "num_preemptions": sched.num_preemptions,
                 "num_priority_preemptions": sched.num_priority_preemptions,
                 "running_by_priority": dict(zip(PRIORITIES, running)),
                 "waiting_by_priority": dict(zip(PRIORITIES, sched.waiting.counts()))}

@@ -25,7 +25,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager
+from .kv_cache_manager import KVCacheManager
 from .sequence import PRIORITIES, Sequence, SequenceStatus
 
 
@@ -131,8 +131,8 @@ class _Step:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, clock=time.monotonic):
-        self.config, self.bm = config, block_manager
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, clock=time.monotonic):
+        self.config, self.kv = config, kv
         self.waiting = WaitingQueue(config.priority_aging_s, clock)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -147,14 +147,39 @@ class Scheduler:
         seq.level = seq.priority
         self.running.append(seq)
 
+    def detach(self, seq: Sequence) -> tuple[list[int], list[int]]:
+        """Takes a running sequence out, its blocks handed over (KVCacheManager.detach)."""
+        self.running.remove(seq)
+        return self.kv.detach(seq)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def blocks_next_step(self, new_prompts: int = 0) -> int:
+        """At most how many free blocks the next schedule() takes, if `new_prompts` more prompts are
+        queued before it: one per running sequence, plus, when prompts are to be computed, the step's
+        token budget in blocks and a partial block per sequence that prefills. What the engine's
+        owner keeps free (and uncached) before a step."""
+        prefilling = sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens > 1) + len(self.waiting)
+        prefilling += new_prompts
+        if not prefilling:
+            return len(self.running)
+        cfg = self.config
+        return len(self.running) + cfg.max_num_batched_tokens // self.kv.block_size + min(prefilling, cfg.max_num_seqs)
 
     def _preempt(self, seq: Sequence, step: _Step, for_priority: bool = False) -> None:
         self.running.remove(seq)
         step.drop(seq)
         step.evicted.add(id(seq))
-        self.bm.free_seq(seq)
+        self.kv.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -188,7 +213,7 @@ class Scheduler:
         if step.budget <= 0 or seq.status is not SequenceStatus.RUNNING or id(seq) in step.scheduled:
             return
         n = self._chunk(seq, step.budget)
-        while not self.bm.allocate(seq, n):
+        while not self.kv.allocate(seq, n):
             others = [s for s in reversed(self.running) if id(s) not in step.scheduled]
             victim = max(others, key=lambda s: s.level)  # the newest of the lowest priority
             self._preempt(victim, step)
@@ -205,7 +230,7 @@ class Scheduler:
             if id(seq) in step.evicted or (outranking is not None and seq.priority >= outranking):
                 return
             n = self._chunk(seq, step.budget)
-            if len(self.running) >= self.config.max_num_seqs or not self.bm.allocate(seq, n):
+            if len(self.running) >= self.config.max_num_seqs or not self.kv.allocate(seq, n):
                 if not self._make_room(seq, n, step):
                     return
             n = min(n, self._chunk(seq, step.budget))  # allocate() may have found a cached prefix
@@ -224,18 +249,18 @@ class Scheduler:
                  if s.level > seq.priority and s.num_priority_preemptions < self.config.max_priority_preemptions]
         cands.sort(key=lambda s: -s.level)  # stable: newest first within a level
         seats = len(self.running) - self.config.max_num_seqs + 1
-        short = self.bm.blocks_short(seq, n)
+        short = self.kv.blocks_short(seq, n)
         victims = []
         for v in cands:
             if seats <= 0 and short <= 0:
                 break
             victims.append(v)
-            seats, short = seats - 1, short - self.bm.num_freeable(v)
+            seats, short = seats - 1, short - self.kv.num_freeable(v)
         if seats > 0 or short > 0:
             return False
         for v in victims:
             self._preempt(v, step, for_priority=True)
-        return self.bm.allocate(seq, n)
+        return self.kv.allocate(seq, n)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
@@ -247,4 +272,4 @@ class Scheduler:
                 self.waiting.remove(seq)
             except ValueError:
                 pass
-        self.bm.free_seq(seq)
+        self.kv.free(seq)

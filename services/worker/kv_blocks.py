@@ -1,0 +1,231 @@
+"""A worker's KV blocks in the mesh: every decision about which blocks of the node's arena it holds.
+
+The engine keeps the blocks it holds in its BlockPool (shared/engine/block_pool.py) and says how
+many free ones its next step may take (Scheduler.blocks_next_step). This class keeps that pool
+stocked from, and trimmed back to, the node's kv-pool (kv_pool_client.py), through the engine's
+public API only:
+
+- leasing: before each step, enough free blocks for it even if RESERVE_PROMPTS more prompts
+  arrive first (Scheduler.blocks_next_step), `lease_blocks // 4` at a time at least; and while the
+  arena has blocks no one uses, fresh ones rather than overwrite a cached prefix (the step takes
+  uncached free blocks first: BlockPool.uncached_first);
+- give-back: beyond two leases of surplus (and nothing waiting), the blocks that cache nothing,
+  so the free blocks that hold prefixes stay this worker's prefix cache;
+- pool pressure: when a lease the kv-pool could not fill makes it publish `pressure`, for
+  PRESSURE_S seconds every worker of the node gives back cached free blocks too, least recently
+  used first, so one worker's prefix cache never starves another's requests;
+- spill and restore (the host swap tier): cached blocks about to be overwritten or given back are
+  copied to the tier first (`make_room`); a prompt whose prefix continues in the tier gets those
+  blocks copied back into free blocks here and registered as cached (`prepare`), so the engine
+  finds them as hits;
+- handoff: a prefilled sequence leaves with its blocks (`detach`, the blocks kept cached retained
+  once more at the pool), a handed-off one is adopted on them (`adopt`);
+- cross-node import: a sequence prefilled on another node is pulled into fresh blocks here first
+  (`import_remote`); when that fails it is recomputed from its tokens.
+
+Everything here runs on the worker's event loop between engine steps (the step runs in a thread).
+What changes the worker's streams is reported through `report(kind, handoff)`, which the worker
+applies between steps: "adopt" (imported: adopt it), "recompute" (the import failed), "aborted"
+(an abort came during the import), "reclaim" (pool pressure: call `reclaim`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from meshserve.shared.engine.llm_engine import LLMEngine
+from meshserve.shared.schemas import Handoff, KVEvent
+
+from .kv_pool_client import KVPoolClient
+
+log = logging.getLogger("meshserve.worker.kv")
+
+PRESSURE_S = 5.0  # after the kv-pool ran short, this long the worker gives back cached blocks too
+# The free blocks kept cover a step in which this many prompts arrive first: a prompt that comes
+# (or whose prefix comes back from the host tier) does not wait on a lease round trip.
+RESERVE_PROMPTS = 2
+
+
+class KVBlocks:
+    def __init__(self, engine: LLMEngine, client: KVPoolClient, lease_blocks: int, swap_blocks: int,
+                 report: Callable[[str, Handoff | None], None]):
+        self.engine, self.pool, self.client = engine, engine.block_pool, client
+        self.lease_blocks, self.swap_enabled, self.report = lease_blocks, swap_blocks > 0, report
+        self.pool_dry_until = 0.0  # monotonic time before which the kv-pool is known to have no free blocks
+        self.host: set[int] = set()  # keys in the node's host tier, as the pool's events tell
+        self.pending: dict[str, asyncio.Task] = {}  # request id -> its import from another node
+        self.cancelled: set[str] = set()
+        self.num_imported = self.num_import_failures = self.num_spilled = self.num_restored = 0
+
+    async def start(self) -> None:
+        if self.swap_enabled:
+            await self.client.subscribe("host_events", self._on_host_event)
+        await self.lease(self.lease_blocks)
+        await self.client.publish_events(cleared=True)
+        await self.client.subscribe("pressure", self._on_pressure)
+
+    async def close(self) -> None:
+        """Gives every block back (the worker stops)."""
+        held = self.pool.held_blocks()
+        if held:
+            await self.client.release(held)
+
+    async def _on_host_event(self, msg) -> None:
+        ev = KVEvent.decode(msg.data)
+        self.host.update(ev.stored)
+        self.host.difference_update(ev.removed)
+
+    async def _on_pressure(self, msg) -> None:
+        self.pool_dry_until = time.monotonic() + PRESSURE_S
+        self.report("reclaim", None)
+
+    # -- leasing and giving back
+
+    async def lease(self, n: int) -> int:
+        block_ids = await self.client.lease(n)
+        self.pool.add_free(block_ids)
+        return len(block_ids)
+
+    async def before_step(self) -> None:
+        """Free blocks for the next step, uncached ones where the arena has them, and the cached ones
+        the step would still overwrite spilled to the host tier."""
+        pool, lease, sched = self.pool, self.lease_blocks, self.engine.scheduler
+        want, need = sched.blocks_next_step(RESERVE_PROMPTS), sched.blocks_next_step()
+        if pool.num_free < want:
+            await self.lease(max(want - pool.num_free, lease // 4))
+        elif pool.num_free > want + 2 * lease and not sched.num_waiting:
+            await self.give_back(pool.num_free - want - lease, keep_uncached=need)
+        uncached = pool.uncached_first()
+        if uncached < min(need, pool.num_free) and time.monotonic() >= self.pool_dry_until:
+            # The step would overwrite cached prefixes: while the node's arena has blocks no one
+            # uses, lease those instead, and spill (or lose) prefixes only once it has none.
+            asked = max(need - uncached, lease // 4)
+            if await self.lease(asked) < asked:
+                self.pool_dry_until = time.monotonic() + 1.0  # do not ask again every step
+        await self.make_room(need)  # ... and those the step would still overwrite
+
+    async def reclaim(self) -> None:
+        """Another worker of the node is short of blocks: give back all beyond the reserve."""
+        await self.give_back(self.pool.num_free - self.engine.scheduler.blocks_next_step(RESERVE_PROMPTS))
+
+    async def give_back(self, n: int, keep_uncached: int = 0) -> None:
+        """Returns up to n free blocks to the pool. While it has blocks to spare, only blocks that
+        cache nothing, beyond the `keep_uncached` the next step takes: the free blocks that hold
+        prefixes stay this worker's prefix cache (copying them to the host tier would cost time for
+        nothing). Under pressure, those too, least recently used first, spilled to the host tier on
+        the way."""
+        if time.monotonic() >= self.pool_dry_until:
+            n = min(n, self.pool.uncached_first() - keep_uncached)
+        if n <= 0:
+            return
+        await self.make_room(n)
+        self.pool.release_surplus(n)
+        await self.publish_changes()
+
+    async def publish_changes(self) -> None:
+        """The KV events of the last step (or give-back), and the blocks that left the engine's pool."""
+        stored, removed = self.pool.drain_events()
+        if stored or removed:
+            await self.client.publish_events(stored, removed)
+        released = self.pool.drain_releases()
+        if released:
+            await self.client.release(released)
+
+    # -- the host swap tier
+
+    async def make_room(self, n: int) -> None:
+        """Makes the next n blocks the engine takes uncached ones, spilling the least recently used
+        cached blocks among them to the host tier first (instead of overwriting them)."""
+        if not self.swap_enabled or n <= 0:
+            return
+        victims = self.pool.cached_in_next(n)
+        if victims and await self.client.swap(victims) is not None:
+            self._spilled(victims)
+
+    def _spilled(self, victims: list[tuple[int, int]]) -> None:
+        """(block, key) pairs now in the host tier: this worker's cache forgets them."""
+        for b, key in victims:
+            self.pool.forget(b)
+            self.host.add(key)
+        self.num_spilled += len(victims)
+
+    async def prepare(self, tokens: list[int]) -> int:
+        """Before a prompt is queued: marks its cached prefix as recently used, and brings back the
+        blocks of that prefix the host tier has. Returns how many blocks came back."""
+        if not self.swap_enabled:
+            return 0
+        pool, protect, wanted = self.pool, set(), []
+        for key in self.engine.kv_cache_manager.prefix_keys(tokens):
+            b = pool.lookup(key)  # the chain until its first key that is neither here nor in the tier
+            if b is not None:
+                protect.add(b)
+                pool.refresh(b)
+            elif key in self.host:
+                wanted.append(key)
+            else:
+                break
+        if not wanted:
+            return 0
+        dest, victims = pool.restore_targets(len(wanted), protect)
+        dest += [b for b, _ in victims]
+        wanted = wanted[:len(dest)]
+        if not wanted:
+            return 0
+        r = await self.client.swap(victims, list(zip(wanted, dest)))
+        if r is None:
+            return 0
+        self._spilled(victims)
+        for key, b in zip(wanted[:r.restored], dest):
+            pool.restore(b, key)  # back in this worker's arena and prefix cache
+        self.host.difference_update(wanted[r.restored:])  # what the tier no longer had
+        self.num_restored += r.restored
+        return r.restored
+
+    # -- handoff, on this node and from another
+
+    async def detach(self, request_id: str):
+        """Takes a prefilled sequence out of the engine with its blocks: (sequence, block ids, the
+        ones this worker keeps cached). Those get one more reference at the pool first, so it never
+        frees them under anyone."""
+        seq, blocks, shared = self.engine.detach(request_id)
+        if shared:
+            await self.client.retain(shared)
+        return seq, blocks, shared
+
+    def adopt(self, h: Handoff) -> None:
+        """Continues a sequence handed off on this node's blocks (the pool moved a reference here)."""
+        req = h.request
+        seq = self.engine.new_sequence(req.request_id, req.prompt_token_ids, req.sampling.to_params(),
+                                       time.monotonic(), h.token_ids[len(req.prompt_token_ids):], req.priority)
+        self.engine.adopt(seq, h.block_ids, h.shared_block_ids, h.num_computed_tokens, h.num_cached_tokens)
+
+    def import_remote(self, h: Handoff) -> None:
+        """A sequence prefilled on another node: its blocks are pulled here first, then reported."""
+        self.pending[h.request.request_id] = asyncio.ensure_future(self._import(h))
+
+    def cancel(self, request_id: str) -> None:
+        """An abort for a sequence still in transfer: dropped when the transfer ends."""
+        if request_id in self.pending:
+            self.cancelled.add(request_id)
+
+    async def _import(self, h: Handoff) -> None:
+        rid = h.request.request_id
+        block_ids, error = await self.client.import_blocks(h)
+        self.pending.pop(rid, None)
+        if rid in self.cancelled:
+            self.cancelled.discard(rid)
+            if block_ids:
+                await self.client.release(block_ids)
+            self.report("aborted", h)
+        elif error is None:
+            self.num_imported += 1
+            self.report("adopt", h.model_copy(update=dict(block_ids=block_ids, shared_block_ids=[],
+                                                          node_id=self.client.node)))
+        else:
+            self.num_import_failures += 1
+            log.warning("%s; recomputing %s here from its prompt and %d generated tokens", error, rid,
+                        len(h.token_ids) - len(h.request.prompt_token_ids))
+            self.report("recompute", h)

@@ -1,0 +1,247 @@
+"""The KV blocks one engine holds, and what each of them holds.
+
+Every block held is in exactly one of three states:
+- free: in the LRU free queue, this engine may overwrite it (least recently used first);
+- referenced: in the block table of one or more of this engine's sequences (a refcount);
+- idle shared: held together with another worker (a prefix handed off), unreferenced here and
+  still cached; read-only here, so never in the free queue.
+A block may carry a prefix-cache key (shared/prefix_hash.py); the index maps each key to the one
+block holding it. A free block keeps its key until it is taken, so a freed prefix stays findable
+in LRU order. Keys stored and removed since the last `drain_events` are the KV events.
+
+In the mesh the pool starts empty: the worker leases blocks into it (`add_free`), hands surplus
+back (`release_surplus`), and a shared block leaves when its last use here ends (when its key is
+dropped, or beyond `max_shared_cached` idle ones); `drain_releases` says which blocks left.
+Per-sequence bookkeeping is kv_cache_manager.py's, the mesh's policy services/worker/kv_blocks.py's.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from itertools import islice
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, free_blocks: Iterable[int] | None = None, max_shared_cached: int = 256):
+        """num_blocks: the arena's size (block ids are below it); free_blocks: those held at the
+        start (default: all of them; the mesh: none, the worker leases them)."""
+        self.num_blocks = num_blocks
+        self.max_shared_cached = max_shared_cached
+        self._ref = [0] * num_blocks
+        self._key: list[int | None] = [None] * num_blocks
+        self._index: dict[int, int] = {}  # key -> block
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks) if free_blocks is None
+                                                                  else free_blocks)
+        self._shared: set[int] = set()  # held with another worker: read-only here
+        self._idle_shared: OrderedDict[int, None] = OrderedDict()  # shared, unreferenced, cached
+        self._num_referenced = 0
+        self._released: list[int] = []
+        self._stored: list[int] = []
+        self._removed: list[int] = []
+
+    # -- counts and lookups
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_held(self) -> int:
+        return self._num_referenced + len(self._free) + len(self._idle_shared)
+
+    @property
+    def usage(self) -> float:
+        held = self.num_held
+        return 1.0 - len(self._free) / held if held else 0.0
+
+    def is_free(self, bid: int) -> bool:
+        return bid in self._free
+
+    def ref_count(self, bid: int) -> int:
+        return self._ref[bid]
+
+    def is_exclusive(self, bid: int) -> bool:
+        """Whether dropping its one reference puts the block back in the free queue."""
+        return self._ref[bid] == 1 and bid not in self._shared
+
+    def key_of(self, bid: int) -> int | None:
+        return self._key[bid]
+
+    def lookup(self, key: int) -> int | None:
+        """The block caching this key, if any."""
+        return self._index.get(key)
+
+    def cached_keys(self) -> list[int]:
+        return list(self._index)
+
+    def held_blocks(self) -> list[int]:
+        """Every block held, in any state (O(num_blocks): for shutting down)."""
+        return [b for b in range(self.num_blocks) if self._ref[b]] + list(self._free) + list(self._idle_shared)
+
+    # -- references
+
+    def take(self) -> int:
+        """The least recently used free block, its key dropped, with one reference."""
+        bid, _ = self._free.popitem(last=False)
+        self.forget(bid)
+        self._ref[bid] = 1
+        self._num_referenced += 1
+        return bid
+
+    def ref(self, bid: int) -> None:
+        """One more reference to a held block (a prefix-cache hit): out of the free queue if it was there."""
+        if self._ref[bid] == 0:
+            (self._idle_shared if bid in self._shared else self._free).pop(bid)
+            self._num_referenced += 1
+        self._ref[bid] += 1
+
+    def unref(self, bid: int) -> None:
+        self._ref[bid] -= 1
+        if self._ref[bid]:
+            return
+        self._num_referenced -= 1
+        if bid not in self._shared:
+            self._free[bid] = None
+        elif self._key[bid] is not None:
+            self._idle_shared[bid] = None
+            while len(self._idle_shared) > self.max_shared_cached:
+                self._release_shared(self._idle_shared.popitem(last=False)[0])
+        else:
+            self._release_shared(bid)
+
+    def _release_shared(self, bid: int) -> None:
+        self.forget(bid)
+        self._shared.discard(bid)
+        self._released.append(bid)
+
+    # -- the prefix cache
+
+    def cache(self, bid: int, key: int) -> None:
+        """The block now holds the prefix named by key (a "stored" event), unless it already has a
+        key or another block holds this one."""
+        if self._key[bid] is None and key not in self._index:
+            self._index[key] = bid
+            self._key[bid] = key
+            self._stored.append(key)
+
+    def forget(self, bid: int) -> None:
+        """Drops the block's key (a "removed" event); the block itself stays where it is."""
+        key = self._key[bid]
+        if key is not None:
+            if self._index.get(key) == bid:
+                del self._index[key]
+                self._removed.append(key)
+            self._key[bid] = None
+
+    def restore(self, bid: int, key: int) -> None:
+        """A free block whose bytes were put back from elsewhere (the host tier) caches key again
+        (a "stored" event), as the most recently used free block."""
+        self._key[bid] = key
+        self._index[key] = bid
+        self._stored.append(key)
+        self._free.move_to_end(bid)
+
+    def refresh(self, bid: int) -> None:
+        """A free block becomes the most recently used (its prefix is about to be hit)."""
+        if bid in self._free:
+            self._free.move_to_end(bid)
+
+    def uncached_first(self) -> int:
+        """Puts the free blocks that cache nothing before the cached ones, so allocation takes them
+        first and the cached ones are the next victims; returns how many there are."""
+        uncached = [b for b in self._free if self._key[b] is None]
+        for b in reversed(uncached):
+            self._free.move_to_end(b, last=False)
+        return len(uncached)
+
+    def cached_in_next(self, n: int) -> list[tuple[int, int]]:
+        """(block, key) of the cached blocks among the next n that allocation takes, once the
+        uncached free blocks are put first: the prefixes those allocations would overwrite."""
+        if all(self._key[b] is None for b in islice(self._free, n)):
+            return []
+        k = n - self.uncached_first()
+        if k <= 0:
+            return []
+        return [(b, self._key[b]) for b in islice(self._free, n - k, n)]
+
+    def restore_targets(self, m: int, keep: set[int]) -> tuple[list[int], list[tuple[int, int]]]:
+        """Up to m free blocks to put restored bytes in: (the uncached ones first, then (block, key)
+        of the least recently used cached ones not in keep, whose keys are spilled first)."""
+        n_uncached = self.uncached_first()
+        dest = list(islice(self._free, min(n_uncached, m)))
+        victims: list[tuple[int, int]] = []
+        if len(dest) < m:
+            for b in islice(self._free, n_uncached, None):
+                if b not in keep:
+                    victims.append((b, self._key[b]))
+                    if len(dest) + len(victims) == m:
+                        break
+        return dest, victims
+
+    # -- the mesh: blocks leased, returned, handed between workers
+
+    def add_free(self, block_ids: Iterable[int]) -> None:
+        for b in block_ids:
+            self._free[b] = None
+            self._free.move_to_end(b, last=False)  # fresh blocks are used before cached ones
+
+    def release_surplus(self, n: int) -> int:
+        """Up to n free blocks leave the pool (for drain_releases), the least useful first: those
+        that cache nothing, then the least recently used. Returns how many."""
+        out = list(islice((b for b in self._free if self._key[b] is None), n))
+        for b in out:
+            del self._free[b]
+        while len(out) < n and self._free:
+            b, _ = self._free.popitem(last=False)
+            self.forget(b)
+            out.append(b)
+        self._released.extend(out)
+        return len(out)
+
+    def hand_over(self, bid: int) -> bool:
+        """One reference goes to another worker with its sequence. A block cached here, or still in
+        another sequence here, is then held by both (read-only here from now on: True); any other
+        leaves this pool (False)."""
+        if self._key[bid] is not None or self._ref[bid] > 1:
+            self._shared.add(bid)
+            self.unref(bid)
+            return True
+        self._ref[bid] = 0
+        self._num_referenced -= 1
+        self._shared.discard(bid)  # it may come back later as a block of this worker's own
+        return False
+
+    def adopt(self, bid: int, shared: bool) -> None:
+        """A reference that comes with a sequence from another worker (shared: that worker keeps
+        the block too, so it is read-only here)."""
+        if self._ref[bid] == 0:
+            (self._idle_shared if bid in self._shared else self._free).pop(bid, None)  # already held idle
+            self._num_referenced += 1
+        self._ref[bid] += 1
+        if shared:
+            self._shared.add(bid)
+
+    def drain_events(self) -> tuple[list[int], list[int]]:
+        """Keys (stored, removed) since the last call: the KV events."""
+        stored, removed = self._stored, self._removed
+        self._stored, self._removed = [], []
+        return stored, removed
+
+    def drain_releases(self) -> list[int]:
+        """Blocks that left the pool since the last call: the owner gives them back to the node's pool."""
+        out, self._released = self._released, []
+        return out
+
+    def check(self) -> None:
+        """Asserts the pool's invariants (O(num_blocks): for tests)."""
+        free, idle = set(self._free), set(self._idle_shared)
+        referenced = {b for b in range(self.num_blocks) if self._ref[b]}
+        assert all(r >= 0 for r in self._ref), "a negative refcount"
+        assert not free & referenced and not idle & referenced and not free & idle, "a block in two states"
+        assert not free & self._shared and idle <= self._shared, "a shared block in the free queue"
+        assert len(referenced) == self._num_referenced, "the count of referenced blocks drifted"
+        assert all(self._key[b] is not None for b in idle), "an idle shared block that caches nothing"
+        assert all(self._key[b] == k for k, b in self._index.items()), "a key whose block holds another"
+        held = free | idle | referenced
+        assert all(b in held for b in self._index.values()), "a key of a block no longer held"
