@@ -44,8 +44,9 @@ from typing import Annotated, Any, Literal, Union
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from meshserve.shared.limits import Priority
+
 WORKLOADS_DIR = Path(__file__).parent / "workloads"
-PRIORITIES = ("interactive", "normal", "background")
 
 
 class _Spec(BaseModel):
@@ -181,7 +182,7 @@ class PrefixGroup(_Spec):
 class RequestClass(_Spec):
     name: str
     share: float = Field(default=1.0, ge=0)
-    priority: Literal["interactive", "normal", "background"] | None = None
+    priority: Priority | None = None
     prompt_len: Distribution | None = None  # default: the workload's
     output_len: Distribution | None = None
     arrival: Arrival | None = None  # default: the workload's arrival process, shared with other classes

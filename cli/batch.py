@@ -55,6 +55,8 @@ def _kind(item: dict) -> str:
 
 def _prepare(llm: LLM, item: dict, served: str):
     """Turns one input line into (kind, request, prompt ids, sampling params); raises OpenAIError."""
+    from meshserve.shared.engine import wire
+
     kind = _kind(item)
     req = parse_request(kind, item.get("body"))
     if req.model not in (None, served, llm.model_name):
@@ -66,11 +68,11 @@ def _prepare(llm: LLM, item: dict, served: str):
                                           add_special_tokens=False)
         except Exception as e:  # a template that raises is the caller's doing
             raise OpenAIError(f"could not apply the chat template: {e}", param="messages") from None
-        params = req.to_sampling_params(default_max=llm.engine.max_model_len - len(prompt))
+        sampling = req.to_sampling(default_max=llm.engine.max_model_len - len(prompt))
     else:
         prompt = req.prompt if isinstance(req.prompt, list) else llm.tokenizer.encode(req.prompt)
-        params = req.to_sampling_params()
-    return kind, req, prompt, params
+        sampling = req.to_sampling()
+    return kind, req, prompt, wire.sampling_params(sampling, req.stop_strings())
 
 
 def _body(llm: LLM, kind: str, served: str, c: Completion, want_logprobs: bool) -> dict:

@@ -1,6 +1,8 @@
-"""The OpenAI-compatible API: request and response schemas, and their mapping onto the engine.
+"""The OpenAI-compatible API: request and response schemas, and their mapping onto the mesh's
+wire types (a request's sampling becomes shared/schemas.py's Sampling; the engine converts that at
+its own door, shared/engine/wire.py).
 
-Used by the offline batch runner and by the gateway, so both speak exactly the same dialect.
+Used by the offline batch runner and by the gateway, so both speak exactly the same dialect; torch-free.
 Unknown fields are ignored (as vLLM does); fields we cannot honour are rejected with a 400.
 """
 
@@ -12,8 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .engine.sampler import TokenLogprobs
-from .engine.sequence import SamplingParams
+from .schemas import Logprob, Sampling
 
 
 class OpenAIError(Exception):
@@ -68,12 +69,15 @@ class _SamplingFields(BaseModel):
             raise ValueError("presence_penalty and frequency_penalty are not supported yet")
         return self
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max: int) -> SamplingParams:
-        return SamplingParams(
+    def stop_strings(self) -> list[str]:
+        """The stop strings (matched on the text by whoever detokenizes; never on the wire)."""
+        return [s for s in (self.stop or []) if s]
+
+    def _sampling(self, max_tokens: int | None, logprobs: int | None, default_max: int) -> Sampling:
+        return Sampling(
             max_tokens=max_tokens if max_tokens is not None else default_max,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            seed=self.seed, stop=[s for s in (self.stop or []) if s], stop_token_ids=self.stop_token_ids or [],
-            ignore_eos=self.ignore_eos, logprobs=logprobs)
+            seed=self.seed, stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs)
 
 
 class CompletionRequest(_SamplingFields):
@@ -95,8 +99,8 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("echo and suffix are not supported")
         return self
 
-    def to_sampling_params(self) -> SamplingParams:
-        return self.sampling_params(self.max_tokens, self.logprobs, default_max=16)
+    def to_sampling(self) -> Sampling:
+        return self._sampling(self.max_tokens, self.logprobs, default_max=16)
 
 
 class ChatMessage(BaseModel):
@@ -123,9 +127,9 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
 
-    def to_sampling_params(self, default_max: int) -> SamplingParams:
+    def to_sampling(self, default_max: int) -> Sampling:
         lp = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(self.max_completion_tokens or self.max_tokens, lp, default_max)
+        return self._sampling(self.max_completion_tokens or self.max_tokens, lp, default_max)
 
     def template_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
@@ -158,7 +162,10 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     return u
 
 
-def completion_logprobs(tokens: list[int], logprobs: list[TokenLogprobs | None], decode, text_offset: int = 0) -> dict:
+# Logprobs below: the wire's Logprob, or anything with its two fields (the engine's TokenLogprobs).
+
+
+def completion_logprobs(tokens: list[int], logprobs: list[Logprob | None], decode, text_offset: int = 0) -> dict:
     """The legacy completions logprobs object: tokens, token_logprobs, top_logprobs, text_offset."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     off = text_offset
@@ -172,7 +179,7 @@ def completion_logprobs(tokens: list[int], logprobs: list[TokenLogprobs | None],
     return out
 
 
-def chat_logprobs(tokens: list[int], logprobs: list[TokenLogprobs | None], decode) -> dict:
+def chat_logprobs(tokens: list[int], logprobs: list[Logprob | None], decode) -> dict:
     """The chat logprobs object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
     def entry(t: int, v: float) -> dict:
         s = decode([t])

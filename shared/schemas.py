@@ -1,4 +1,9 @@
-"""The messages services exchange over NATS. Both ends import these; payloads are orjson."""
+"""The messages services exchange over NATS. Both ends import these; payloads are orjson.
+
+These are the one definition of what crosses the bus: no engine type appears here (this module is
+torch-free; the gateway and the scheduler import it). The engine converts at its own door
+(shared/engine/wire.py): the wire's Sampling to its SamplingParams, its TokenLogprobs to Logprob.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +12,9 @@ from typing import Literal
 import orjson
 from pydantic import BaseModel, Field
 
-from .engine.sampler import TokenLogprobs
-from .engine.sequence import SamplingParams
+from .limits import Priority, check_sampling
 
 Role = Literal["prefill", "decode", "mixed"]
-Priority = Literal["interactive", "normal", "background"]
 
 
 class Message(BaseModel):
@@ -24,7 +27,8 @@ class Message(BaseModel):
 
 
 class Sampling(Message):
-    """SamplingParams on the wire."""
+    """A request's sampling parameters on the wire (the engine's SamplingParams, less the stop
+    strings: those stay at the gateway, which detokenizes)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -36,15 +40,9 @@ class Sampling(Message):
     ignore_eos: bool = False
     logprobs: int | None = None
 
-    @classmethod
-    def from_params(cls, p: SamplingParams) -> "Sampling":
-        return cls(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                   min_p=p.min_p, seed=p.seed, stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
-                   logprobs=p.logprobs)
-
-    def to_params(self) -> SamplingParams:
-        # Stop strings stay at the gateway, which detokenizes.
-        return SamplingParams(**self.model_dump())
+    def check(self) -> None:
+        """Raises limits.LimitError for a parameter out of its range."""
+        check_sampling(self)
 
 
 class GenerateRequest(Message):
@@ -83,12 +81,8 @@ class Usage(Message):
 
 
 class Logprob(Message):
-    logprob: float
-    top: list[tuple[int, float]] = Field(default_factory=list)
-
-    @classmethod
-    def of(cls, lp: TokenLogprobs | None) -> "Logprob | None":
-        return None if lp is None else cls(logprob=lp.logprob, top=lp.top)
+    logprob: float  # of the sampled token
+    top: list[tuple[int, float]] = Field(default_factory=list)  # the most likely alternatives, best first
 
 
 class TokenChunk(Message):

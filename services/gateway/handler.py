@@ -15,8 +15,7 @@ import orjson
 
 from meshserve.shared import telemetry
 from meshserve.shared.bus import Bus
-from meshserve.shared.engine.sampler import TokenLogprobs
-from meshserve.shared.engine.sequence import SamplingParams
+from meshserve.shared.limits import LimitError, check_context_length, check_token_ids
 from meshserve.shared.openai_protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, chat_chunk,
                                               chat_logprobs, chat_response, completion_chunk, completion_logprobs,
                                               completion_response, parse_request, usage, usage_chunk)
@@ -40,7 +39,8 @@ class Prepared:
     kind: Kind
     request: CompletionRequest | ChatCompletionRequest
     prompt_token_ids: list[int]
-    params: SamplingParams
+    sampling: Sampling
+    stop: list[str]  # stop strings: matched here, on the text; never sent
     priority: str
     tenant: Tenant | None = None
 
@@ -51,14 +51,12 @@ class Delta:
 
     text: str
     token_ids: list[int]
-    logprobs: list[TokenLogprobs | None] | None
+    logprobs: list[Logprob | None] | None
     finish_reason: str | None
 
 
-def _token_logprobs(lps: list[Logprob | None] | None, n: int) -> list[TokenLogprobs | None] | None:
-    if lps is None:
-        return None
-    return [None if lp is None else TokenLogprobs(lp.logprob, [tuple(t) for t in lp.top]) for lp in lps[:n]]
+def _limit_error(e: LimitError, param: str | None = None) -> OpenAIError:
+    return OpenAIError(str(e), param=param or e.param, code=e.code)
 
 
 class Gateway:
@@ -100,31 +98,33 @@ class Gateway:
                 raise OpenAIError(f"could not apply the chat template: {e}", param="messages") from None
             prompt = self.tokenizer.encode(text, add_special_tokens=False)
             self._check_length(prompt, "messages")
-            params = req.to_sampling_params(default_max=self.max_model_len - len(prompt))
+            sampling = req.to_sampling(default_max=self.max_model_len - len(prompt))
         else:
             if isinstance(req.prompt, list):
                 prompt = list(req.prompt)
-                vocab = self.tokenizer.vocab_size
-                if any(not 0 <= t < vocab for t in prompt):
-                    raise OpenAIError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+                try:
+                    check_token_ids(prompt, self.tokenizer.vocab_size)
+                except LimitError as e:
+                    raise _limit_error(e) from None
             else:
                 prompt = self.tokenizer.encode(req.prompt)
             if not prompt:
                 raise OpenAIError("the prompt encodes to no tokens", param="prompt")
             self._check_length(prompt, "prompt")
-            params = req.to_sampling_params()
+            sampling = req.to_sampling()
         try:
-            params.validate()
-        except ValueError as e:
+            sampling.check()
+        except LimitError as e:
             raise OpenAIError(str(e)) from None
-        return Prepared(kind, req, prompt, params, priority, tenant)
+        return Prepared(kind, req, prompt, sampling, req.stop_strings(), priority, tenant)
 
     def _check_length(self, prompt: list[int], param: str) -> None:
-        """The scheduler checks too (with max_tokens); this keeps a chat's default max_tokens positive."""
-        if len(prompt) >= self.max_model_len:
-            raise OpenAIError(f"the prompt has {len(prompt)} tokens; this model's maximum context length is "
-                              f"{self.max_model_len} tokens, output included", param=param,
-                              code="context_length_exceeded")
+        """The prompt alone: the scheduler checks with max_tokens against the workers' context
+        (this gateway's --max-model-len may differ); this keeps a chat's default max_tokens positive."""
+        try:
+            check_context_length(len(prompt), None, self.max_model_len, param)
+        except LimitError as e:
+            raise _limit_error(e) from None
 
     # -- submission
 
@@ -144,7 +144,7 @@ class Gateway:
                                prompt_tokens=len(p.prompt_token_ids))
         request = GenerateRequest(
             request_id=rid, model=self.served_model_name, prompt_token_ids=p.prompt_token_ids,
-            sampling=Sampling.from_params(p.params), priority=p.priority, stream_subject=self.streams.subject,
+            sampling=p.sampling, priority=p.priority, stream_subject=self.streams.subject,
             arrival_time=arrival, trace=telemetry.inject_span(span), tenant=tenant and tenant.name)
         stream = self.streams.open(request)
         try:
@@ -182,7 +182,7 @@ class Gateway:
                 priority = tenant.default_priority  # the class it would have had
             self.request_log.log_rejected(kind, body, self.served_model_name, arrival, e,
                                           p and len(p.prompt_token_ids), priority,
-                                          p and p.params.max_tokens, rid, tenant=tenant and tenant.name)
+                                          p and p.sampling.max_tokens, rid, tenant=tenant and tenant.name)
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         self._publish_soon(self.bus.subjects.abort, Abort(request_id=request_id, reason=reason))
@@ -236,12 +236,12 @@ class Generation:
         self.created = int(time.time())
         self.model = gw.served_model_name
         self.token_ids: list[int] = []
-        self.logprobs: list[TokenLogprobs | None] = []
+        self.logprobs: list[Logprob | None] = []
         self.text = ""
         self.finish_reason: str | None = None
         self.num_cached_tokens = 0
-        self._detok = IncrementalDetokenizer(gw.tokenizer, stop=prepared.params.stop)
-        self._want_logprobs = prepared.params.logprobs is not None
+        self._detok = IncrementalDetokenizer(gw.tokenizer, stop=prepared.stop)
+        self._want_logprobs = prepared.sampling.logprobs is not None
         self._last_token_time: float | None = None
         self.first_token_time: float | None = None  # for the request log
         self.finish_time: float | None = None
@@ -286,7 +286,7 @@ class Generation:
         seen = len(self._detok.token_ids)
         text = self._detok.add(chunk.token_ids)
         n = len(self._detok.token_ids) - seen  # fewer than sent when a stop string ended the output
-        token_ids, logprobs = chunk.token_ids[:n], _token_logprobs(chunk.logprobs, n)
+        token_ids, logprobs = chunk.token_ids[:n], None if chunk.logprobs is None else chunk.logprobs[:n]
         finish = None
         if self._detok.stopped:
             finish = "stop"
@@ -319,7 +319,7 @@ class Generation:
     def usage(self) -> dict:
         return usage(len(self.request.prompt_token_ids), len(self.token_ids), self.num_cached_tokens)
 
-    def _logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs | None] | None,
+    def _logprobs(self, token_ids: list[int], logprobs: list[Logprob | None] | None,
                   text_offset: int) -> dict | None:
         if not self._want_logprobs:
             return None

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import orjson
 
 from meshserve.shared.bus import Bus
+from meshserve.shared.limits import LimitError, check_context_length
 from meshserve.shared.prefix_hash import prompt_block_hashes
 from meshserve.shared.schemas import (Abort, BlockRefs, BlockTransfer, Done, GenerateRequest, Handoff, Heartbeat,
                                       KVEvent, SubmitReply, TokenChunk, TransferReply, Usage)
@@ -113,12 +114,11 @@ class Scheduler:
                 return SubmitReply(ok=False, status_code=404, error=f"the model {req.model!r} does not exist; "
                                    f"served: {known}")
             return SubmitReply(ok=False, status_code=503, error="no worker is ready to serve this model yet")
-        max_len = min(w.hb.max_model_len for w in cands)
-        n = len(req.prompt_token_ids) + req.sampling.max_tokens
-        if n > max_len:
-            return SubmitReply(ok=False, status_code=400, error=(
-                f"this model's maximum context length is {max_len} tokens; the request asks for {n} "
-                f"({len(req.prompt_token_ids)} in the prompt, {req.sampling.max_tokens} to generate)"))
+        try:
+            check_context_length(len(req.prompt_token_ids), req.sampling.max_tokens,
+                                 min(w.hb.max_model_len for w in cands))
+        except LimitError as e:
+            return SubmitReply(ok=False, status_code=400, error=str(e))
         refusal = self.admission.admit(req, self.waiting_by_class)
         if refusal is not None:
             return refusal

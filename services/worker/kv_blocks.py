@@ -36,6 +36,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from meshserve.shared.engine import wire
 from meshserve.shared.engine.llm_engine import LLMEngine
 from meshserve.shared.schemas import Handoff, KVEvent
 
@@ -198,7 +199,7 @@ class KVBlocks:
     def adopt(self, h: Handoff) -> None:
         """Continues a sequence handed off on this node's blocks (the pool moved a reference here)."""
         req = h.request
-        seq = self.engine.new_sequence(req.request_id, req.prompt_token_ids, req.sampling.to_params(),
+        seq = self.engine.new_sequence(req.request_id, req.prompt_token_ids, wire.sampling_params(req.sampling),
                                        time.monotonic(), h.token_ids[len(req.prompt_token_ids):], req.priority)
         self.engine.adopt(seq, h.block_ids, h.shared_block_ids, h.num_computed_tokens, h.num_cached_tokens)
 

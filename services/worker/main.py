@@ -24,11 +24,12 @@ import time
 
 from meshserve.shared import node_memory, shm
 from meshserve.shared.bus import Bus
+from meshserve.shared.engine import wire
 from meshserve.shared.engine.llm_engine import EngineConfig, LLMEngine, RequestError, RequestOutput
 from meshserve.shared.engine.scheduler import SchedulerConfig
 from meshserve.shared.model.config import ModelConfig
 from meshserve.shared.model.llama import LlamaModel
-from meshserve.shared.schemas import (Abort, Done, GenerateRequest, Handoff, Heartbeat, LoadRequest, Logprob,
+from meshserve.shared.schemas import (Abort, Done, GenerateRequest, Handoff, Heartbeat, LoadRequest,
                                       TokenChunk, WeightsDescriptor)
 from meshserve.shared.service import run_service
 from meshserve.shared import telemetry
@@ -160,7 +161,7 @@ class Worker:
     async def _add(self, req: GenerateRequest) -> None:
         await self.blocks.prepare(req.prompt_token_ids + req.output_token_ids)  # its prefix back from the host tier
         try:
-            self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling.to_params(),
+            self.engine.add_request(req.request_id, req.prompt_token_ids, wire.sampling_params(req.sampling),
                                     arrival_time=time.monotonic(), output_token_ids=req.output_token_ids,
                                     priority=req.priority)
         except RequestError as e:
@@ -221,7 +222,7 @@ class Worker:
             self.chunk_seq[out.request_id] = seq_no + 1
             self.tokens_streamed += len(out.new_token_ids)
             self._trace(req, out)
-            lps = None if req.sampling.logprobs is None else [Logprob.of(lp) for lp in out.new_logprobs]
+            lps = None if req.sampling.logprobs is None else [wire.logprob(lp) for lp in out.new_logprobs]
             await self.bus.publish(req.stream_subject, TokenChunk(
                 request_id=out.request_id, seq=seq_no, index=out.num_output_tokens - len(out.new_token_ids),
                 token_ids=out.new_token_ids, logprobs=lps, finished=out.finished, finish_reason=out.finish_reason,

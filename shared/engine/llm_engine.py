@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from meshserve.kernels.paged_attention import use_decode_kernel
+from meshserve.shared.kv_layout import kv_arena_shape, kv_bytes_per_block
+from meshserve.shared.limits import LimitError, check_context_length, check_token_ids
 
 from .block_pool import BlockPool
 from .kv_cache_manager import KVCacheManager
@@ -45,14 +47,6 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
-
-
-def kv_arena_shape(cfg, num_blocks: int, block_size: int) -> list[int]:
-    return [cfg.num_hidden_layers, 2, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim]
-
-
-def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
-    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
 
 
 class RequestError(ValueError):
@@ -102,13 +96,11 @@ class LLMEngine:
         n = len(prompt_token_ids)
         if n == 0:
             raise RequestError("the prompt is empty")
-        vocab = self.model.cfg.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise RequestError(f"prompt token ids must be in [0, {vocab})")
-        if n + params.max_tokens > self.max_model_len:
-            raise RequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
-                f"{n + params.max_tokens} ({n} in the prompt, {params.max_tokens} to generate)")
+        try:
+            check_token_ids(prompt_token_ids, self.model.cfg.vocab_size)
+            check_context_length(n, params.max_tokens, self.max_model_len)
+        except LimitError as e:
+            raise RequestError(str(e)) from None
         if self.kv_cache_manager.blocks_needed(n + params.max_tokens) > self.block_pool.num_blocks:
             raise RequestError(f"the request needs {n + params.max_tokens} tokens of KV cache; "
                                f"the pool holds {self.block_pool.num_blocks * self.config.block_size}")

@@ -8,17 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-# Scheduling priorities, best first; a lower level is served first (scheduler.py).
-PRIORITIES = ("interactive", "normal", "background")
-NORMAL = 1
-
-
-def priority_level(priority: int | str) -> int:
-    """0 (interactive), 1 (normal) or 2 (background), from the level or its name."""
-    level = PRIORITIES.index(priority) if priority in PRIORITIES else priority
-    if not isinstance(level, int) or isinstance(level, bool) or not 0 <= level < len(PRIORITIES):
-        raise ValueError(f"priority must be one of {', '.join(PRIORITIES)} (or 0-2)")
-    return level
+from meshserve.shared.limits import NORMAL, PRIORITIES, check_sampling, priority_level  # noqa: F401 - re-exported
 
 
 @dataclass
@@ -39,18 +29,8 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     def validate(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1")
-        if self.temperature < 0:
-            raise ValueError("temperature must be non-negative")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        if self.top_k < -1:
-            raise ValueError("top_k must be -1, 0 (off) or positive")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError("min_p must be in [0, 1]")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError("logprobs must be between 0 and 20")
+        """Raises ValueError (limits.LimitError) for a parameter out of its range."""
+        check_sampling(self)
 
 
 class SequenceStatus(enum.Enum):

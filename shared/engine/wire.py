@@ -1,0 +1,21 @@
+"""The engine's door to the mesh: wire messages (shared/schemas.py, which know nothing of the
+engine) to the engine's own types and back. A worker converts here, and only here."""
+
+from __future__ import annotations
+
+from meshserve.shared.schemas import Logprob, Sampling
+
+from .sampler import TokenLogprobs
+from .sequence import SamplingParams
+
+
+def sampling_params(s: Sampling, stop: list[str] | None = None) -> SamplingParams:
+    """The engine's parameters for a request's wire Sampling. `stop`: stop strings, which never
+    travel (the gateway, or the in-process OutputProcessor, matches them on the text)."""
+    return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                          min_p=s.min_p, seed=s.seed, stop=list(stop or []), stop_token_ids=list(s.stop_token_ids),
+                          ignore_eos=s.ignore_eos, logprobs=s.logprobs)
+
+
+def logprob(lp: TokenLogprobs | None) -> Logprob | None:
+    return None if lp is None else Logprob(logprob=lp.logprob, top=lp.top)
