@@ -3,6 +3,9 @@
 Messages are pydantic models (shared/schemas.py) encoded with orjson. NATS gives no delivery
 guarantee beyond "at most once" and no backpressure, so callers that must not lose anything
 check sequence numbers and use timeouts; this module only keeps the calls short.
+
+A reply that is an error says so in a header (ERROR_HEADER, its value the message, the payload
+empty), never in the payload, so no reply is told apart by looking at its bytes.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ from typing import TypeVar
 
 import nats
 import nats.errors
-import orjson
 from nats.aio.client import Client
 
 from .schemas import Message
@@ -24,6 +26,18 @@ log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
 
 DEFAULT_NATS_URL = os.environ.get("MESHSERVE_NATS_URL", "nats://127.0.0.1:4222")
+ERROR_HEADER = "Meshserve-Error"
+NO_RESPONDERS_WAIT_S = 0.05  # a request to a service not subscribed yet is asked again after this
+
+
+def header_value(text: str) -> str:
+    """`text` as one header value: NATS headers are lines, so line breaks become spaces."""
+    return " ".join(str(text).splitlines())
+
+
+def reply_error(msg) -> str | None:
+    """The error a reply carries (ERROR_HEADER), or None for a reply that is not one."""
+    return (msg.headers or {}).get(ERROR_HEADER)
 
 
 async def _on_error(e: Exception) -> None:
@@ -81,16 +95,17 @@ class Bus:
                                              headers=headers or None)
                 break
             except nats.errors.NoRespondersError:
-                if loop.time() + 0.2 > deadline:
+                if loop.time() + NO_RESPONDERS_WAIT_S > deadline:
                     raise
-                await asyncio.sleep(0.2)
-        if resp.data.startswith(b'{"error"'):
-            raise RuntimeError(f"{subject}: {orjson.loads(resp.data)['error']}")
+                await asyncio.sleep(NO_RESPONDERS_WAIT_S)
+        error = reply_error(resp)
+        if error is not None:
+            raise RuntimeError(f"{subject}: {error}")
         return reply.decode(resp.data)
 
-    @staticmethod
-    async def respond_error(msg, error: str) -> None:
-        await msg.respond(orjson.dumps({"error": error}))
+    async def respond_error(self, msg, error: str) -> None:
+        """Answers a request with an error (what `request` raises as RuntimeError on the other end)."""
+        await self.nc.publish(msg.reply, b"", headers={ERROR_HEADER: header_value(error)})
 
     async def close(self) -> None:
         try:

@@ -1,30 +1,65 @@
-"""Every NATS subject in the mesh, named in one place under one namespace.
+"""Every NATS subject in the mesh, built from one scheme (Dynamo's namespace > component > endpoint):
 
-    <ns>.v1.completions, <ns>.v1.chat.completions   public request/reply API (gateway)
+    <namespace>.<component>[.<instance>].<endpoint>
+
+A component is one kind of service; components with one process per node or per worker put that
+instance (the node, the worker id) in the subject, so a message reaches exactly that one. Each
+component's endpoints are a closed set (the Literal types below): asking for any other raises, so
+a typo is an error where the subject is built, not a message nobody hears.
+
+    <ns>.v1.completions, <ns>.v1.chat.completions   public request/reply API (gateway); a contract
     <ns>.scheduler.{submit,handoff,abort,done,status} gateway/workers -> scheduler
     <ns>.scheduler.usage                             gateway -> scheduler (a tenant's request ended)
     <ns>.worker.<id>.{prefill,adopt,abort}           scheduler -> one worker
-    <ns>.workers.heartbeat                           workers -> scheduler
+    <ns>.workers.heartbeat                           workers -> scheduler, kv-pools
     <ns>.kv.<node>.{arena,lease,release,retain,transfer,status}  workers, scheduler <-> the node's kv-pool
     <ns>.kv.<node>.swap                              workers -> kv-pool (arena <-> host swap tier, by block ids)
     <ns>.kv.<node>.import                            a decode worker -> its kv-pool (pull blocks from another node)
     <ns>.kv.<node>.{fetch,chunk,close}               kv-pool -> kv-pool (KV bytes between nodes, in chunks)
     <ns>.kv.<node>.events                            workers, kv-pool -> scheduler, kv-pools (blocks stored/removed)
+    <ns>.kv.<node>.pressure                          kv-pool -> the node's workers (a lease it could not fill)
     <ns>.kv.<node>.host_events                       kv-pool -> its workers (keys stored/removed in the host swap tier)
-    <ns>.models.{load,list}                          workers -> model-loader
-    <ns>.tokens.<gateway id>                         workers -> the gateway that owns the request
+    <ns>.models.<node>.{load,list}                   workers, kv-pool -> the node's model-loader
+    <ns>.tokens.<gateway id>                         workers -> the gateway that owns the request (the
+                                                     instance is the whole address: one stream per gateway)
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 DEFAULT_NAMESPACE = "meshserve"
 
+ApiEndpoint = Literal["completions", "chat.completions"]
+SchedulerEndpoint = Literal["submit", "handoff", "abort", "done", "status", "usage"]
+WorkerEndpoint = Literal["prefill", "adopt", "abort"]
+WorkersEndpoint = Literal["heartbeat"]
+KVEndpoint = Literal["arena", "lease", "release", "retain", "transfer", "status", "swap", "import", "fetch",
+                     "chunk", "close", "events", "pressure", "host_events"]
+ModelsEndpoint = Literal["load", "list"]
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str  # the subject token after the namespace
+    endpoints: tuple[str, ...]
+    per_instance: bool  # its subjects name one instance (a node, a worker) after the component
+
+
+API = Component("v1", get_args(ApiEndpoint), per_instance=False)
+SCHEDULER = Component("scheduler", get_args(SchedulerEndpoint), per_instance=False)
+WORKER = Component("worker", get_args(WorkerEndpoint), per_instance=True)
+WORKERS = Component("workers", get_args(WorkersEndpoint), per_instance=False)  # all workers at once
+KV = Component("kv", get_args(KVEndpoint), per_instance=True)  # the node's kv-pool
+MODELS = Component("models", get_args(ModelsEndpoint), per_instance=True)  # the node's model-loader
+TOKENS = "tokens"  # <ns>.tokens.<gateway id>: no endpoint
+
 
 def node_token(node: str) -> str:
-    """A node id as one subject token (Kubernetes node names may hold dots)."""
+    """An instance id as one subject token (Kubernetes node names may hold dots); "*" stays a
+    wildcard (a subscription to every instance)."""
     return node if node == "*" else re.sub(r"[.*>\s]", "_", node)
 
 
@@ -32,56 +67,71 @@ def node_token(node: str) -> str:
 class Subjects:
     ns: str = DEFAULT_NAMESPACE
 
+    def subject(self, component: Component, endpoint: str, instance: str | None = None) -> str:
+        """The one builder: raises ValueError for an endpoint the component does not have, or an
+        instance given to a component without instances (or missing from one with them)."""
+        if endpoint not in component.endpoints:
+            raise ValueError(f"{endpoint!r} is not an endpoint of {component.name!r} "
+                             f"(one of {', '.join(component.endpoints)})")
+        if component.per_instance != (instance is not None):
+            raise ValueError(f"{component.name!r} subjects {'need' if component.per_instance else 'take no'} "
+                             "instance")
+        parts = [self.ns, component.name] + ([node_token(instance)] if instance is not None else []) + [endpoint]
+        return ".".join(parts)
+
     # public API
     @property
     def completions(self) -> str:
-        return f"{self.ns}.v1.completions"
+        return self.subject(API, "completions")
 
     @property
     def chat_completions(self) -> str:
-        return f"{self.ns}.v1.chat.completions"
+        return self.subject(API, "chat.completions")
 
     # scheduler
+    def scheduler(self, endpoint: SchedulerEndpoint) -> str:
+        return self.subject(SCHEDULER, endpoint)
+
     @property
     def submit(self) -> str:
-        return f"{self.ns}.scheduler.submit"
+        return self.scheduler("submit")
 
     @property
     def handoff(self) -> str:
-        return f"{self.ns}.scheduler.handoff"
+        return self.scheduler("handoff")
 
     @property
     def abort(self) -> str:
-        return f"{self.ns}.scheduler.abort"
+        return self.scheduler("abort")
 
     @property
     def done(self) -> str:
-        return f"{self.ns}.scheduler.done"
-
-    @property
-    def usage(self) -> str:
-        return f"{self.ns}.scheduler.usage"
-
-    @property
-    def heartbeat(self) -> str:
-        return f"{self.ns}.workers.heartbeat"
+        return self.scheduler("done")
 
     @property
     def scheduler_status(self) -> str:
-        return f"{self.ns}.scheduler.status"
+        return self.scheduler("status")
 
-    # workers
-    def worker(self, worker_id: str, verb: str) -> str:
-        return f"{self.ns}.worker.{worker_id}.{verb}"
+    @property
+    def usage(self) -> str:
+        return self.scheduler("usage")
+
+    @property
+    def heartbeat(self) -> str:
+        return self.subject(WORKERS, "heartbeat")
+
+    # workers: one subject set per worker
+    def worker(self, worker_id: str, endpoint: WorkerEndpoint) -> str:
+        return self.subject(WORKER, endpoint, worker_id)
 
     # kv-pool: one per node, so its subjects name the node ("*" in a subscription: every node)
-    def kv(self, verb: str, node: str) -> str:
-        return f"{self.ns}.kv.{node_token(node)}.{verb}"
+    def kv(self, endpoint: KVEndpoint, node: str) -> str:
+        return self.subject(KV, endpoint, node)
 
     # model-loader: one per node too (its descriptors name memory on that node)
-    def models(self, verb: str, node: str) -> str:
-        return f"{self.ns}.models.{node_token(node)}.{verb}"
+    def models(self, endpoint: ModelsEndpoint, node: str) -> str:
+        return self.subject(MODELS, endpoint, node)
 
-    # token streams
+    # token streams: one per gateway
     def tokens(self, gateway_id: str) -> str:
-        return f"{self.ns}.tokens.{gateway_id}"
+        return f"{self.ns}.{TOKENS}.{node_token(gateway_id)}"

@@ -32,9 +32,8 @@ from dataclasses import dataclass, field
 
 import nats.errors
 
-from meshserve.shared.bus import Bus
+from meshserve.shared.bus import Bus, reply_error
 from meshserve.shared.schemas import KVChunkRequest, KVFetchClose, KVFetchInfo, KVFetchOpen
-from meshserve.shared.shm import dtype_name
 
 from .blocks import ArenaBlocks
 
@@ -42,7 +41,7 @@ log = logging.getLogger("meshserve.kv_pool.transfer")
 
 HEADROOM = 4096  # bytes of max_payload left for the headers and the protocol's own overhead
 NO_RESPONDERS_WAIT = 1.0  # seconds a source with no subscriber is asked again before the pull fails
-H_INDEX, H_CRC, H_ERROR = "Meshserve-Chunk", "Meshserve-Crc32", "Meshserve-Error"
+H_INDEX, H_CRC = "Meshserve-Chunk", "Meshserve-Crc32"  # an error is the bus's ERROR_HEADER
 
 
 class TransferError(RuntimeError):
@@ -98,8 +97,8 @@ class FetchServer:
     async def on_open(self, msg) -> None:
         o = KVFetchOpen.decode(msg.data)
         b = self.blocks
-        if o.dtype != dtype_name(b.dtype) or o.block_shape != b.block_shape:
-            info = KVFetchInfo(ok=False, error=f"KV layouts differ: this node has {dtype_name(b.dtype)} blocks of "
+        if o.dtype != b.dtype or o.block_shape != b.block_shape:
+            info = KVFetchInfo(ok=False, error=f"KV layouts differ: this node has {b.dtype} blocks of "
                                f"{b.block_shape}, the destination {o.dtype} of {o.block_shape}")
         elif not self._holds(o.holder, o.block_ids + o.also_release):
             info = KVFetchInfo(ok=False, error=f"{o.holder} no longer holds blocks {o.block_ids[:8]}... here "
@@ -141,7 +140,7 @@ class FetchServer:
             await msg.respond(b"{}")
 
     async def _error(self, msg, error: str) -> None:
-        await self.bus.nc.publish(msg.reply, b"", headers={H_ERROR: error})
+        await self.bus.respond_error(msg, error)
 
     def expire(self) -> None:
         now = time.monotonic()
@@ -166,7 +165,7 @@ async def pull(bus: Bus, src_node: str, transfer_id: str, holder: str, src_block
     what = f"KV transfer {transfer_id} ({len(src_blocks)} blocks from node {src_node})"
     try:
         opened = KVFetchOpen(transfer_id=transfer_id, holder=holder, block_ids=src_blocks,
-                             dtype=dtype_name(blocks.dtype), block_shape=blocks.block_shape,
+                             dtype=blocks.dtype, block_shape=blocks.block_shape,
                              max_chunk_bytes=chunk_limit(nc.max_payload, max_chunk_bytes),
                              also_release=also_release or [])
         deadline = time.monotonic() + min(timeout, NO_RESPONDERS_WAIT)
@@ -207,8 +206,9 @@ async def pull(bus: Bus, src_node: str, transfer_id: str, holder: str, src_block
                                                 f"{i + 1} of {n}") from None
                         await asyncio.sleep(0.1)
             hdr = r.headers or {}
-            if H_ERROR in hdr:
-                raise TransferError(f"{what}: chunk {i + 1} of {n}: {hdr[H_ERROR]}")
+            error = reply_error(r)
+            if error is not None:
+                raise TransferError(f"{what}: chunk {i + 1} of {n}: {error}")
             want = min(size, info.total_bytes - i * size)
             if hdr.get(H_INDEX) != str(i) or len(r.data) != want:
                 raise TransferError(f"{what}: chunk {i + 1} of {n} came back as index {hdr.get(H_INDEX)} with "

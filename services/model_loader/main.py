@@ -6,7 +6,9 @@ With `--device cpu` (the default) that memory is a shared-memory file; with `--d
 one allocation on the GPU whose CUDA IPC handle travels in the descriptor (shared/node_memory.py):
 the workers open it and run on the GPU without copying the weights.
 
-Tiers: disk (the model cache) -> host memory (the shared file) or GPU memory. Models stay loaded
+Tiers: disk (the model cache, and the prepared weights of a GGUF: prepared.py) -> host memory (the
+shared file) or GPU memory. Torch is imported only to prepare weights: a start that finds them
+prepared copies a file. Models stay loaded
 until the loader stops; at most --max-models stay resident, the least recently asked-for unloaded
 first (its file is unlinked: workers that still map it keep their mapping until they exit; GPU
 memory is kept until the loader stops, since nothing tells it when the workers have closed their
@@ -22,23 +24,23 @@ import re
 import time
 from collections import OrderedDict
 
-import torch
-
 from meshserve.shared import node_memory, shm
 from meshserve.shared.bus import Bus
-from meshserve.shared.engine.llm import DTYPES
-from meshserve.shared.model.llama import fuse_hf_weights
 from meshserve.shared.models_repo import load_model_files, resolve
 from meshserve.shared.schemas import LoadRequest, TensorSpec, WeightsDescriptor
 from meshserve.shared.service import run_service
 
+from . import prepared
+
 log = logging.getLogger("meshserve.model_loader")
 
 
-def write_weights(name: str, weights: dict, device: str = "cpu") -> tuple[torch.Tensor, str, dict | None,
+def write_weights(name: str, weights: dict, device: str = "cpu") -> tuple["torch.Tensor", str, dict | None,
                                                                          list[TensorSpec]]:
     """All tensors of a model into one buffer the node's workers open (a shared file named `name`, or
     one GPU allocation), each 64-byte aligned. Returns (buffer, path, CUDA IPC descriptor, specs)."""
+    import torch
+
     specs, offset = [], 0
     for key, t in weights.items():
         specs.append(TensorSpec(name=key, dtype=shm.dtype_name(t.dtype), shape=list(t.shape), offset=offset))
@@ -60,17 +62,34 @@ class ModelLoader:
 
     def _load(self, model: str, dtype: str) -> WeightsDescriptor:
         t0 = time.monotonic()
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{model}-{dtype}")[-120:]
+        name = f"meshserve-{self.bus.subjects.ns}-{self.node_id}-weights-{safe}"
+        kept = prepared.entry(resolve(model), dtype, self.device)
+        found = prepared.load(kept, name) if kept is not None else None
+        if found is not None:
+            path, specs, config = found
+            ipc, how = None, f"from {kept}"
+        else:
+            path, ipc, specs, config = self._prepare(model, dtype, name)
+            if kept is not None:
+                prepared.keep(kept, path, specs, config)
+            how = "prepared"
+        log.info("loaded %s (%s) into %s in %.1fs (%s)", model, dtype, path, time.monotonic() - t0, how)
+        return WeightsDescriptor(model=model, path=path, backend=self.device, ipc=ipc, config=config,
+                                 tensors=specs, tokenizer_path=str(resolve(model)))
+
+    def _prepare(self, model: str, dtype: str, name: str) -> tuple[str, dict | None, list[TensorSpec], dict]:
+        """Reads, dequantizes and fuses the weights and writes them into the shared buffer `name`."""
+        from meshserve.shared.engine.llm import DTYPES
+        from meshserve.shared.model.llama import fuse_hf_weights
+
         cfg, sd, _ = load_model_files(model)
         weights = fuse_hf_weights(cfg, sd, DTYPES[dtype], self.device)
         del sd
-        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{model}-{dtype}")[-120:]
-        buf, path, ipc, specs = write_weights(f"meshserve-{self.bus.subjects.ns}-{self.node_id}-weights-{safe}",
-                                              weights, self.device)
+        buf, path, ipc, specs = write_weights(name, weights, self.device)
         if buf.is_cuda:
             self.gpu_buffers[(model, dtype)] = buf
-        log.info("loaded %s (%s) into %s in %.1fs", model, dtype, path, time.monotonic() - t0)
-        return WeightsDescriptor(model=model, path=path, backend=self.device, ipc=ipc, config=dataclasses.asdict(cfg),
-                                 tensors=specs, tokenizer_path=str(resolve(model)))
+        return path, ipc, specs, dataclasses.asdict(cfg)
 
     async def get(self, req: LoadRequest) -> WeightsDescriptor:
         key = (req.model, req.dtype)
@@ -98,7 +117,7 @@ class ModelLoader:
                 await msg.respond(desc.encode())
             except Exception as e:  # noqa: BLE001 - the asker must hear why
                 log.exception("load failed")
-                await Bus.respond_error(msg, f"cannot load {msg.data[:200]!r}: {e}")
+                await self.bus.respond_error(msg, f"cannot load {msg.data[:200]!r}: {e}")
 
         async def on_list(msg):
             import orjson
