@@ -27,7 +27,7 @@ import weakref
 
 import torch
 
-from .shm import DTYPES, dtype_name
+from .shm import dtype_name, torch_dtype
 
 _lock = threading.Lock()
 _owned: dict[int, tuple[int, str, "weakref.ref[torch.Tensor]"]] = {}  # base ptr -> (bytes, handle hex, buffer)
@@ -79,7 +79,7 @@ def empty(nbytes: int, device: int | str | torch.device = "cuda") -> torch.Tenso
 
 def view(buf: torch.Tensor, offset: int, dtype: str | torch.dtype, shape: list[int]) -> torch.Tensor:
     """A contiguous tensor at byte `offset` of a uint8 buffer (as shm.view)."""
-    dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    dt = torch_dtype(dtype) if isinstance(dtype, str) else dtype
     n = 1
     for s in shape:
         n *= s
@@ -132,7 +132,7 @@ def _strided(base: torch.Tensor, offset: int, dtype: torch.dtype, shape: list[in
 
 def open(desc: dict) -> torch.Tensor:  # noqa: A001 (as shm's functions, named for what they do)
     """The tensor a descriptor from export() stands for, over the exporter's GPU memory (no copy)."""
-    dtype, shape, strides = DTYPES[desc["dtype"]], list(desc["shape"]), list(desc["strides"])
+    dtype, shape, strides = torch_dtype(desc["dtype"]), list(desc["shape"]), list(desc["strides"])
     kind = desc.get("kind")
     if kind == "cudaipc":
         return _strided(_open_allocation(desc), desc["offset"], dtype, shape, strides)

@@ -8,13 +8,13 @@ creates them) and the KV arena (the kv-pool), on either backend, behind one pair
   the kv-pool do, until they stop), and every process must see the GPU under the same index
   (the same CUDA_VISIBLE_DEVICES).
 
-Either way the buffer is a uint8 tensor; typed tensors are views at byte offsets (shm.view).
+Either way the buffer is a uint8 tensor; typed tensors are views at byte offsets (shm.view). A
+process that only copies bytes (the kv-pool) asks for a cpu buffer as a numpy array instead
+(`numpy=True`) and then never imports torch; torch is imported here only when a tensor is made.
 `meshserve up --device cuda` and `meshserve serve ... --device cuda` pick the CUDA backend.
 """
 
 from __future__ import annotations
-
-import torch
 
 from . import shm
 
@@ -27,6 +27,8 @@ class DeviceUnavailable(RuntimeError):
 
 def cuda_problem() -> str | None:
     """Why the CUDA backend cannot run here, or None when it can (a GPU torch sees, and CuPy)."""
+    import torch
+
     if not torch.cuda.is_available():
         build = (f"torch {torch.__version__} is built for CUDA {torch.version.cuda}" if torch.version.cuda
                  else f"torch {torch.__version__} is a CPU-only build")
@@ -55,23 +57,27 @@ def check_backend(what: str, backend: str, device: str) -> None:
                                 f"{device}: start the node's model-loader, kv-pool and workers with the same --device")
 
 
-def create(name: str, nbytes: int, device: str = "cpu") -> tuple[torch.Tensor, str, dict | None]:
+def create(name: str, nbytes: int, device: str = "cpu", numpy: bool = False) -> tuple[object, str, dict | None]:
     """A zero-filled uint8 buffer other processes of the node can open: (buffer, path, ipc).
-    cpu: the shared file `name`; cuda: a new allocation on the current GPU and its IPC descriptor."""
+    cpu: the shared file `name` (a numpy array with `numpy`, else a torch tensor); cuda: a new
+    allocation on the current GPU (a torch tensor) and its IPC descriptor."""
     if device == "cpu":
         path = shm.create(name, nbytes)
-        return shm.map_bytes(path), str(path), None
+        return (shm.map_array(path) if numpy else shm.map_bytes(path)), str(path), None
     require(device)
+    import torch
+
     from . import cuda_ipc
 
     buf = cuda_ipc.empty(nbytes, torch.cuda.current_device())
     return buf, f"cuda:{buf.device.index}", cuda_ipc.export(buf)
 
 
-def open_buffer(backend: str, path: str, ipc: dict | None = None) -> torch.Tensor:
-    """The buffer a descriptor names, as a uint8 tensor over the same memory (no copy)."""
+def open_buffer(backend: str, path: str, ipc: dict | None = None, numpy: bool = False):
+    """The buffer a descriptor names, as a uint8 tensor over the same memory (no copy); a cpu
+    buffer as a numpy array with `numpy`."""
     if backend == "cpu":
-        return shm.map_bytes(path)
+        return shm.map_array(path) if numpy else shm.map_bytes(path)
     if backend == "cuda":
         if not ipc:
             raise ValueError(f"a cuda descriptor ({path}) without its CUDA IPC handle")

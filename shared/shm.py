@@ -2,18 +2,28 @@
 
 The kv-pool and the model-loader create the files; workers map them with MAP_SHARED, so N workers
 see one copy and a write by one (a KV block) is visible to all without a byte crossing NATS.
+A file maps as a torch tensor (workers, the model-loader) or as a numpy array (`map_array`: the
+kv-pool, which only copies bytes and so never loads torch); torch is imported only by the former.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
-import torch
+import numpy as np
 
 ALIGN = 64
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "uint8": torch.uint8}  # uint8: a whole buffer (shared/cuda_ipc.py exports one as such)
+DTYPE_NAMES = ("float32", "bfloat16", "float16", "uint8")  # uint8: a whole buffer (shared/cuda_ipc.py exports one)
+
+
+def torch_dtype(name: str):
+    import torch
+
+    if name not in DTYPE_NAMES:
+        raise KeyError(name)
+    return getattr(torch, name)
 
 
 def shm_dir() -> Path:
@@ -22,7 +32,8 @@ def shm_dir() -> Path:
     return d
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype) -> str:
+    """A torch dtype's name, as descriptors carry it ("bfloat16")."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -36,14 +47,33 @@ def create(name: str, nbytes: int) -> Path:
     return path
 
 
-def map_bytes(path: str | Path) -> torch.Tensor:
-    """The whole file as a uint8 tensor backed by a shared mapping."""
+def create_copy(name: str, src: str | Path) -> Path:
+    """A new shared file holding a copy of the file `src` (replacing a stale one of the same name)."""
+    path = shm_dir() / name
+    tmp = path.with_suffix(".tmp")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def map_bytes(path: str | Path):
+    """The whole file as a uint8 torch tensor backed by a shared mapping."""
+    import torch
+
     size = os.path.getsize(path)
     return torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
 
 
-def view(buf: torch.Tensor, offset: int, dtype: str | torch.dtype, shape: list[int]) -> torch.Tensor:
-    dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
+def map_array(path: str | Path) -> np.ndarray:
+    """The whole file as a uint8 numpy array backed by a shared mapping (no torch)."""
+    return np.memmap(path, dtype=np.uint8, mode="r+")
+
+
+def view(buf, offset: int, dtype, shape: list[int]):
+    """A typed torch tensor at byte `offset` of a uint8 torch buffer."""
+    import torch
+
+    dt = torch_dtype(dtype) if isinstance(dtype, str) else dtype
     n = 1
     for s in shape:
         n *= s

@@ -5,43 +5,76 @@ block_size) of each of the 2 x layers planes, i.e. 2 x layers contiguous segment
 block_size x kv_heads x head_dim elements. A block's bytes, in the order every copy here uses,
 are those segments one after the other (plane by plane); several blocks are concatenated.
 
-A GPU arena (`--device cuda`) is read and written through host memory: `read` returns host bytes,
-and `write` (host or device bytes) has completed on the GPU when it returns, so the worker that
-is told next reads the new bytes from its own process.
+The pool only copies bytes, so on the CPU backend the arena is a numpy byte array over the
+shared-memory file (`of_bytes`) and the kv-pool never loads torch. A torch tensor works as well
+(a GPU arena with `--device cuda`, and the tests): reads and writes then stay in torch. A GPU arena
+is read and written through host memory: `read` returns host bytes, and `write` (host or device
+bytes) has completed on the GPU when it returns, so the worker that is told next reads the new
+bytes from its own process.
 """
 
 from __future__ import annotations
 
-import torch
+import numpy as np
+
+from meshserve.shared.kv_layout import dtype_bytes
 
 
 class ArenaBlocks:
-    def __init__(self, arena: torch.Tensor, block_size: int):
+    def __init__(self, arena, block_size: int):
+        """arena: a torch tensor of the arena's shape (any device)."""
+        import torch
+
         layers, two, slots, heads, dim = arena.shape
         assert arena.is_contiguous() and slots % block_size == 0
-        self.block_size, self.num_blocks = block_size, slots // block_size
-        self.dtype = arena.dtype
         self.on_gpu = arena.device.type != "cpu"
-        self.block_shape = [layers, two, block_size, heads, dim]
-        self.planes = layers * two
-        # [planes, bytes of one plane]: a block is one column range of every row.
-        self.rows = arena.view(self.planes, slots * heads * dim).view(torch.uint8)
-        self.seg = self.rows.shape[1] // self.num_blocks
-        self.block_bytes = self.planes * self.seg
+        dtype = str(arena.dtype).removeprefix("torch.")
+        rows = arena.view(layers * two, slots * heads * dim).view(torch.uint8)
+        self._init(rows, dtype, [layers, two, block_size, heads, dim], slots // block_size)
 
-    def _cols(self, b: int) -> torch.Tensor:
+    @classmethod
+    def of_bytes(cls, buf: np.ndarray, dtype: str, shape: list[int], block_size: int) -> "ArenaBlocks":
+        """The arena in a host byte buffer (numpy uint8, e.g. a mapped shared-memory file), elements
+        of `dtype` in `shape`; numpy alone, whatever the dtype (bf16 included: only bytes move)."""
+        layers, two, slots, heads, dim = shape
+        assert slots % block_size == 0
+        planes = layers * two
+        plane_bytes = slots * heads * dim * dtype_bytes(dtype)
+        self = cls.__new__(cls)
+        self.on_gpu = False
+        self._init(buf[:planes * plane_bytes].reshape(planes, plane_bytes), dtype,
+                   [layers, two, block_size, heads, dim], slots // block_size)
+        return self
+
+    def _init(self, rows, dtype: str, block_shape: list[int], num_blocks: int) -> None:
+        # [planes, bytes of one plane]: a block is one column range of every row.
+        self.rows, self.dtype, self.block_shape = rows, dtype, block_shape
+        self.block_size, self.num_blocks = block_shape[2], num_blocks
+        self.planes = block_shape[0] * block_shape[1]
+        self.seg = rows.shape[1] // num_blocks
+        self.block_bytes = self.planes * self.seg
+        self._numpy = isinstance(rows, np.ndarray)
+
+    def _cols(self, b: int):
         if not 0 <= b < self.num_blocks:
             raise IndexError(f"block {b} is outside the arena (0..{self.num_blocks - 1})")
         return self.rows[:, b * self.seg:(b + 1) * self.seg]
 
-    def read(self, b: int) -> torch.Tensor:
-        """Block b's bytes (a contiguous copy, in host memory)."""
+    def read(self, b: int):
+        """Block b's bytes (a contiguous copy, in host memory), as an array of the arena's kind."""
+        if self._numpy:
+            return np.ascontiguousarray(self._cols(b)).reshape(-1)
         data = self._cols(b).contiguous().view(-1)
         return data.cpu() if self.on_gpu else data
 
-    def write(self, b: int, data: torch.Tensor) -> None:
+    def write(self, b: int, data) -> None:
+        if self._numpy:
+            self._cols(b)[...] = np.asarray(data).reshape(self.planes, self.seg)
+            return
         self._cols(b).copy_(data.view(self.planes, self.seg))
         if self.on_gpu:
+            import torch
+
             torch.cuda.synchronize(self.rows.device)
 
     def read_range(self, blocks: list[int], offset: int, length: int) -> bytes:
@@ -50,12 +83,13 @@ class ArenaBlocks:
         end = offset + length
         for i in range(offset // bb, -(-end // bb)):
             lo, hi = max(offset, i * bb) - i * bb, min(end, (i + 1) * bb) - i * bb
-            out.append(self.read(blocks[i])[lo:hi])
-        return torch.cat(out).numpy().tobytes() if out else b""
+            part = self.read(blocks[i])[lo:hi]
+            out.append(part.tobytes() if self._numpy else part.numpy().tobytes())
+        return b"".join(out)
 
     def write_range(self, blocks: list[int], offset: int, data: bytes | memoryview) -> None:
         """Writes `data` at `offset` of the concatenation of `blocks` (a partial block is merged)."""
-        src = torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+        src = self._from_bytes(data)
         bb, end, pos = self.block_bytes, offset + len(data), 0
         for i in range(offset // bb, -(-end // bb)):
             lo, hi = max(offset, i * bb) - i * bb, min(end, (i + 1) * bb) - i * bb
@@ -67,3 +101,20 @@ class ArenaBlocks:
                 whole = self.read(blocks[i])
                 whole[lo:hi] = part
                 self.write(blocks[i], whole)
+
+    def _from_bytes(self, data: bytes | memoryview):
+        if self._numpy:
+            return np.frombuffer(data, dtype=np.uint8)
+        import torch
+
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+
+
+def empty_bytes_like(block, shape: tuple[int, ...]):
+    """An uninitialized uint8 array of `shape`, of the same kind as `block` (numpy or torch): the
+    OS gives its pages on first touch, so unused space costs no memory."""
+    if isinstance(block, np.ndarray):
+        return np.empty(shape, dtype=np.uint8)
+    import torch
+
+    return torch.empty(shape, dtype=torch.uint8)

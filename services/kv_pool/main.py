@@ -15,6 +15,9 @@ Two copies of KV bytes happen here, never in a worker's hot path and never over 
   node asks its kv-pool to `import` the blocks; this pool pulls them from the source node's pool
   in chunks and leases them to the worker.
 Its subjects name the node (`<ns>.kv.<node>.<verb>`), so every node's kv-pool answers for its own.
+
+It does no tensor math: on the CPU backend the arena is a numpy byte array over the shared file
+and torch is never imported; with `--device cuda` torch is imported (lazily) for the GPU buffer.
 """
 
 from __future__ import annotations
@@ -25,12 +28,10 @@ import time
 from collections import Counter, deque
 
 import orjson
-import torch
 
 from meshserve.shared import node_memory, shm
 from meshserve.shared.bus import Bus
-from meshserve.shared.engine.llm import DTYPES
-from meshserve.shared.engine.llm_engine import kv_arena_shape, kv_bytes_per_block
+from meshserve.shared.kv_layout import kv_arena_shape, kv_bytes_per_block
 from meshserve.shared.model.config import ModelConfig
 from meshserve.shared.schemas import (ArenaDescriptor, BlockRefs, BlockTransfer, Heartbeat, KVEvent, KVImport,
                                       KVImportReply, LeaseReply, LeaseRequest, LoadRequest, PoolPressure, SwapReply,
@@ -107,17 +108,20 @@ class BlockLedger:
 
 
 class KVPool:
-    def __init__(self, bus: Bus, args, desc: ArenaDescriptor, buf: torch.Tensor | None = None):
+    def __init__(self, bus: Bus, args, desc: ArenaDescriptor, buf=None):
         """buf: the arena's memory as make_arena created it (else opened from the descriptor)."""
         self.bus, self.args, self.desc = bus, args, desc
         self.node = desc.node_id
         self.ledger = BlockLedger(desc.num_blocks)
         self.last_seen: dict[str, float] = {}
         self.prefix_index: dict[str, set[int]] = {}
+        host = desc.backend == "cpu"
         if buf is None:
-            buf = node_memory.open_buffer(desc.backend, desc.path, desc.ipc)
-        arena = shm.view(buf, 0, desc.dtype, desc.shape)  # a GPU arena's blocks are staged through host memory
-        self.blocks = ArenaBlocks(arena, desc.block_size)
+            buf = node_memory.open_buffer(desc.backend, desc.path, desc.ipc, numpy=host)
+        if host:  # bytes only: numpy over the shared file
+            self.blocks = ArenaBlocks.of_bytes(buf, desc.dtype, desc.shape, desc.block_size)
+        else:  # a GPU arena's blocks are staged through host memory
+            self.blocks = ArenaBlocks(shm.view(buf, 0, desc.dtype, desc.shape), desc.block_size)
         self.host = HostTier(desc.swap_blocks, self.blocks.block_bytes)
         self.transfers = transfer.TransferStats()
         self.fetch = transfer.FetchServer(bus, self.blocks, self.ledger.held, self.ledger.release, self.transfers,
@@ -278,20 +282,20 @@ def add_arguments(p) -> None:
                    "that was never closed is dropped")
 
 
-async def make_arena(bus: Bus, args) -> tuple[ArenaDescriptor, torch.Tensor]:
+async def make_arena(bus: Bus, args) -> tuple[ArenaDescriptor, object]:
     """Sizes the arena from the model's shape (asked of the model loader) and creates it, in shared
     memory or on the GPU (--device). Returns its descriptor and its memory (keep it alive)."""
     w = await bus.request(bus.subjects.models("load", args.node_id), LoadRequest(model=args.model,
                                                                                  dtype=args.dtype),
                           WeightsDescriptor, timeout=600)
     cfg = ModelConfig(**w.config)
-    dtype = DTYPES[args.dtype]
-    num_blocks = max(1, int(args.kv_cache_gb * (1 << 30)) // kv_bytes_per_block(cfg, args.block_size, dtype))
+    block_bytes = kv_bytes_per_block(cfg, args.block_size, args.dtype)
+    num_blocks = max(1, int(args.kv_cache_gb * (1 << 30)) // block_bytes)
     shape = kv_arena_shape(cfg, num_blocks, args.block_size)
-    block_bytes = kv_bytes_per_block(cfg, args.block_size, dtype)
     nbytes = num_blocks * block_bytes
     device = getattr(args, "device", "cpu")
-    buf, path, ipc = node_memory.create(f"meshserve-{bus.subjects.ns}-{args.node_id}-kv", nbytes, device)
+    buf, path, ipc = node_memory.create(f"meshserve-{bus.subjects.ns}-{args.node_id}-kv", nbytes, device,
+                                        numpy=device == "cpu")
     swap_blocks = int(args.swap_space * (1 << 30)) // block_bytes
     log.info("KV arena: %d blocks of %d tokens, %.2f GiB at %s; host swap tier: %d blocks", num_blocks,
              args.block_size, nbytes / (1 << 30), path, swap_blocks)

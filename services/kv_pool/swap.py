@@ -7,18 +7,18 @@ prefix asks for it back into a block of its own (`swap_in`) and skips recomputin
 inclusive: a block copied back stays here too (it costs nothing until the space is needed), so
 spilling it again is free. On the CPU backend the arena is host memory as well; the tier is what
 keeps a prefix alive once the arena's blocks are taken for other work. On the CUDA backend the
-copies are torch copies between the GPU arena and this host memory (blocks.py).
+copies are torch copies between the GPU arena and this host memory (blocks.py). The tier holds
+its bytes in arrays of the kind the arena's blocks come in (numpy on the CPU backend, where the
+kv-pool has no torch; torch host memory for a GPU arena).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
-import torch
-
 from meshserve.shared.schemas import SwapReply, SwapRequest
 
-from .blocks import ArenaBlocks
+from .blocks import ArenaBlocks, empty_bytes_like
 
 
 class HostTier:
@@ -26,8 +26,7 @@ class HostTier:
 
     def __init__(self, capacity: int, block_bytes: int):
         self.capacity, self.block_bytes = max(0, capacity), block_bytes
-        # torch.empty: the OS gives pages on first touch, so an idle tier costs no memory.
-        self.store = torch.empty((self.capacity, block_bytes), dtype=torch.uint8)
+        self.store = None  # [capacity, block_bytes], made with the first block put (empty_bytes_like)
         self.index: OrderedDict[int, int] = OrderedDict()  # key -> slot, least recently used first
         self.free_slots = list(range(self.capacity - 1, -1, -1))
         self.stored: list[int] = []  # keys added since the last drain (KV events, tier "host")
@@ -48,7 +47,7 @@ class HostTier:
     def __contains__(self, key: int) -> bool:
         return key in self.index
 
-    def put(self, key: int, data: torch.Tensor) -> bool:
+    def put(self, key: int, data) -> bool:
         """Keeps a block's bytes under its key; False if it was there already (then only refreshed)."""
         if not self.enabled:
             return False
@@ -62,13 +61,15 @@ class HostTier:
             self.num_evicted += 1
         else:
             slot = self.free_slots.pop()
-        self.store[slot].copy_(data.view(-1))
+        if self.store is None:
+            self.store = empty_bytes_like(data, (self.capacity, self.block_bytes))
+        self.store[slot][...] = data.reshape(-1)
         self.index[key] = slot
         self.stored.append(key)
         self.num_swapped_out += 1
         return True
 
-    def get(self, key: int) -> torch.Tensor | None:
+    def get(self, key: int):
         """The block's bytes (a view into the tier: copy them before the next put), refreshed as used."""
         self.num_lookups += 1
         slot = self.index.get(key)
