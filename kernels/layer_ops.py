@@ -10,9 +10,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from meshserve.shared.model.rope import apply_rope
-
 from . import cpu_build
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The reference rotation. x: [tokens, heads, head_dim]; cos/sin: [tokens, 1, head_dim // 2]
+    (Hugging Face's rotate-half layout). The tables come from shared/model/rope.py."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 def layer_ops_kernel():

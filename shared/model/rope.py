@@ -1,6 +1,7 @@
 """Rotary position embeddings, with the frequency-scaling variants Llama 3 and Qwen 2 (YaRN) use.
 
-The cos/sin table is computed once in fp32 for every position; a step only indexes it."""
+The cos/sin table is computed once in fp32 for every position; a step only indexes it. The rotation
+itself is a kernel (kernels/layer_ops.py: LayerOps.rope_ and its torch reference, apply_rope)."""
 
 from __future__ import annotations
 
@@ -73,10 +74,3 @@ def rope_cos_sin(cfg: ModelConfig, max_positions: int) -> tuple[torch.Tensor, to
     t = torch.arange(max_positions, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)
     return freqs.cos() * attn_factor, freqs.sin() * attn_factor
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, head_dim]; cos/sin: [tokens, 1, head_dim // 2] (Hugging Face's rotate-half layout)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
