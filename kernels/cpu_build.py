@@ -6,6 +6,11 @@ the caller then takes its Python reference path. A warning is logged once per ex
 
 ``MESHSERVE_DISABLE_CPU_KERNELS=1`` forces the reference path.
 
+A build leaves a stamp (the hash of its source, flags and torch and Python versions) beside the
+library; a later load whose stamp matches imports the library directly. Asking torch to load it
+instead costs a second or more per kernel on every start even when nothing is rebuilt (importing
+its build helpers, then running ninja to find nothing to do), and every worker loads three.
+
 The build goes to ``$TORCH_EXTENSIONS_DIR`` when that is set, else under meshserve's cache
 (``$MESHSERVE_CACHE``, else ``$XDG_CACHE_HOME/meshserve``, else ``~/.cache/meshserve``) in
 ``torch_extensions/<python>-<torch>-<cpu>``: it is compiled with -march=native, so the folder is
@@ -15,6 +20,7 @@ keyed by the CPU's feature flags and a cache shared between different machines s
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
@@ -51,10 +57,10 @@ def _cpu_tag() -> str:
     return hashlib.sha1(f"{platform.machine()}\n{flags}".encode()).hexdigest()[:10]
 
 
-def build_dir() -> Path | None:
-    """Where the extension is built; None lets torch pick (TORCH_EXTENSIONS_DIR)."""
+def build_dir() -> Path:
+    """Where the extensions are built, one folder each."""
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
-        return None
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
     if os.environ.get("MESHSERVE_CACHE"):
         root = Path(os.environ["MESHSERVE_CACHE"]).expanduser()
     else:
@@ -63,6 +69,19 @@ def build_dir() -> Path | None:
     torch_version = torch.__version__.split("+")[0].replace(".", "")
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
     return root / "torch_extensions" / f"{py}-torch{torch_version}-{_cpu_tag()}"
+
+
+def _stamp(name: str, source: str) -> str:
+    h = hashlib.sha256((SOURCES / source).read_bytes())
+    h.update(repr((name, CFLAGS, LDFLAGS, torch.__version__, sys.version)).encode())
+    return h.hexdigest()
+
+
+def _import_built(name: str, library: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def load(name: str, source: str) -> ModuleType | None:
@@ -74,6 +93,14 @@ def load(name: str, source: str) -> ModuleType | None:
     with _lock:
         if name in _modules:
             return _modules[name]
+        directory = build_dir() / name
+        stamp, library, want = directory / "meshserve.stamp", directory / f"{name}.so", _stamp(name, source)
+        try:
+            if library.is_file() and stamp.is_file() and stamp.read_text() == want:
+                _modules[name] = _import_built(name, library)
+                return _modules[name]
+        except (OSError, ImportError) as e:  # then torch rebuilds it
+            log.info("CPU kernel %s: the built library did not load (%s); rebuilding", name, e)
         try:
             from torch.utils.cpp_extension import load as load_extension
 
@@ -81,14 +108,10 @@ def load(name: str, source: str) -> ModuleType | None:
             bindir = str(Path(sys.executable).parent)
             if bindir not in os.environ.get("PATH", "").split(os.pathsep):
                 os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-            directory = build_dir()
-            if directory is not None:
-                directory = directory / name
-                directory.mkdir(parents=True, exist_ok=True)
+            directory.mkdir(parents=True, exist_ok=True)
             module = load_extension(name=name, sources=[str(SOURCES / source)], extra_cflags=CFLAGS,
-                                     extra_ldflags=LDFLAGS,
-                                     build_directory=str(directory) if directory is not None else None,
-                                     verbose=False)
+                                     extra_ldflags=LDFLAGS, build_directory=str(directory), verbose=False)
+            stamp.write_text(want)
         except Exception as e:  # no compiler, no ninja, no headers, unwritable cache, ...
             lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
             causes = [ln for ln in lines[1:] if any(w in ln.lower() for w in ("error", "not found", "no such"))]

@@ -154,6 +154,29 @@ def resolve(name_or_path: str | Path, download: bool = True) -> Path:
     return pull(name)
 
 
+PREPARED_FORMAT = 1  # bump to invalidate every prepared entry
+
+
+def prepared_dir(model_file: Path, *key: str) -> Path:
+    """Where something derived from a model file is kept (its rebuilt tokenizer, the model-loader's
+    prepared weights): <cache>/prepared/<file stem>-<hash>, the hash of the file's identity (its path,
+    size and modification time) and of `key` (what was derived and how), so a changed file or a
+    changed recipe gets a new entry and never a stale one. Entries are not pruned."""
+    st = model_file.stat()
+    ident = "\0".join([str(model_file.resolve()), str(st.st_size), str(st.st_mtime_ns), str(PREPARED_FORMAT), *key])
+    return cache_dir() / "prepared" / f"{model_file.stem[:80]}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
+
+
+def publish_dir(tmp: Path, final: Path) -> None:
+    """Renames a fully written directory into place; a concurrent writer that got there first wins."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; other services read the cache too
+    try:
+        os.rename(tmp, final)
+    except OSError:  # another process published the same entry meanwhile: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _find_gguf(directory: Path) -> Path | None:
     ggufs = sorted(directory.glob("*.gguf"))
     if len(ggufs) > 1:
@@ -175,7 +198,29 @@ def load_tokenizer(name_or_path: str | Path) -> "Tokenizer":
         path = found
     if path.suffix.lower() != ".gguf":
         raise ValueError(f"don't know how to read a tokenizer from {path}")
-    return Tokenizer.from_gguf(path)
+    return _gguf_tokenizer(path)
+
+
+def _gguf_tokenizer(path: Path, reader=None) -> "Tokenizer":
+    """A GGUF's tokenizer, rebuilt from its metadata once and then kept as a tokenizer.json
+    (reading the metadata of a 49k-token vocabulary with gguf's reader takes seconds)."""
+    from .tokenizer import Tokenizer
+
+    kept = prepared_dir(path, "tokenizer")
+    if (kept / "tokenizer.json").is_file():
+        return Tokenizer.from_hf_dir(kept)
+    tok = Tokenizer.from_gguf(path, reader=reader)
+    tmp = None
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{kept.name}.", dir=kept.parent))
+        tok.save_hf_dir(tmp)
+        publish_dir(tmp, kept)
+    except OSError as e:  # a read-only cache: rebuilt every time, still correct
+        log.warning("could not keep the tokenizer of %s in %s: %s", path, kept, e)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return tok
 
 
 def load_model_files(name_or_path: str | Path) -> tuple["ModelConfig", dict[str, "torch.Tensor"], "Tokenizer"]:
@@ -198,4 +243,4 @@ def load_model_files(name_or_path: str | Path) -> tuple["ModelConfig", dict[str,
 
     reader = gguf.GGUFReader(str(path))  # one memory map for weights and tokenizer
     cfg, sd = load_gguf(path, reader=reader)
-    return cfg, sd, Tokenizer.from_gguf(path, reader=reader)
+    return cfg, sd, _gguf_tokenizer(path, reader=reader)

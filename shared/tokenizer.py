@@ -272,6 +272,20 @@ class Tokenizer:
             extra_eos_token_ids=[e for e in extra_eos if e is not None],
         )
 
+    def save_hf_dir(self, path: str | Path) -> None:
+        """Writes this tokenizer in the form `from_hf_dir` reads back (tokenizer.json,
+        tokenizer_config.json, generation_config.json for the end-of-sequence ids): how a GGUF's
+        tokenizer is kept, rebuilt once (models_repo.load_tokenizer)."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.tk.save(str(path / "tokenizer.json"))
+        cfg = {"chat_template": self.chat_template, "bos_token": self.bos_token, "eos_token": self.eos_token,
+               "pad_token": self.pad_token, "unk_token": self.unk_token, "add_bos_token": self.add_bos_token,
+               "add_eos_token": self.add_eos_token}
+        (path / "tokenizer_config.json").write_text(json.dumps(cfg, ensure_ascii=False), encoding="utf-8")
+        (path / "generation_config.json").write_text(json.dumps({"eos_token_id": self.eos_token_ids}),
+                                                     encoding="utf-8")
+
     # -- basic API
 
     @property

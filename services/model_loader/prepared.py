@@ -1,0 +1,76 @@
+"""The model-loader's disk tier: a model's weights exactly as the loader puts them in shared memory
+(dequantized, q|k|v and gate|up fused, projections in the CPU kernel's blocked layout), kept on
+disk once prepared, so a later start copies one file into shared memory instead of dequantizing
+the GGUF again (seconds of Python on every start, against a file copy).
+
+Kept for GGUF files on the CPU backend: an HF directory's safetensors load fast as they are, and
+the CUDA backend prepares its own layout on the GPU. An entry is named by the model file's identity
+(models_repo.prepared_dir), the dtype, and the recipe: the source of the modules that prepare
+weights and the gguf and torch versions, so changing any of them makes a new entry, never a stale hit.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+from meshserve.shared import shm
+from meshserve.shared.models_repo import prepared_dir, publish_dir
+from meshserve.shared.schemas import TensorSpec
+
+log = logging.getLogger("meshserve.model_loader")
+
+RECIPE_MODULES = ("meshserve.shared.model.weights", "meshserve.shared.model.llama", "meshserve.kernels.linear")
+RECIPE_DISTRIBUTIONS = ("gguf", "torch")
+
+
+@functools.cache
+def recipe() -> str:
+    """What the prepared bytes depend on besides the file: the code and the versions that make them."""
+    h = hashlib.sha256()
+    for name in RECIPE_MODULES:
+        h.update(Path(importlib.util.find_spec(name).origin).read_bytes())
+    for dist in RECIPE_DISTRIBUTIONS:
+        h.update(importlib.metadata.version(dist).encode())
+    return h.hexdigest()[:16]
+
+
+def entry(model_file: Path, dtype: str, device: str) -> Path | None:
+    """Where this model's prepared weights are kept, or None where none are kept."""
+    if device != "cpu" or not model_file.is_file() or model_file.suffix.lower() != ".gguf":
+        return None
+    return prepared_dir(model_file, "weights", dtype, device, recipe())
+
+
+def load(kept: Path, shm_name: str) -> tuple[str, list[TensorSpec], dict] | None:
+    """The kept weights copied into a new shared file `shm_name`: (its path, the tensors, the model
+    config), or None when nothing is kept there yet."""
+    meta = kept / "weights.json"
+    if not meta.is_file():
+        return None
+    m = json.loads(meta.read_text())
+    path = shm.create_copy(shm_name, kept / "weights.bin")
+    return str(path), [TensorSpec(**t) for t in m["tensors"]], m["config"]
+
+
+def keep(kept: Path, shm_path: str, specs: list[TensorSpec], config: dict) -> None:
+    """Keeps what was just written to shared memory for the next start (best effort: a cache that
+    cannot be written costs only the time saved)."""
+    tmp = None
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{kept.name}.", dir=kept.parent))
+        shutil.copyfile(shm_path, tmp / "weights.bin")
+        (tmp / "weights.json").write_text(json.dumps({"tensors": [s.model_dump() for s in specs], "config": config}))
+        publish_dir(tmp, kept)
+    except OSError as e:
+        log.warning("could not keep the prepared weights in %s: %s", kept, e)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
