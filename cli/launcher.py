@@ -24,6 +24,7 @@ from pathlib import Path
 log = logging.getLogger("meshserve.up")
 
 DEVICE_ROLES = ("model-loader", "kv-pool", "prefill", "decode")  # the services that take --device
+HEALTH_POLL_S = 0.1  # how often start-up asks the gateway's /health: the mesh is announced within this
 
 NATS_CONF = """\
 listen: 127.0.0.1:{port}
@@ -138,7 +139,7 @@ class Launcher:
                         return True
             except OSError:
                 pass
-            time.sleep(0.5)
+            time.sleep(HEALTH_POLL_S)
         return False
 
     def stop(self, grace: float = 35.0) -> None:  # the gateway gives in-flight requests 30 s

@@ -1,4 +1,9 @@
-"""The `meshserve` command."""
+"""The `meshserve` command.
+
+It imports a service's module only for the service it runs (`meshserve serve ROLE`): a worker's
+module loads torch, and `meshserve up` (the launcher) and the gateway, scheduler and kv-pool
+processes it starts do no tensor math, so they never load it.
+"""
 
 from __future__ import annotations
 
@@ -74,7 +79,19 @@ def _add_role_arguments(role: str, p: argparse.ArgumentParser) -> None:
     add_arguments(p)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def roles_for(argv: list[str] | None) -> tuple[str, ...]:
+    """The roles whose options the parser needs for `argv` (None: all of them)."""
+    if argv is None:
+        return ROLES
+    if len(argv) >= 2 and argv[0] == "serve" and argv[1] in ROLES:
+        return (argv[1],)
+    return ()
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The whole command line; given the `argv` about to be parsed, only the options of the role it
+    serves are added (importing a service's module is what they cost)."""
+    with_options = roles_for(argv)
     p = argparse.ArgumentParser(prog="meshserve", description="An LLM inference mesh over NATS.")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -108,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
         _common(rp)
         if role in DEVICE_ROLES:
             add_device_argument(rp)
-        _add_role_arguments(role, rp)
+        if role in with_options:
+            _add_role_arguments(role, rp)
         rp.set_defaults(func=_serve)
 
     m = sub.add_parser("models", help="the local model repository")
@@ -124,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the mesh benchmark: meshserve up vs the in-process engine, side by side")
     bm.set_defaults(func=lambda a: __import__("meshserve.bench.mesh_bench",
                                               fromlist=["main"]).main(a.rest), passthrough=True)
+    bs = sub.add_parser("bench-startup", add_help=False,
+                        help="time `meshserve up` to its first served token (cold and warm) and the memory "
+                             "of each of its processes")
+    bs.set_defaults(func=lambda a: __import__("meshserve.bench.startup_bench",
+                                              fromlist=["main"]).main(a.rest), passthrough=True)
     # Measurement commands (issue 4); each module parses its own options.
     for name, module, text in (
             ("bench", "bench.loadgen", "load-test an OpenAI-compatible server or the NATS API with a workload"),
@@ -138,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
     args, rest = parser.parse_known_args(argv)
     if getattr(args, "passthrough", False):
         args.rest = rest  # the subcommand parses its own options
