@@ -139,8 +139,8 @@ class NATSTarget:
                     chunk = orjson.loads(msg.data)
                 except orjson.JSONDecodeError:
                     raise TargetError(f"bad message: {msg.data[:100]!r}") from None
-                if isinstance(chunk, dict) and "error" in chunk:
-                    status = (msg.headers or {}).get("Meshserve-Status", "error")
+                status = (msg.headers or {}).get("Meshserve-Status")  # what marks an error (docs/nats-api.md)
+                if status is not None:
                     raise TargetError(f"NATS {status}: {_error_message(chunk)}")
                 yield chunk
         finally:

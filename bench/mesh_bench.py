@@ -49,7 +49,7 @@ def _children(pid: int) -> dict[int, str]:
     for line in out.splitlines():
         p, pp, args = line.split(None, 2)
         if int(pp) == pid:
-            m = re.search(r"cli serve (\S+)", args)
+            m = re.search(r"meshserve\.cli\.main serve (\S+)", args)
             kids[int(p)] = m.group(1) if m else "nats-server"
     return kids
 

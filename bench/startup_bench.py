@@ -15,7 +15,9 @@ directory too.
 A run: start `meshserve up`; poll the gateway's /health every 20 ms; then one streaming completion
 (max_tokens 1); its first content chunk is the first served token. Then the memory of the launcher
 and of each process under it (gateway, scheduler, kv-pool, model-loader, workers, nats-server),
-from /proc/<pid>/smaps_rollup, in MB; then Ctrl-C (SIGINT), as a user stops it.
+from /proc/<pid>/smaps_rollup, in MB, and the CPU seconds each has used (on few cores, start-up is
+their sum as much as the longest chain); then Ctrl-C (SIGINT), as a user stops it. Each run has a
+namespace of its own, so other meshes on the machine do not disturb it.
 Targets (issue 8): gateway, scheduler and launcher under 120 MB RSS each; warm start-up under 8 s.
 """
 
@@ -58,6 +60,13 @@ def memory_mb(pid: int) -> dict[str, float]:
             if key in ("Rss", "Pss"):
                 out[key.lower() + "_mb"] = round(int(rest.split()[0]) / 1024, 1)
     return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process so far: what its start-up cost, where cores are few."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 2)
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -131,7 +140,10 @@ def first_token(url: str, model: str, deadline: float) -> tuple[float, float]:
 
 def one_run(a, cache: Path, model: str, log_path: Path) -> dict:
     port, nats_port = _port(), _port()
-    cmd = [sys.executable, "-m", "meshserve.cli.main", "up", "--model", model, "--dtype", a.dtype,
+    # A namespace of its own: shared-memory files are named by it, so another mesh on this machine
+    # (a test, someone's `meshserve up`) can never replace or remove this one's.
+    namespace = f"startup{os.getpid()}x{port}"
+    cmd = [sys.executable, "-m", "meshserve.cli.main", "up", "--namespace", namespace, "--model", model, "--dtype", a.dtype,
            "--port", str(port), "--nats-port", str(nats_port), "--prefill", str(a.prefill),
            "--decode", str(a.decode), "--request-log", str(cache / "logs" / "requests.jsonl"), *a.up_args.split()]
     env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"} | {"MESHSERVE_CACHE": str(cache)}
@@ -145,7 +157,7 @@ def one_run(a, cache: Path, model: str, log_path: Path) -> dict:
             memory = {}
             for name, pid in procs.items():
                 try:
-                    memory[name] = memory_mb(pid)
+                    memory[name] = memory_mb(pid) | {"cpu_s": cpu_seconds(pid)}
                 except OSError:
                     pass
         finally:
