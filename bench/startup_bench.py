@@ -143,7 +143,8 @@ def one_run(a, cache: Path, model: str, log_path: Path) -> dict:
     # A namespace of its own: shared-memory files are named by it, so another mesh on this machine
     # (a test, someone's `meshserve up`) can never replace or remove this one's.
     namespace = f"startup{os.getpid()}x{port}"
-    cmd = [sys.executable, "-m", "meshserve.cli.main", "up", "--namespace", namespace, "--model", model, "--dtype", a.dtype,
+    cmd = [sys.executable, "-m", "meshserve.cli.main", "up", "--namespace", namespace, "--model", model,
+           "--dtype", a.dtype,
            "--port", str(port), "--nats-port", str(nats_port), "--prefill", str(a.prefill),
            "--decode", str(a.decode), "--request-log", str(cache / "logs" / "requests.jsonl"), *a.up_args.split()]
     env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"} | {"MESHSERVE_CACHE": str(cache)}

@@ -22,14 +22,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 from pathlib import Path
-from typing import get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .schemas import Priority
+from .limits import PRIORITIES, Priority, check_priority
 
-CLASSES: tuple[str, ...] = get_args(Priority)  # best first: interactive, normal, background
+CLASSES: tuple[str, ...] = PRIORITIES  # best first: interactive, normal, background
 DEFAULT_CLASS = "normal"
 
 
@@ -167,8 +166,7 @@ def request_class(asked, tenant: Tenant | None) -> str:
     Raises ValueError for a value that is not a class, ClassNotAllowed above the tenant's maximum."""
     if asked is None:
         return tenant.default_priority if tenant is not None else DEFAULT_CLASS
-    if asked not in CLASSES:
-        raise ValueError(f"priority must be one of {', '.join(CLASSES)}")
+    check_priority(asked)  # ValueError (limits.LimitError) for a value that is not a class
     if tenant is not None and rank(asked) < rank(tenant.max_priority):
         raise ClassNotAllowed(f"tenant {tenant.name!r} may ask for priority {tenant.max_priority!r} at most, "
                               f"not {asked!r}")
