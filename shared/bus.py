@@ -27,7 +27,8 @@ M = TypeVar("M", bound=Message)
 
 DEFAULT_NATS_URL = os.environ.get("MESHSERVE_NATS_URL", "nats://127.0.0.1:4222")
 ERROR_HEADER = "Meshserve-Error"
-NO_RESPONDERS_WAIT_S = 0.05  # a request to a service not subscribed yet is asked again after this
+NO_RESPONDERS_WAIT_S = 0.05  # a request to a service not subscribed yet is asked again after this,
+NO_RESPONDERS_MARGIN_S = 0.2  # until this long before its timeout (its caller hears "no responders" in time)
 
 
 def header_value(text: str) -> str:
@@ -95,7 +96,7 @@ class Bus:
                                              headers=headers or None)
                 break
             except nats.errors.NoRespondersError:
-                if loop.time() + NO_RESPONDERS_WAIT_S > deadline:
+                if loop.time() + NO_RESPONDERS_MARGIN_S > deadline:
                     raise
                 await asyncio.sleep(NO_RESPONDERS_WAIT_S)
         error = reply_error(resp)
