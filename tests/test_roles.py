@@ -98,3 +98,15 @@ def test_never_zero_decoders_and_prefill_demand_keeps_a_prefill_capable_worker(w
     if s.to_role == "decode":  # only when the prompts' share of the work is small
         p, d = sum(w.pending_prefill_tokens for w in loads), sum(w.pending_decode_tokens for w in loads)
         assert target_prefill_workers(p, d, len(loads), POLICY) < after.count("prefill") + 1 - 0.5
+
+
+def test_bench_roles_configurations_and_the_traffic_shift_workload():
+    from meshserve.bench.roles_bench import configurations
+    from meshserve.bench.workload import load_workload
+
+    assert configurations(2) == [("elastic", 1, 1, True), ("fixed-0:2", 0, 2, False), ("fixed-1:1", 1, 1, False)]
+    reqs = load_workload("traffic-shift").generate(vocab_size=1000, max_model_len=8192)
+    first, second = [q for q in reqs if q.arrival < 24.0], [q for q in reqs if q.arrival >= 24.0]
+    assert {q.cls for q in first} == {"prefill_heavy"} and {q.cls for q in second} == {"decode_heavy"}
+    assert min(q.prompt_len for q in first) > 10 * max(q.prompt_len for q in second)
+    assert max(q.output_len for q in first) * 10 < min(q.output_len for q in second)
