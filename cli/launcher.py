@@ -122,7 +122,8 @@ class Launcher:
             for i in range(a.decode):
                 self.spawn(f"decode-{i}", self.serve_cmd("decode", *worker_opts))
         tenants = ["--tenants", str(Path(a.tenants).expanduser().resolve())] if getattr(a, "tenants", None) else []
-        self.spawn("scheduler", self.serve_cmd("scheduler", *tenants))
+        fixed = ["--fixed-roles"] if getattr(a, "fixed_roles", False) else []
+        self.spawn("scheduler", self.serve_cmd("scheduler", *tenants, *fixed))
         self.spawn("gateway", self.serve_cmd("gateway", "--host", a.host, "--port", str(a.port),
                                              *gateway_log_options(a), *tenants))
 
@@ -244,6 +245,9 @@ def add_arguments(p) -> None:
     p.add_argument("--request-log", default=None,
                    help="the gateway's request log (default: ~/.cache/meshserve/logs/requests.jsonl)")
     p.add_argument("--no-request-log", action="store_true", help="the gateway writes no request log")
+    p.add_argument("--fixed-roles", action="store_true",
+                   help="workers keep the roles they start with (default: with two or more workers, the scheduler "
+                        "switches them between prefill and decode as the traffic asks)")
     p.add_argument("--tenants", default=None, metavar="FILE",
                    help="tenants file (docs/tenants.md): API keys, classes, quotas and queue bounds, for the gateway "
                         "and the scheduler (default: none, the API is open)")

@@ -155,7 +155,20 @@ class Heartbeat(Message):
     # block leases): what the mesh adds around the engine's steps; and the tokens it streamed.
     io_cpu_s: float = 0.0
     tokens_streamed: int = 0
+    # Work still to do here, for the elastic roles (services/scheduler/roles.py): prompt tokens not
+    # yet computed, and output tokens not yet generated (max_tokens less those done).
+    pending_prefill_tokens: int = 0
+    pending_decode_tokens: int = 0
     time: float
+
+
+class RoleSwitch(Message):
+    """Scheduler -> one worker: change role (prefill <-> decode) at the next iteration boundary.
+    To decode: it keeps its sequences and decodes them itself. To prefill: it hands its decoding
+    sequences to other decode workers (block ids, as after a prefill). Nothing is reloaded."""
+
+    role: Literal["prefill", "decode"]
+    reason: str = ""
 
 
 class KVEvent(Message):

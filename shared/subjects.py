@@ -10,7 +10,7 @@ a typo is an error where the subject is built, not a message nobody hears.
     <ns>.v1.completions, <ns>.v1.chat.completions   public request/reply API (gateway); a contract
     <ns>.scheduler.{submit,handoff,abort,done,status} gateway/workers -> scheduler
     <ns>.scheduler.usage                             gateway -> scheduler (a tenant's request ended)
-    <ns>.worker.<id>.{prefill,adopt,abort}           scheduler -> one worker
+    <ns>.worker.<id>.{prefill,adopt,abort,role}      scheduler -> one worker (role: elastic roles)
     <ns>.workers.heartbeat                           workers -> scheduler, kv-pools
     <ns>.kv.<node>.{arena,lease,release,retain,transfer,status}  workers, scheduler <-> the node's kv-pool
     <ns>.kv.<node>.swap                              workers -> kv-pool (arena <-> host swap tier, by block ids)
@@ -34,7 +34,7 @@ DEFAULT_NAMESPACE = "meshserve"
 
 ApiEndpoint = Literal["completions", "chat.completions"]
 SchedulerEndpoint = Literal["submit", "handoff", "abort", "done", "status", "usage"]
-WorkerEndpoint = Literal["prefill", "adopt", "abort"]
+WorkerEndpoint = Literal["prefill", "adopt", "abort", "role"]
 WorkersEndpoint = Literal["heartbeat"]
 KVEndpoint = Literal["arena", "lease", "release", "retain", "transfer", "status", "swap", "import", "fetch",
                      "chunk", "close", "events", "pressure", "host_events"]

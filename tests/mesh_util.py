@@ -32,7 +32,8 @@ async def _ask(nats_url: str, subject: str) -> dict:
 
 class Mesh:
     def __init__(self, model: Path, tmp: Path, prefill: int = 1, decode: int = 1, namespace: str = "meshserve",
-                 env: dict | None = None, extra: list[str] | None = None):
+                 env: dict | None = None, extra: list[str] | None = None, elastic: bool = False):
+        # Tests written for a topology pin it (`--fixed-roles`); elastic=True lets roles follow the traffic.
         self.port, self.nats_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.nats_url = f"nats://127.0.0.1:{self.nats_port}"
@@ -41,7 +42,7 @@ class Mesh:
         cmd = [sys.executable, "-m", "meshserve.cli.main", "up", "--model", str(model), "--dtype", "float32",
                "--port", str(self.port), "--nats-port", str(self.nats_port), "--namespace", namespace,
                "--prefill", str(prefill), "--decode", str(decode), "--kv-cache-gb", "0.02",
-               "--startup-timeout", "240", *(extra or [])]
+               "--startup-timeout", "240", *([] if elastic else ["--fixed-roles"]), *(extra or [])]
         self.proc = subprocess.Popen(cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
                                      env={**os.environ, "MESHSERVE_SHM_DIR": str(tmp / "shm"), **(env or {})})
         self.shm_dir = tmp / "shm"

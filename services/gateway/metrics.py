@@ -10,6 +10,7 @@ accepted the submission. The gateway cannot see when a worker actually starts th
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # vLLM's buckets.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -28,6 +29,30 @@ STATUS_GAUGES = {
     "prefix_hits": ("meshserve:prefix_cache_hits", "Prefix-cache hits (tokens), all workers."),
     "num_preemptions": ("meshserve:num_preemptions", "Preemptions, all workers."),
 }
+
+
+ROLES = ("prefill", "decode", "mixed")
+
+
+class WorkerRoles:
+    """`meshserve:worker_role` (1 for each worker's current role, 0 for the others) and
+    `meshserve:role_switches_total`, from the scheduler's last status: workers come and go, so the
+    series are built at each scrape rather than kept."""
+
+    def __init__(self, model_name: str):
+        self.model = model_name
+        self.status: dict = {}
+
+    def collect(self):
+        role = GaugeMetricFamily("meshserve:worker_role", "Each worker's current role (1) among prefill, decode, "
+                                 "mixed.", labels=["model_name", "worker", "role"])
+        for w in self.status.get("workers") or []:
+            for r in ROLES:
+                role.add_metric([self.model, str(w.get("id")), r], float(w.get("role") == r))
+        switches = CounterMetricFamily("meshserve:role_switches", "Worker role switches (elastic roles).",
+                                       labels=["model_name"])
+        switches.add_metric([self.model], float(self.status.get("role_switches") or 0))
+        return [role, switches]
 
 
 class GatewayMetrics:
@@ -70,6 +95,8 @@ class GatewayMetrics:
                                        registry=r)
         self._status = {key: Gauge(name, doc, labels, registry=r).labels(model_name)
                         for key, (name, doc) in STATUS_GAUGES.items()}
+        self._roles = WorkerRoles(model_name)
+        r.register(self._roles)
 
     def observe_itl(self, seconds: float, num_tokens: int) -> None:
         """A chunk of several tokens counts as that many tokens, evenly spaced."""
@@ -101,6 +128,7 @@ class GatewayMetrics:
         """Sets the scheduler gauges; leaves them as they were when the scheduler did not answer."""
         if not status:
             return
+        self._roles.status = status
         for key, gauge in self._status.items():
             value = status.get(key)
             if isinstance(value, (int, float)):

@@ -7,6 +7,11 @@ reference); one on another node pulls their bytes through its own kv-pool first 
 With a tenants file (`--tenants`), it admits each new request against its tenant's quotas and
 its class's queue bound first (admission.py) and answers a refusal with its status (429, 503).
 
+Elastic roles (roles.py; `--fixed-roles` pins them): with two or more workers on a node, it
+switches a worker between prefill and decode when the pending prompt tokens and the output tokens
+still to generate call for another split, with hysteresis, telling the worker on
+`<ns>.worker.<id>.role`; the worker confirms in a heartbeat.
+
 It never sees tokens: the gateway owns each stream. When a worker goes silent, the scheduler
 tells the gateway of each of its requests ("worker_lost"); the gateway re-submits with the
 tokens the client already has, and a new worker recomputes and continues from there.
@@ -25,12 +30,13 @@ from meshserve.shared.bus import Bus
 from meshserve.shared.limits import LimitError, check_context_length
 from meshserve.shared.prefix_hash import prompt_block_hashes
 from meshserve.shared.schemas import (Abort, BlockRefs, BlockTransfer, Done, GenerateRequest, Handoff, Heartbeat,
-                                      KVEvent, SubmitReply, TokenChunk, TransferReply, Usage)
+                                      KVEvent, RoleSwitch, SubmitReply, TokenChunk, TransferReply, Usage)
 from meshserve.shared.service import run_service
 from meshserve.shared.telemetry import span
 from meshserve.shared.tenants import load_tenants
 
 from .admission import Admission, waiting_by_class
+from .roles import ElasticRoles, Load
 from .routing import WorkerView, pick_decode, pick_idle_for_short_prompt, pick_prefill
 
 log = logging.getLogger("meshserve.scheduler")
@@ -58,11 +64,16 @@ class Scheduler:
         self.aborted: set[str] = set()
         tenants = getattr(args, "tenants", None)
         self.admission = Admission(load_tenants(tenants) if tenants else None)
+        self.roles = ElasticRoles(enabled=not getattr(args, "fixed_roles", False))
 
     # -- views
 
     def alive(self, model: str, roles: tuple[str, ...]) -> list[WorkerView]:
-        return [w for w in self.workers.values() if w.hb.role in roles and w.hb.model == model]
+        return [w for w in self.workers.values() if self.role_of(w) in roles and w.hb.model == model]
+
+    def role_of(self, w: WorkerView) -> str:
+        """The role it is routed by: a worker told to switch counts in its new role at once."""
+        return self.roles.role_of(w.hb.worker_id, w.hb.role)
 
     def prefill_candidates(self, model: str) -> list[WorkerView]:
         # Dedicated prefill workers first; with none, decode workers prefill too (mixed role).
@@ -78,7 +89,7 @@ class Scheduler:
                     for m in models)
         total = max((w.hb.total_blocks for w in ws), default=1)
         return {"ready": ready,
-                "workers": [{"id": w.hb.worker_id, "role": w.hb.role, "model": w.hb.model,
+                "workers": [{"id": w.hb.worker_id, "role": self.role_of(w), "model": w.hb.model,
                              "node_id": w.hb.node_id,
                              "running": w.hb.num_running, "waiting": w.hb.num_waiting,
                              "assigned": len(w.assigned),
@@ -93,6 +104,8 @@ class Scheduler:
                 "num_priority_preemptions": sum(w.hb.num_priority_preemptions for w in ws),
                 "running_by_priority": _by_priority(w.hb.running_by_priority for w in ws),
                 "waiting_by_priority": _by_priority(w.hb.waiting_by_priority for w in ws),
+                "elastic_roles": self.roles.enabled, "role_switches": self.roles.switches,
+                "recent_role_switches": self.roles.history,
                 **({"admission": {**self.admission.status(), "waiting_by_class": self.waiting_by_class()}}
                    if self.admission.enabled else {})}
 
@@ -195,6 +208,21 @@ class Scheduler:
             self.workers[hb.worker_id] = WorkerView(hb)
         else:
             w.hb, w.last_seen = hb, time.monotonic()
+        self.roles.reported(hb.node_id, hb.worker_id, hb.role)
+
+    async def balance_roles(self) -> None:
+        """Orders at most one role switch per node (roles.py decides)."""
+        nodes: dict[tuple[str, str], list[Load]] = {}
+        for w in self.workers.values():
+            nodes.setdefault((w.hb.model, w.hb.node_id), []).append(Load(
+                w.hb.worker_id, w.hb.role, w.hb.pending_prefill_tokens, w.hb.pending_decode_tokens,
+                w.hb.num_running))
+        for (_, node), loads in nodes.items():
+            s = self.roles.observe(node, loads)
+            if s is not None:
+                log.info("switching worker %s %s -> %s: %s", s.worker_id, s.from_role, s.to_role, s.reason)
+                await self.bus.publish(self.bus.subjects.worker(s.worker_id, "role"),
+                                       RoleSwitch(role=s.to_role, reason=s.reason))
 
     def kv_event(self, ev: KVEvent) -> None:
         w = self.workers.get(ev.worker_id)
@@ -212,6 +240,7 @@ class Scheduler:
             for wid, w in list(self.workers.items()):
                 if now - w.last_seen > self.args.worker_timeout:
                     del self.workers[wid]
+                    self.roles.forget(wid)
                     lost = [t for t in self.requests.values() if t.worker == wid]
                     log.warning("worker %s silent for %.1fs: re-dispatching %d requests", wid, now - w.last_seen,
                                 len(lost))
@@ -219,6 +248,7 @@ class Scheduler:
                         del self.requests[t.req.request_id]
                         await self._lost(t.req)
             self.admission.sweep(self.requests.__contains__)
+            await self.balance_roles()
 
     async def serve(self) -> None:
         s, nc = self.bus.subjects, self.bus.nc
@@ -272,6 +302,9 @@ def add_arguments(p) -> None:
     p.add_argument("--tenants", default=None, metavar="FILE",
                    help="tenants file (docs/tenants.md): quotas per tenant and a bound per class queue; give the "
                         "gateway the same file (default: none, everything is admitted)")
+    p.add_argument("--fixed-roles", action="store_true",
+                   help="keep every worker in the role it started with (default: with two or more workers on a "
+                        "node, roles follow the traffic)")
 
 
 async def main(args) -> None:

@@ -8,7 +8,11 @@ Roles:
 - mixed: does both for its own requests (a decode worker takes prefills when the scheduler sends
   them, e.g. when no prefill worker is up).
 
-Everything that changes the engine (new requests, adoptions, aborts) is queued by the NATS
+A worker's role may change while it runs (elastic roles, `<ns>.worker.<id>.role`): to decode it
+keeps its sequences; to prefill it hands its decoding ones to other decode workers, as it would
+after a prefill. The weights and the arena stay mapped: nothing is reloaded.
+
+Everything that changes the engine (new requests, adoptions, aborts, a role) is queued by the NATS
 callbacks and applied between steps, at iteration boundaries. The step itself runs in a thread so
 heartbeats and messages keep flowing while it computes. Which blocks of the node's KV arena the
 worker holds (leases, give-back, host-tier spill and restore, handoffs, imports) is kv_blocks.py's.
@@ -25,11 +29,12 @@ import time
 from meshserve.shared import node_memory, shm
 from meshserve.shared.bus import Bus
 from meshserve.shared.engine import wire
-from meshserve.shared.engine.llm_engine import EngineConfig, LLMEngine, RequestError, RequestOutput
+from meshserve.shared.engine.llm_engine import (EngineConfig, LLMEngine, RequestError, RequestOutput,
+                                                SequenceStatus)
 from meshserve.shared.engine.scheduler import SchedulerConfig
 from meshserve.shared.model.config import ModelConfig
 from meshserve.shared.model.llama import LlamaModel
-from meshserve.shared.schemas import (Abort, Done, GenerateRequest, Handoff, Heartbeat, LoadRequest,
+from meshserve.shared.schemas import (Abort, Done, GenerateRequest, Handoff, Heartbeat, LoadRequest, RoleSwitch,
                                       TokenChunk, WeightsDescriptor)
 from meshserve.shared.service import run_service
 from meshserve.shared import telemetry
@@ -66,6 +71,7 @@ class Worker:
         self.received: dict[str, float] = {}  # wall clock, for the queue and prefill spans
         self.decode_start: dict[str, float] = {}
         self.tokens_streamed = 0
+        self.unpublished: list[RequestOutput] = []  # a decode step's outputs, streamed while the next step runs
 
     # -- start-up: map the weights and the KV arena, lease blocks
 
@@ -103,7 +109,8 @@ class Worker:
                      arena.ipc["handle"][:16], torch.cuda.memory_allocated(kv.device))
         self.blocks = KVBlocks(self.engine, pool, a.lease_blocks, arena.swap_blocks, report=self._post)
         await self.blocks.start()
-        for verb, cb in (("prefill", self._on_request), ("adopt", self._on_adopt), ("abort", self._on_abort)):
+        for verb, cb in (("prefill", self._on_request), ("adopt", self._on_adopt), ("abort", self._on_abort),
+                        ("role", self._on_role)):
             await self.bus.nc.subscribe(s.worker(self.id, verb), cb=cb)
         self.tasks = [asyncio.ensure_future(self._heartbeats()), asyncio.ensure_future(self._loop())]
         log.info("worker %s ready: %s, %d KV blocks of the arena leased", self.id, self.role,
@@ -135,6 +142,9 @@ class Worker:
     async def _on_abort(self, msg) -> None:
         self._post("abort", Abort.decode(msg.data))
 
+    async def _on_role(self, msg) -> None:
+        self._post("role", RoleSwitch.decode(msg.data))
+
     async def _apply_inbox(self) -> None:
         inbox, self.inbox = self.inbox, []
         for kind, m in inbox:
@@ -150,6 +160,8 @@ class Worker:
                 await self._done(m.request.request_id, "abort")
             elif kind == "reclaim":  # another worker of the node is short of blocks
                 await self.blocks.reclaim()
+            elif kind == "role":
+                await self._switch_role(m)
             else:
                 self.blocks.cancel(m.request_id)
                 self.engine.abort(m.request_id, m.reason)
@@ -189,13 +201,11 @@ class Worker:
         # A step's tokens are streamed while the next step computes (the cores would otherwise wait
         # on the messages); a prefill worker streams before its next step, since its hand-offs
         # detach sequences from the engine, which only happens between steps.
-        pending: list[RequestOutput] = []
         while True:
             await self._apply_inbox()
             if not self.engine.has_unfinished():
-                if pending:
-                    await self._publish(pending)
-                    pending = []
+                if self.unpublished:
+                    await self._flush()
                     continue
                 self.wake.clear()
                 if not self.inbox:
@@ -203,15 +213,45 @@ class Worker:
                 continue
             await self.blocks.before_step()
             step = asyncio.get_running_loop().run_in_executor(self.stepper, self.engine.step)
-            if pending:
-                await self._publish(pending)
-                pending = []
+            await self._flush()
             outputs = await step
             await self.blocks.publish_changes()
             if self.role == "prefill":
                 await self._publish(outputs)
             else:
-                pending = outputs
+                self.unpublished = outputs
+
+    async def _flush(self) -> None:
+        outputs, self.unpublished = self.unpublished, []
+        await self._publish(outputs)
+
+    async def _switch_role(self, m: RoleSwitch) -> None:
+        """At an iteration boundary: to decode, keep every sequence here (none is handed off any
+        more); to prefill, stream what the last step made, then hand every decoding sequence to
+        a decode worker and the ones still prefilling after their first token, as a prefill worker
+        does. Heartbeats at once, which is how the scheduler learns the switch is done."""
+        t0, old = time.perf_counter(), self.role
+        if m.role == old:
+            await self._heartbeat()
+            return
+        await self._flush()
+        self.role = m.role
+        handed = 0
+        if m.role == "decode":
+            self.to_hand_off.clear()
+        else:
+            for rid in list(self.streams):
+                seq = self.engine.requests.get(rid)
+                if seq is None:
+                    continue
+                self.to_hand_off.add(rid)
+                if seq.status == SequenceStatus.RUNNING and seq.num_output_tokens and \
+                        seq.num_tokens - seq.num_computed_tokens == 1:  # decoding: its KV is all computed
+                    await self._hand_off(rid)
+                    handed += 1
+        await self._heartbeat()
+        log.info("worker %s role %s -> %s in %.3f s (%d decoding sequences handed off, %d kept): %s", self.id,
+                 old, m.role, time.perf_counter() - t0, handed, len(self.streams), m.reason)
 
     async def _publish(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -270,21 +310,39 @@ class Worker:
         await self.bus.publish(self.bus.subjects.done, Done(request_id=request_id, worker_id=self.id,
                                                             finish_reason=reason))
 
+    def _pending_tokens(self) -> tuple[int, int]:
+        """(prompt tokens not yet computed, output tokens not yet generated) of its sequences."""
+        prefill = decode = 0
+        for seq in list(self.engine.requests.values()):  # one copy: the step thread may end one meanwhile
+            if not seq.num_output_tokens or seq.num_tokens - seq.num_computed_tokens > 1:
+                prefill += seq.num_tokens - seq.num_computed_tokens
+            decode += max(0, seq.params.max_tokens - seq.num_output_tokens)
+        for kind, m in self.inbox:
+            if kind == "request":
+                prefill += len(m.prompt_token_ids) + len(m.output_token_ids)
+                decode += max(0, m.sampling.max_tokens - len(m.output_token_ids))
+        return prefill, decode
+
     async def _heartbeats(self) -> None:
-        e, pool = self.engine, self.engine.block_pool
         while True:
-            stats = e.stats
-            await self.bus.publish(self.bus.subjects.heartbeat, Heartbeat(
-                worker_id=self.id, role=self.role, model=self.served, node_id=self.args.node_id,
-                num_running=stats["num_running"], num_waiting=stats["num_waiting"] + len(self.inbox),
-                free_blocks=pool.num_free, held_blocks=pool.num_held, total_blocks=pool.num_blocks,
-                block_size=e.config.block_size, max_model_len=e.max_model_len,
-                max_num_seqs=e.config.scheduler.max_num_seqs,
-                prefix_queries=stats["prefix_queries"], prefix_hits=stats["prefix_hits"],
-                num_preemptions=stats["num_preemptions"], num_priority_preemptions=stats["num_priority_preemptions"],
-                running_by_priority=stats["running_by_priority"], waiting_by_priority=stats["waiting_by_priority"],
-                io_cpu_s=time.thread_time(), tokens_streamed=self.tokens_streamed, time=time.time()))
+            await self._heartbeat()
             await asyncio.sleep(self.args.heartbeat_interval)
+
+    async def _heartbeat(self) -> None:
+        e, pool = self.engine, self.engine.block_pool
+        stats = e.stats
+        pending_prefill, pending_decode = self._pending_tokens()
+        await self.bus.publish(self.bus.subjects.heartbeat, Heartbeat(
+            worker_id=self.id, role=self.role, model=self.served, node_id=self.args.node_id,
+            num_running=stats["num_running"], num_waiting=stats["num_waiting"] + len(self.inbox),
+            free_blocks=pool.num_free, held_blocks=pool.num_held, total_blocks=pool.num_blocks,
+            block_size=e.config.block_size, max_model_len=e.max_model_len,
+            max_num_seqs=e.config.scheduler.max_num_seqs,
+            prefix_queries=stats["prefix_queries"], prefix_hits=stats["prefix_hits"],
+            num_preemptions=stats["num_preemptions"], num_priority_preemptions=stats["num_priority_preemptions"],
+            running_by_priority=stats["running_by_priority"], waiting_by_priority=stats["waiting_by_priority"],
+            io_cpu_s=time.thread_time(), tokens_streamed=self.tokens_streamed,
+            pending_prefill_tokens=pending_prefill, pending_decode_tokens=pending_decode, time=time.time()))
 
 
 def add_arguments(p) -> None:

@@ -1,0 +1,164 @@
+"""Elastic prefill/decode roles: which worker of a node should change role, and when.
+
+The demand on a node's workers is two numbers their heartbeats report: prompt tokens still to
+prefill (P) and output tokens still to generate (D). A remaining output token costs more time than
+a prompt token (prompt tokens are computed many to a step, output tokens one per sequence per
+step), so D is weighed by `decode_token_cost`. The share of the node's N workers that should
+prefill is then N x P / (P + cost x D), with at least one decode worker always. A worker changes
+role only when the current count is off that target by more than half a worker plus
+`hysteresis`, when that has held for `hold_s`, at least `cooldown_s` after the node's last switch,
+and only while the node has `min_work` to do: light traffic never moves roles, and roles do not
+flap on noise. Decode workers prefill too (the scheduler sends them prompts when no prefill
+worker is up), so the policy may leave a node without prefill workers, never without decode ones.
+
+`wanted` is the pure decision from one observation; `ElasticRoles` adds time (hold, cooldown)
+and the switches in flight, which the scheduler's loop drives.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger("meshserve.scheduler")
+
+
+@dataclass(frozen=True)
+class RolePolicy:
+    decode_token_cost: float = 8.0  # one output token still to generate weighs this many prompt tokens
+    min_work: float = 1024.0  # token-equivalents (P + cost x D) below which roles stay as they are
+    hysteresis: float = 0.25  # in workers, beyond the half a worker that rounding already allows
+    hold_s: float = 0.5  # a wish must hold this long (two heartbeats) before it becomes a switch
+    cooldown_s: float = 2.0  # between two switches on one node
+    switch_timeout_s: float = 10.0  # a switch not confirmed by then is given up (the worker may be old or gone)
+
+
+@dataclass(frozen=True)
+class Load:
+    """What one worker's heartbeat said, as the policy needs it."""
+
+    worker_id: str
+    role: str  # prefill | decode (mixed workers are left alone)
+    pending_prefill_tokens: int
+    pending_decode_tokens: int
+    num_running: int = 0
+
+
+@dataclass(frozen=True)
+class Switch:
+    worker_id: str
+    from_role: str
+    to_role: str
+    reason: str
+
+
+def target_prefill_workers(prefill_tokens: float, decode_tokens: float, n: int, policy: RolePolicy) -> float:
+    """How many of n workers the demand asks to prefill (a fraction; at most n - 1)."""
+    work = prefill_tokens + policy.decode_token_cost * decode_tokens
+    if work <= 0:
+        return 0.0
+    return min(n - 1.0, n * prefill_tokens / work)
+
+
+def wanted(loads: list[Load], policy: RolePolicy) -> Switch | None:
+    """The switch one observation of a node's workers asks for, if any."""
+    pool = [w for w in loads if w.role in ("prefill", "decode")]
+    n = len(pool)
+    if n < 2:
+        return None
+    p = sum(w.pending_prefill_tokens for w in pool)
+    d = sum(w.pending_decode_tokens for w in pool)
+    work = p + policy.decode_token_cost * d
+    if work < policy.min_work:
+        return None
+    prefill = [w for w in pool if w.role == "prefill"]
+    decode = [w for w in pool if w.role == "decode"]
+    target = target_prefill_workers(p, d, n, policy)
+    why = (f"pending prefill {p} tokens vs decode {d} tokens x {policy.decode_token_cost:g}: "
+           f"{target:.2f} of {n} workers should prefill, {len(prefill)} do")
+    band = 0.5 + policy.hysteresis
+    if target > len(prefill) + band and len(decode) > 1:
+        w = min(decode, key=lambda w: (w.num_running, w.pending_decode_tokens, w.worker_id))
+        return Switch(w.worker_id, "decode", "prefill", why)
+    if target < len(prefill) - band and prefill:
+        w = min(prefill, key=lambda w: (w.pending_prefill_tokens, w.num_running, w.worker_id))
+        return Switch(w.worker_id, "prefill", "decode", why)
+    return None
+
+
+@dataclass
+class _InFlight:
+    switch: Switch
+    since: float
+
+
+@dataclass
+class ElasticRoles:
+    """Time and state around `wanted`, per node: hold, cooldown, one switch in flight at a time.
+
+    `role_of` is the role the scheduler routes by: a worker told to switch counts in its new role
+    at once (it takes no new work of the old one), before its heartbeat says it has switched."""
+
+    policy: RolePolicy = field(default_factory=RolePolicy)
+    enabled: bool = True
+    switches: int = 0  # completed
+    history: list[dict] = field(default_factory=list)  # the last switches, for status
+    _wish: dict[str, tuple[Switch, float]] = field(default_factory=dict)  # node -> (wish, since)
+    _last: dict[str, float] = field(default_factory=dict)  # node -> time of its last switch
+    _in_flight: dict[str, _InFlight] = field(default_factory=dict)  # worker id -> its switch
+
+    def role_of(self, worker_id: str, reported: str) -> str:
+        f = self._in_flight.get(worker_id)
+        return f.switch.to_role if f is not None else reported
+
+    def observe(self, node: str, loads: list[Load], now: float | None = None) -> Switch | None:
+        """A switch to order now on this node, or None."""
+        if not self.enabled:
+            return None
+        now = time.monotonic() if now is None else now
+        for wid, f in list(self._in_flight.items()):
+            if now - f.since > self.policy.switch_timeout_s:
+                log.warning("worker %s did not confirm its switch to %s in %.0f s: given up", wid, f.switch.to_role,
+                            self.policy.switch_timeout_s)
+                del self._in_flight[wid]
+        ids = {w.worker_id for w in loads}
+        if any(wid in ids for wid in self._in_flight) or now - self._last.get(node, -1e9) < self.policy.cooldown_s:
+            self._wish.pop(node, None)
+            return None
+        loads = [Load(w.worker_id, self.role_of(w.worker_id, w.role), w.pending_prefill_tokens,
+                      w.pending_decode_tokens, w.num_running) for w in loads]
+        want = wanted(loads, self.policy)
+        held = self._wish.get(node)
+        if want is None:
+            self._wish.pop(node, None)
+            return None
+        if held is None or (held[0].worker_id, held[0].to_role) != (want.worker_id, want.to_role):
+            self._wish[node] = (want, now)
+            return None
+        if now - held[1] < self.policy.hold_s:
+            return None
+        del self._wish[node]
+        self._in_flight[want.worker_id] = _InFlight(want, now)
+        self._last[node] = now
+        return want
+
+    def reported(self, node: str, worker_id: str, role: str, now: float | None = None) -> Switch | None:
+        """A heartbeat's role; returns the switch it completes, if any."""
+        f = self._in_flight.get(worker_id)
+        if f is None or role != f.switch.to_role:
+            return None
+        now = time.monotonic() if now is None else now
+        del self._in_flight[worker_id]
+        self._last[node] = now
+        self.switches += 1
+        s = f.switch
+        self.history = (self.history + [{"worker": s.worker_id, "from": s.from_role, "to": s.to_role,
+                                         "seconds": round(now - f.since, 3), "reason": s.reason}])[-16:]
+        log.info("worker %s switched %s -> %s in %.3f s: %s", s.worker_id, s.from_role, s.to_role, now - f.since,
+                 s.reason)
+        return s
+
+    def forget(self, worker_id: str) -> None:
+        """The worker left the mesh."""
+        self._in_flight.pop(worker_id, None)
