@@ -359,3 +359,28 @@ class _StatusWatcher:
 
         asyncio.run_coroutine_threadsafe(self.bus.close(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+# ------------------------------------------------------------------ meshserve bench with the server's tokenizer
+
+
+def test_bench_uses_the_servers_tokenize(base, mesh, tmp_path, tokenizer):  # noqa: F811
+    """The served name ("tiny") is no model bench knows: it builds prompts from the server's /tokenize,
+    so their lengths are exact in the server's tokens."""
+    import yaml
+
+    wl = tmp_path / "w.yaml"
+    wl.write_text(yaml.safe_dump({"name": "w", "num_requests": 4, "prompt_len": {"dist": "uniform", "low": 5,
+                                                                                "high": 20}, "output_len": 2}))
+    r = subprocess.run([sys.executable, "-m", "meshserve.cli.main", "bench", "--url", f"{base}/v1", "--model", SERVED,
+                        "--workload", str(wl), "--seed", "1", "--quiet"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+    report = json.loads(r.stdout)
+    assert report["tokenizer"] == f"{base}/tokenize" and report["completed"] == 4
+    from meshserve.bench.workload import load_workload
+
+    want = sorted(q.prompt_len for q in load_workload(wl).generate(1, vocab_size=100))
+    sent = mesh.submits[-4:]
+    assert sorted(len(s.prompt_token_ids) for s in sent) == want  # exact lengths
+    special = {0, 1, 2}  # the tiny tokenizer's special tokens: never drawn
+    assert all(0 <= t < tokenizer.vocab_size and t not in special for s in sent for t in s.prompt_token_ids)
