@@ -185,12 +185,12 @@ def create_app(gw: Gateway) -> FastAPI:
             call.close()
         return json_response(result) if result is not None else Response(status_code=CLIENT_CLOSED)
 
-    @app.post("/tokenize", responses=openapi.responses(tokenize.TokenizeResponse, errors=(400, 404)))
+    @app.post("/tokenize", responses=openapi.responses(tokenize.TokenizeResponse, errors=(400, 401, 404)))
     async def tokenize_(request: Request):
         """A prompt, or messages through the chat template, as token ids (vLLM's API)."""
         return json_response(tokenize.tokenize(gw, await _json_body(request)))
 
-    @app.post("/detokenize", responses=openapi.responses(tokenize.DetokenizeResponse, errors=(400, 404)))
+    @app.post("/detokenize", responses=openapi.responses(tokenize.DetokenizeResponse, errors=(400, 401, 404)))
     async def detokenize_(request: Request):
         """Token ids as text, special tokens kept (vLLM's API)."""
         return json_response(tokenize.detokenize(gw, await _json_body(request)))

@@ -263,8 +263,10 @@ class Health(BaseModel):
 
 # -- building the document
 
-ERRORS = {400: "invalid request", 404: "unknown model", 499: "the client closed the connection",
-          500: "internal error", 503: "the mesh is not ready (with Retry-After) or has no capacity",
+ERRORS = {400: "invalid request", 401: "no or a wrong API key (with a tenants file)",
+          403: "a priority above the tenant's maximum", 404: "unknown model",
+          429: "over the tenant's limits (with Retry-After)", 499: "the client closed the connection",
+          500: "internal error", 503: "the mesh is not ready, or the class's queue is full (with Retry-After)",
           504: "no tokens arrived for --stream-timeout seconds"}
 
 
@@ -273,7 +275,7 @@ def _ref(name: str) -> dict:
 
 
 def responses(model: type[BaseModel], stream: type[BaseModel] | None = None, stream_note: str = "",
-              errors: tuple[int, ...] = (400, 404, 500, 503, 504)) -> dict:
+              errors: tuple[int, ...] = (400, 401, 403, 404, 429, 500, 503, 504)) -> dict:
     """FastAPI's `responses=` for a route: the body on 200 (and, for streams, the SSE events), the errors."""
     ok: dict[str, Any] = {"model": model, "description": "the response"}
     if stream is not None:
