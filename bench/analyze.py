@@ -40,6 +40,8 @@ from pathlib import Path
 import numpy as np
 import orjson
 
+from meshserve.cli.errors import ArgumentParser
+
 QUANTILES = (50, 95, 99)
 NICE_BUCKETS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 86400)
 MAX_BUCKETS = 240
@@ -447,8 +449,8 @@ def _downsample(t: np.ndarray, level: np.ndarray, max_points: int = 20000) -> tu
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="meshserve analyze", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="meshserve analyze", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("logs", nargs="+", metavar="LOG", help="request log file(s), directories or globs")
     p.add_argument("--json", metavar="OUT", help="write the summary as JSON here ('-': stdout, no tables)")
     p.add_argument("--plots", metavar="DIR", help="write lengths.png, rate.png, inflight.png, mix.png here")
@@ -462,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         files = find_files(args.logs, rotated=not args.no_rotated)
     except FileNotFoundError as e:
-        print(f"meshserve analyze: {e}", file=sys.stderr)
+        print(f"meshserve analyze: error: {e}", file=sys.stderr)
         return 2
     records, bad = load(files)
     if not records:

@@ -43,6 +43,7 @@ from meshserve.bench.loadgen import (HTTPTarget, add_workload_arguments, build_b
                                               write_json)
 from meshserve.bench.report import RequestResult, plots, print_table, summarize
 from meshserve.bench.workload import Request, summary
+from meshserve.cli.errors import ArgumentParser
 
 SYSTEMS = ("meshserve_mesh", "meshserve_engine", "transformers", "llama_cpp")
 RATIO_METRICS = {"output_throughput": ("output_throughput",), "request_throughput": ("request_throughput",),
@@ -248,8 +249,8 @@ def ratio_table(systems: dict[str, dict], rat: dict):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="meshserve compare", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog="meshserve compare", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_arguments(ap, default_workload="mixed-64")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--skip-mesh", action="store_true")

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from meshserve.bench.report import emit_json
+from meshserve.cli.errors import ArgumentParser
 from meshserve.shared.engine.llm import DTYPES, LLM
 from meshserve.shared.engine.sequence import SamplingParams
 from meshserve.shared.models_repo import DEFAULT_MODEL, resolve
@@ -132,8 +133,8 @@ def add_workload_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="meshserve bench-engine", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog="meshserve bench-engine", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_arguments(ap)
     ap.add_argument("--batch1-tokens", type=int, default=256)
     ap.add_argument("--hf-batch", type=int, default=32)

@@ -24,6 +24,7 @@ from typing import Any, AsyncIterator, Callable
 
 from meshserve.bench.report import RequestResult, plots, print_table, summarize, table
 from meshserve.bench.workload import Request, WorkloadSpec, load_workload, summary
+from meshserve.cli.errors import ArgumentParser, CLIError
 from meshserve.shared.models_repo import DEFAULT_MODEL
 
 
@@ -114,8 +115,21 @@ class NATSTarget:
     async def __aenter__(self):
         import nats
 
-        self.nc = await nats.connect(self.nats_url, max_reconnect_attempts=2)
+        async def quiet(e):  # the failure is raised below, in one line, not logged as it retries
+            pass
+
+        try:
+            self.nc = await nats.connect(self.nats_url, max_reconnect_attempts=2, error_cb=quiet)
+        except Exception as e:  # noqa: BLE001 - nats raises several kinds for an unreachable server
+            raise CLIError(f"cannot reach NATS at {self.nats_url}: {e or type(e).__name__}") from None
         return self
+
+    def check_reachable(self) -> None:
+        async def go():
+            async with self:
+                pass
+
+        asyncio.run(go())
 
     async def __aexit__(self, *exc):
         await self.nc.drain()
@@ -266,8 +280,19 @@ def add_workload_arguments(ap: argparse.ArgumentParser, default_workload: str | 
     ap.add_argument("--slo-e2e", type=float, default=None, help="goodput SLO on end-to-end latency, s")
 
 
-def prepare_workload(a: argparse.Namespace, vocab_size: int, special: set[int]) -> tuple[WorkloadSpec, list[Request]]:
-    spec = load_workload(a.workload)
+def workload_arg(name: str) -> WorkloadSpec:
+    """--workload, loaded; a missing or malformed one is a CLIError."""
+    try:
+        return load_workload(name)
+    except FileNotFoundError as e:
+        raise CLIError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - YAML, JSON or schema errors: the file's fault
+        raise CLIError(f"workload {name}: {e}") from None
+
+
+def prepare_workload(a: argparse.Namespace, vocab_size: int, special: set[int],
+                     spec: WorkloadSpec | None = None) -> tuple[WorkloadSpec, list[Request]]:
+    spec = spec or workload_arg(a.workload)
     if a.request_rate is not None:
         spec.arrival = spec.arrival.model_copy(update=(
             {"pattern": "all_at_once"} if a.request_rate == float("inf") else {"pattern": "poisson", "rate": a.request_rate}))
@@ -322,21 +347,129 @@ def write_json(path: str, data: dict) -> None:
         f.write(json.dumps(data, indent=2) + "\n")
 
 
+# --- the prompts' tokenizer
+
+def server_root(url: str) -> str:
+    """The server's address without /v1: vLLM serves /tokenize beside /v1, not under it."""
+    base = url.rstrip("/")
+    return base[:-3] if base.endswith("/v1") else base
+
+
+def sample_text(words: int = 4000, seed: int = 0) -> str:
+    """Made-up words, numbers and punctuation: tokenized by a server, they show it many ids."""
+    import random
+    import string
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(words):
+        w = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(1, 9)))
+        r = rng.random()
+        out.append(w.capitalize() if r < 0.1 else str(rng.randint(0, 9999)) if r < 0.15 else w)
+        if rng.random() < 0.08:
+            out[-1] += rng.choice(".,;:!?")
+    return " ".join(out)
+
+
+class ServerTokenizer:
+    """A server's /tokenize and /detokenize (vLLM's API) in place of a local tokenizer. Prompts are
+    drawn from `ids`, the ids the server gave a sample text (so ordinary tokens only): their lengths
+    are exact in the server's own tokens. decode() asks /detokenize (text and chat prompts)."""
+
+    def __init__(self, root: str, model: str, ids: list[int]):
+        self.root, self.model, self.ids = root, model, ids
+
+    @classmethod
+    def probe(cls, url: str, model: str) -> "ServerTokenizer | None":
+        """None when the server has no /tokenize (or it does not know `model`)."""
+        import httpx
+
+        root = server_root(url)
+        try:
+            r = httpx.post(f"{root}/tokenize", json={"model": model, "prompt": sample_text(),
+                                                     "add_special_tokens": False}, timeout=30)
+            tokens = r.json().get("tokens") if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        if not isinstance(tokens, list) or not tokens or not all(isinstance(t, int) for t in tokens):
+            return None
+        return cls(root, model, sorted(set(tokens)))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.ids)
+
+    def to_server_ids(self, prompt: list[int]) -> list[int]:
+        """A prompt drawn below vocab_size, as the server's ids (one to one: shared prefixes stay shared)."""
+        return [self.ids[i] for i in prompt]
+
+    def decode(self, ids: list[int]) -> str:
+        import httpx
+
+        r = httpx.post(f"{self.root}/detokenize", json={"model": self.model, "tokens": list(ids)}, timeout=30)
+        if r.status_code != 200:
+            raise CLIError(f"{self.root}/detokenize answered {r.status_code}: {r.text[:200]}")
+        return r.json()["prompt"]
+
+
+def check_reachable(url: str, model: str) -> None:
+    """Fails at once for a server nobody answers at; warns when it lists models and not this one."""
+    import httpx
+
+    try:
+        r = httpx.get(f"{server_root(url)}/v1/models", timeout=10)
+    except httpx.HTTPError as e:
+        raise CLIError(f"cannot reach {url}: {type(e).__name__}: {e}".rstrip(": ")) from None
+    try:
+        served = [m["id"] for m in r.json()["data"]] if r.status_code == 200 else []
+    except (ValueError, KeyError, TypeError):
+        served = []
+    if served and model not in served:
+        print(f"meshserve bench: warning: {url} serves {', '.join(served)}, not {model!r} (see --model)",
+              file=sys.stderr)
+
+
+def pick_tokenizer(a: argparse.Namespace):
+    """The tokenizer that builds prompts: --tokenizer; else --model's own when it names a known model
+    or a path; else the server's /tokenize; else the default model's, with a warning that prompt
+    lengths are then approximate. Returns (tokenizer, where it came from, exact)."""
+    from meshserve.shared.models_repo import UnknownModel, check, load_tokenizer
+
+    if a.tokenizer:
+        return load_tokenizer(a.tokenizer), f"--tokenizer {a.tokenizer}", True
+    try:
+        check(a.model)
+        return load_tokenizer(a.model), f"--model {a.model}", True
+    except UnknownModel:
+        pass
+    if not a.nats_url:
+        server = ServerTokenizer.probe(a.url, a.model)
+        if server is not None:
+            return server, f"{server.root}/tokenize", True
+    print(f"meshserve bench: warning: no tokenizer for {a.model!r} (not a known model or a path, and the server has "
+          f"no /tokenize): prompts come from {DEFAULT_MODEL}'s tokenizer, sent as text, so their lengths in the "
+          "server's tokens are approximate; pass --tokenizer for exact ones", file=sys.stderr)
+    return load_tokenizer(DEFAULT_MODEL), f"{DEFAULT_MODEL} (approximate)", False
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="meshserve bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog="meshserve bench", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="http://127.0.0.1:8000", help="OpenAI-compatible server (with or without /v1)")
     ap.add_argument("--nats-url", default=None, help="use meshserve's NATS API at this server instead of HTTP")
     ap.add_argument("--namespace", default="meshserve", help="NATS subject prefix")
     add_workload_arguments(ap)
-    ap.add_argument("--tokenizer", default=None, help="model name or path whose vocabulary builds prompts (default: --model)")
+    ap.add_argument("--tokenizer", default=None,
+                    help="model name or path whose vocabulary builds prompts (default: --model when it is one, else "
+                         "the server's /tokenize, else the default model's, approximately)")
     ap.add_argument("--vocab-size", type=int, default=None,
                     help="draw prompt ids below this without loading a tokenizer (ids prompts only)")
     ap.add_argument("--model-map", action="append", default=[], metavar="NAME=SERVED",
                     help="send the workload's model NAME as SERVED (repeatable)")
     ap.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    ap.add_argument("--prompt-format", choices=["ids", "text"], default="ids",
-                    help="send prompts as token ids, or decoded to text (the server re-tokenizes: lengths differ)")
+    ap.add_argument("--prompt-format", choices=["ids", "text"], default=None,
+                    help="send prompts as token ids, or decoded to text (the server re-tokenizes: lengths differ); "
+                         "default: ids, or text when the tokenizer is only approximately the server's")
     ap.add_argument("--timeout", type=float, default=600.0, help="longest wait for the next chunk, s")
     ap.add_argument("--json", default=None, help="write the report (with per-request records) here")
     ap.add_argument("--plots", default=None, help="write PNG plots into this folder")
@@ -344,21 +477,33 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     quiet_http_logs()
 
-    tokenizer = None
+    try:
+        model_map = dict(m.split("=", 1) for m in a.model_map)
+    except ValueError:
+        ap.error("--model-map takes NAME=SERVED")
+    spec = workload_arg(a.workload)
+    if a.nats_url:
+        NATSTarget(a.nats_url, a.namespace).check_reachable()
+    else:
+        check_reachable(a.url, a.model)
+    tokenizer, tokenizer_source = None, f"--vocab-size {a.vocab_size}"
     if a.vocab_size:
         vocab, special = a.vocab_size, set()
         if a.endpoint == "chat" or a.prompt_format == "text":
             ap.error("--vocab-size makes id prompts only; text and chat need a tokenizer")
     else:
-        from meshserve.shared.models_repo import load_tokenizer
-
-        tokenizer = load_tokenizer(a.tokenizer or a.model)
-        vocab, special = tokenizer.vocab_size, special_ids(tokenizer)
-    try:
-        model_map = dict(m.split("=", 1) for m in a.model_map)
-    except ValueError:
-        ap.error("--model-map takes NAME=SERVED")
-    spec, reqs = prepare_workload(a, vocab, special)
+        tokenizer, tokenizer_source, exact = pick_tokenizer(a)
+        if isinstance(tokenizer, ServerTokenizer):
+            vocab, special = tokenizer.vocab_size, set()
+        else:
+            vocab, special = tokenizer.vocab_size, special_ids(tokenizer)
+        if a.prompt_format is None and not exact:
+            a.prompt_format = "text"  # another model's ids could be any tokens of this one, or none
+    a.prompt_format = a.prompt_format or "ids"
+    spec, reqs = prepare_workload(a, vocab, special, spec)
+    if isinstance(tokenizer, ServerTokenizer):
+        for q in reqs:
+            q.prompt = tokenizer.to_server_ids(q.prompt)
     bodies = [build_body(q, a.model, a.endpoint, a.prompt_format, tokenizer, model_map) for q in reqs]
     if a.nats_url:
         target = NATSTarget(a.nats_url, a.namespace, a.endpoint, a.timeout)
@@ -366,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
         target = HTTPTarget(a.url, a.endpoint, a.timeout, max_connections=max(16, len(reqs) + 4))
     results = progress_run(target, reqs, bodies, spec.arrival.max_concurrency, a.quiet, label=spec.name)
     report = {"command": "meshserve bench " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "target": target.describe(), "model": a.model,
+              "target": target.describe(), "model": a.model, "tokenizer": tokenizer_source,
               "workload": summary(spec, reqs, a.seed) | {"max_model_len": a.max_model_len,
                                                           "endpoint": a.endpoint, "prompt_format": a.prompt_format},
               "slo": slo_of(a)} | summarize(results, slo_of(a))

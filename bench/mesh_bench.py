@@ -27,6 +27,7 @@ import numpy as np
 
 from meshserve.bench.engine_bench import add_workload_arguments, engine_mixed, mixed_workload, summarize
 from meshserve.bench.report import emit_json
+from meshserve.cli.errors import ArgumentParser
 from meshserve.shared.models_repo import load_tokenizer
 
 
@@ -102,8 +103,8 @@ async def mesh_mixed(url: str, model: str, work) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="meshserve bench-mesh", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog="meshserve bench-mesh", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_arguments(ap)
     ap.add_argument("--prefill", type=int, default=0)
     ap.add_argument("--decode", type=int, default=1)

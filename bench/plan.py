@@ -35,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from meshserve.cli.errors import ArgumentParser
+
 SAMPLES = 100_000  # draws per parametric length distribution (seed 0: the plan is deterministic)
 DEFAULT_RATIOS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
 BENCH_TPOT_STATS = ("p99", "p90", "p50", "mean")
@@ -472,8 +474,8 @@ def render(result: dict, console=None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="meshserve plan", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog="meshserve plan", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_argument_group("capacity per worker")
     g.add_argument("--prefill-tps", type=float, help="prompt tokens/s one prefill worker processes at full load")
     g.add_argument("--decode-tps", type=float, help="output tokens/s one decode worker produces (at --decode-tpot)")
@@ -556,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"meshserve plan: {note}", file=sys.stderr)
             return 1
     except (ValueError, OSError, KeyError) as e:
-        print(f"meshserve plan: {e}", file=sys.stderr)
+        print(f"meshserve plan: error: {e}", file=sys.stderr)
         return 2
 
     kv = a.kv_blocks_per_worker * a.block_size if a.kv_blocks_per_worker else None

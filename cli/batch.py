@@ -129,11 +129,12 @@ def main(args) -> int:
     from meshserve.shared.engine.llm import LLM
     from meshserve.shared.engine.llm_engine import EngineConfig
 
-    llm = LLM(args.model, args.dtype, EngineConfig())
-    served = args.served_model_name or args.model
+    # The files first: a wrong path is told at once, not after loading the model.
     inp = sys.stdin.buffer if args.input == "-" else open(args.input, "rb")
     out = sys.stdout.buffer if args.output == "-" else open(args.output, "wb")
     with inp, out:
+        llm = LLM(args.model, args.dtype, EngineConfig())
+        served = args.served_model_name or args.model
         ok, failed = run_batch(llm, inp, out, served)
     print(f"{ok} succeeded, {failed} failed", file=sys.stderr)
     return 0

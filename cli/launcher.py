@@ -125,7 +125,7 @@ class Launcher:
         fixed = ["--fixed-roles"] if getattr(a, "fixed_roles", False) else []
         self.spawn("scheduler", self.serve_cmd("scheduler", *tenants, *fixed))
         self.spawn("gateway", self.serve_cmd("gateway", "--host", a.host, "--port", str(a.port),
-                                             *gateway_log_options(a), *tenants))
+                                             "--ready-timeout", str(a.ready_timeout), *gateway_log_options(a), *tenants))
 
     def wait_healthy(self, timeout: float) -> bool:
         url = f"http://{self.args.host}:{self.args.port}/health"
@@ -181,12 +181,21 @@ def run(args) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     try:
+        started = time.monotonic()
         launcher.start()
-        if not launcher.wait_healthy(args.startup_timeout):
+        try:
+            healthy = launcher.wait_healthy(args.startup_timeout)
+        except RuntimeError as e:  # a service died while starting (its own log said why)
+            log.error("%s", e)
+            return 1
+        if not healthy:
             log.error("the mesh did not become healthy within %.0fs", args.startup_timeout)
             return 1
-        print(f"meshserve is serving {args.model} at http://{args.host}:{args.port}/v1 "
-              f"(NATS {args.nats_url}, namespace {args.namespace!r}); Ctrl-C stops it", flush=True)
+        # The one line that says the mesh is ready: printed once the scheduler has the workers a
+        # request needs (/health), so a request sent now is served. (Requests sent earlier wait.)
+        print(f"meshserve is ready in {time.monotonic() - started:.1f} s: serving {args.model} at "
+              f"http://{args.host}:{args.port}/v1 (NATS {args.nats_url}, namespace {args.namespace!r}); "
+              "Ctrl-C stops it", flush=True)
         while True:
             dead = launcher.supervise()
             if dead:
@@ -241,7 +250,11 @@ def add_arguments(p) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences a worker runs at once")
     p.add_argument("--worker-threads", type=int, default=None,
                    help="torch threads per worker (default on the CPU backend: the cores divided among the workers)")
-    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--startup-timeout", type=float, default=600.0,
+                   help="give up when the mesh is not ready after this many seconds (default: %(default)s)")
+    p.add_argument("--ready-timeout", type=float, default=120.0,
+                   help="a request sent while the mesh is starting waits this long for a worker, then gets a 503 "
+                        "with Retry-After (default: %(default)s)")
     p.add_argument("--request-log", default=None,
                    help="the gateway's request log (default: ~/.cache/meshserve/logs/requests.jsonl)")
     p.add_argument("--no-request-log", action="store_true", help="the gateway writes no request log")

@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 
+from meshserve.cli.errors import USER_ERRORS, ArgumentParser, fail
 from meshserve.shared.models_repo import DEFAULT_MODEL
 
 
@@ -92,7 +93,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The whole command line; given the `argv` about to be parsed, only the options of the role it
     serves are added (importing a service's module is what they cost)."""
     with_options = roles_for(argv)
-    p = argparse.ArgumentParser(prog="meshserve", description="An LLM inference mesh over NATS.")
+    p = ArgumentParser(prog="meshserve", description="An LLM inference mesh over NATS.")
     sub = p.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("batch", help="run an OpenAI Batch JSONL file through the in-process engine, or with --url "
@@ -169,23 +170,29 @@ def main(argv: list[str] | None = None) -> int:
         args.rest = rest  # the subcommand parses its own options
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    prog = " ".join(filter(None, ("meshserve", args.command, getattr(args, "role", None))))
     if getattr(args, "tenants", None):  # a bad tenants file: one line, before anything starts
         from meshserve.shared.tenants import TenantsFileError, load_tenants
 
         try:
             load_tenants(args.tenants)
         except TenantsFileError as e:
-            command = " ".join(filter(None, (args.command, getattr(args, "role", None))))
-            print(f"meshserve {command}: error: --tenants: {e}", file=sys.stderr)
-            return 2
+            return fail(prog, f"--tenants: {e}")
     if getattr(args, "device", "cpu") == "cuda":  # before any process, connection or allocation: fail fast
         from meshserve.shared.node_memory import cuda_problem
 
         problem = cuda_problem()
         if problem:
-            print(f"meshserve {args.command}: error: --device cuda: {problem}", file=sys.stderr)
-            return 2
-    return args.func(args) or 0
+            return fail(prog, f"--device cuda: {problem}")
+    try:
+        serves_here = args.command in ("up", "serve") or (args.command == "batch" and not args.url)
+        if serves_here:  # an unknown model, before anything starts (batch --url names a served model)
+            from meshserve.shared.models_repo import check
+
+            check(args.model)
+        return args.func(args) or 0
+    except USER_ERRORS as e:  # a mistake in what the command was given: one line, never a traceback
+        return fail(prog, e)
 
 
 if __name__ == "__main__":

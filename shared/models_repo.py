@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_MODEL", "KNOWN_MODELS", "ModelSpec", "cache_dir", "cached_path", "pull", "resolve",
-           "load_model_files", "load_tokenizer"]
+__all__ = ["DEFAULT_MODEL", "KNOWN_MODELS", "ModelSpec", "UnknownModel", "cache_dir", "cached_path", "check", "pull",
+           "resolve", "load_model_files", "load_tokenizer"]
 
 
 @dataclass(frozen=True)
@@ -68,12 +68,26 @@ def cache_dir() -> Path:
     return base / "meshserve"
 
 
+class UnknownModel(KeyError):
+    """A model argument that is neither a known name nor an existing path."""
+
+    def __str__(self) -> str:  # KeyError's would show the message in quotes
+        return str(self.args[0])
+
+
 def _spec(name: str) -> ModelSpec:
     try:
         return KNOWN_MODELS[name.lower()]
     except KeyError:
-        raise KeyError(f"unknown model {name!r}; known models: {', '.join(sorted(KNOWN_MODELS))}, "
-                       "or pass a path to a Hugging Face model directory or a .gguf file") from None
+        raise UnknownModel(f"unknown model {name!r}; known models: {', '.join(sorted(KNOWN_MODELS))}, "
+                           "or pass a path to a Hugging Face model directory or a .gguf file") from None
+
+
+def check(name_or_path: str | Path) -> None:
+    """Raises UnknownModel unless the argument is an existing path or a known model name (which
+    need not be pulled yet): what a command checks before it starts anything."""
+    if not Path(name_or_path).expanduser().exists():
+        _spec(str(name_or_path))
 
 
 def _model_dir(name: str) -> Path:

@@ -53,6 +53,8 @@ class _SamplingFields(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
+    priority: Literal["interactive", "normal", "background"] | None = Field(
+        default=None, description="meshserve's own: the request's class (default: its tenant's, else normal)")
 
     @field_validator("stop")
     @classmethod

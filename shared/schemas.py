@@ -62,6 +62,9 @@ class GenerateRequest(Message):
     tenant: str | None = None  # who sent it (the gateway found it by API key); None: no tenants file
 
 
+NOT_READY = "not_ready"  # SubmitReply.error_code of a 503 while no worker serves the model yet (a starting mesh)
+
+
 class SubmitReply(Message):
     ok: bool
     error: str | None = None

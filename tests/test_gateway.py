@@ -85,7 +85,8 @@ def gateway(nats_url, tiny_llama, tmp_path_factory):
         proc = subprocess.Popen(
             [sys.executable, "-m", "meshserve.services.gateway.main", "--nats-url", nats_url, "--namespace", NS,
              "--port", str(port), "--model", str(tiny_llama), "--served-model-name", SERVED,
-             "--max-model-len", "128", "--stream-timeout", "2"], stdout=log, stderr=subprocess.STDOUT)
+             "--max-model-len", "128", "--stream-timeout", "2", "--ready-timeout", "1"],
+            stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
 
     def up():
@@ -99,7 +100,7 @@ def gateway(nats_url, tiny_llama, tmp_path_factory):
     yield base
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 0, log_path.read_text()
-    assert "gateway serving tiny on http://127.0.0.1" in log_path.read_text()
+    assert "gateway for tiny listening on http://127.0.0.1" in log_path.read_text()
 
 
 def run_async(coro, timeout: float = 20):
@@ -155,6 +156,7 @@ def test_unknown_model_is_404(gateway):
 def test_no_scheduler_is_503(gateway):
     r = httpx.post(f"{gateway}/v1/completions", json={"model": SERVED, "prompt": "hi"})
     check_error(r, 503)
+    assert int(r.headers["Retry-After"]) > 0 and "waited 1 s" in r.json()["error"]["message"]
     check_error(httpx.get(f"{gateway}/health"), 503)
 
 

@@ -82,7 +82,14 @@ def test_health_is_open_and_everything_else_needs_a_key(mesh):
         r = httpx.post(mesh.url + "/v1/chat/completions", headers=headers,
                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+        for path, body in (("/v1/responses", {"input": "hi", "max_output_tokens": 2}), ("/tokenize", {"prompt": "hi"}),
+                           ("/detokenize", {"tokens": [5]})):
+            r = httpx.post(mesh.url + path, headers=headers, json=body)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
     assert httpx.get(mesh.url + "/v1/models", headers={"Authorization": "Bearer sk-acme"}).status_code == 200
+    assert httpx.post(mesh.url + "/tokenize", headers={"Authorization": "Bearer sk-acme"},
+                      json={"prompt": "hi"}).status_code == 200
+    assert httpx.get(mesh.url + "/openapi.json").status_code == 200  # the schema names no tenant: open, as /health
     # /metrics is protected separately: only metrics_api_keys, not a tenant's key.
     assert httpx.get(mesh.url + "/metrics", headers={"Authorization": "Bearer sk-acme"}).status_code == 401
     assert httpx.get(mesh.url + "/metrics").status_code == 401

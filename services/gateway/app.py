@@ -17,14 +17,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from meshserve.shared.openai_protocol import OpenAIError
+from meshserve.shared.openai_protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
+from meshserve.shared.openai_responses import ResponsesRequest
 
+from . import openapi, responses, tokenize
 from .auth import AUTH_HEADER
 from .handler import Gateway, Generation, Kind
 
 log = logging.getLogger(__name__)
 
 CLIENT_CLOSED = 499  # nginx's code: nobody reads it, but logs should not say 200
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def json_response(body: dict, status_code: int = 200) -> Response:
@@ -67,9 +70,24 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-async def _body_unless_disconnected(request: Request, gen: Generation) -> dict | None:
-    """The response body, or None when the client left first (then the request is aborted)."""
-    work = asyncio.ensure_future(gen.body())
+async def _responses_sse(call: responses.ResponsesCall) -> AsyncIterator[bytes]:
+    """The Responses API's events: `event: <type>` and `data: <json>`; no [DONE] (OpenAI sends none)."""
+    try:
+        async for event in call.events():
+            yield b"event: " + event["type"].encode() + b"\n" + sse(event)
+    except Exception:  # noqa: BLE001
+        log.exception("request %s failed while streaming", call.gen.request.request_id)
+        yield b"event: error\n" + sse({"type": "error", "code": "server_error", "message": "internal server error",
+                                        "param": None, "sequence_number": -1})
+    finally:
+        call.close()
+
+
+async def _unless_disconnected(request: Request, coro):
+    """The coroutine's result, or None when the client hangs up first. The coroutine is then
+    cancelled and awaited: its cleanup (aborting the request) runs, and its result is never read
+    while the cancellation is still under way."""
+    work = asyncio.ensure_future(coro)
     watch = asyncio.ensure_future(_wait_disconnect(request))
     try:
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -77,9 +95,17 @@ async def _body_unless_disconnected(request: Request, gen: Generation) -> dict |
         watch.cancel()
         if not work.done():
             work.cancel()
+            await asyncio.wait({work})  # never raises; the outcome is read below
     if work.cancelled():
         return None
     return work.result()
+
+
+async def _json_body(request: Request):
+    try:
+        return orjson.loads(await request.body())
+    except orjson.JSONDecodeError as e:
+        raise OpenAIError(f"the request body is not valid JSON: {e}") from None
 
 
 def create_app(gw: Gateway) -> FastAPI:
@@ -93,8 +119,9 @@ def create_app(gw: Gateway) -> FastAPI:
             return
         request.state.tenant = gw.authenticate(header)
 
-    app = FastAPI(title="meshserve gateway", docs_url=None, redoc_url=None, openapi_url=None,
-                  dependencies=[Depends(authenticate)])
+    app = FastAPI(title="meshserve gateway", version="0.1.0", docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json", dependencies=[Depends(authenticate)],
+                  description="OpenAI-compatible API of a meshserve mesh; docs/openai-api.md lists the fields.")
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, e: OpenAIError):
@@ -118,34 +145,62 @@ def create_app(gw: Gateway) -> FastAPI:
         return error_response(internal_error())
 
     async def generate(request: Request, kind: Kind) -> Response:
-        raw = await request.body()
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as e:
-            raise OpenAIError(f"the request body is not valid JSON: {e}") from None
-        gen = await gw.submit(kind, body, getattr(request.state, "tenant", None))
+        body = await _json_body(request)
+        # (it may wait for a starting mesh: the client may leave meanwhile)
+        gen = await _unless_disconnected(request, gw.submit(kind, body, getattr(request.state, "tenant", None)))
+        if gen is None:
+            return Response(status_code=CLIENT_CLOSED)
         if gen.stream:
-            return StreamingResponse(_sse_stream(gen), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(_sse_stream(gen), media_type="text/event-stream", headers=SSE_HEADERS)
         try:
-            result = await _body_unless_disconnected(request, gen)
+            result = await _unless_disconnected(request, gen.body())
         finally:
             gen.close()
         return json_response(result) if result is not None else Response(status_code=CLIENT_CLOSED)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=openapi.responses(openapi.Completion, openapi.CompletionChunk,
+                                                             ", then `data: [DONE]`"))
     async def completions(request: Request):
         return await generate(request, "completions")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=openapi.responses(openapi.ChatCompletion,
+                                                                  openapi.ChatCompletionChunk, ", then `data: [DONE]`"))
     async def chat_completions(request: Request):
         return await generate(request, "chat")
 
-    @app.get("/v1/models")
+    @app.post("/v1/responses", responses=openapi.responses(openapi.ResponseObject, openapi.ResponseEvent,
+                                                           " (each preceded by `event: <its type>`)"))
+    async def create_response(request: Request):
+        """The Responses API, generated by the chat completions path."""
+        req, chat = responses.prepare(await _json_body(request))
+        call = await _unless_disconnected(request, responses.submit(gw, req, chat,
+                                                                    getattr(request.state, "tenant", None)))
+        if call is None:
+            return Response(status_code=CLIENT_CLOSED)
+        if call.stream:
+            return StreamingResponse(_responses_sse(call), media_type="text/event-stream", headers=SSE_HEADERS)
+        try:
+            result = await _unless_disconnected(request, call.body())
+        finally:
+            call.close()
+        return json_response(result) if result is not None else Response(status_code=CLIENT_CLOSED)
+
+    @app.post("/tokenize", responses=openapi.responses(tokenize.TokenizeResponse, errors=(400, 401, 404)))
+    async def tokenize_(request: Request):
+        """A prompt, or messages through the chat template, as token ids (vLLM's API)."""
+        return json_response(tokenize.tokenize(gw, await _json_body(request)))
+
+    @app.post("/detokenize", responses=openapi.responses(tokenize.DetokenizeResponse, errors=(400, 401, 404)))
+    async def detokenize_(request: Request):
+        """Token ids as text, special tokens kept (vLLM's API)."""
+        return json_response(tokenize.detokenize(gw, await _json_body(request)))
+
+    @app.get("/v1/models", responses={200: {"model": openapi.ModelList, "description": "the served model"}})
     async def models():
         return json_response(gw.models())
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"model": openapi.Health, "description": "a request can be served"},
+                                   503: {"model": openapi.ErrorBody, "description": "no scheduler, or no worker yet"}})
     async def health():
         status = await gw.scheduler_status()
         if status is None:
@@ -156,9 +211,16 @@ def create_app(gw: Gateway) -> FastAPI:
             status = {k: v for k, v in status.items() if k != "admission"}
         return json_response({"status": "ok", "scheduler": status})
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses={200: {"description": "Prometheus metrics (text exposition format)",
+                                          "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics():
         gw.metrics.refresh(await gw.scheduler_status())
         return Response(gw.metrics.render(), media_type=gw.metrics.content_type)
 
+    openapi.install(app, {
+        "/v1/completions": [CompletionRequest], "/v1/chat/completions": [ChatCompletionRequest],
+        "/v1/responses": [ResponsesRequest],
+        "/tokenize": [tokenize.TokenizeCompletionRequest, tokenize.TokenizeChatRequest],
+        "/detokenize": [tokenize.DetokenizeRequest]},
+        extra_models=[openapi.CompletionChunk, openapi.ChatCompletionChunk, openapi.ResponseEvent])
     return app

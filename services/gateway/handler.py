@@ -26,12 +26,14 @@ from meshserve.shared.tokenizer import IncrementalDetokenizer, Tokenizer
 from .auth import Auth, rejection_reason
 from .metrics import GatewayMetrics
 from .request_log import RequestLog
-from .streams import RequestStream, TokenStreams, submit
+from .streams import NotSubmitted, RequestStream, TokenStreams, submit
 
 log = logging.getLogger(__name__)
 
 Kind = Literal["completions", "chat"]
 STATUS_TIMEOUT = 1.0
+READY_POLL = 0.25  # how often a request waiting for the mesh to start asks the scheduler
+RETRY_AFTER_S = 5  # the Retry-After of a 503 for a mesh that is not ready
 
 
 @dataclass
@@ -64,12 +66,13 @@ class Gateway:
 
     def __init__(self, bus: Bus, tokenizer: Tokenizer, served_model_name: str, streams: TokenStreams,
                  metrics: GatewayMetrics, max_model_len: int = 8192, stream_timeout: float = 300.0,
-                 request_log: RequestLog | None = None, auth: Auth | None = None):
+                 request_log: RequestLog | None = None, auth: Auth | None = None, ready_timeout: float = 120.0):
         self.bus, self.tokenizer, self.served_model_name = bus, tokenizer, served_model_name
         self.auth = auth or Auth(None)  # API keys and classes (the tenants file); none: open
         self.streams, self.metrics = streams, metrics
         self.request_log = request_log  # a line per ended request (request_log.py); None: off
         self.max_model_len, self.stream_timeout = max_model_len, stream_timeout
+        self.ready_timeout = ready_timeout  # how long a request waits for a starting mesh
         self.created = int(time.time())
         self._background: set[asyncio.Task] = set()
 
@@ -86,17 +89,10 @@ class Gateway:
     def prepare(self, kind: Kind, body, tenant: Tenant | None = None) -> Prepared:
         """Raises OpenAIError(4xx) for anything wrong with the request."""
         req = parse_request(kind, body)
-        if req.model not in (None, self.served_model_name):
-            raise OpenAIError(f"the model {req.model!r} does not exist; this server serves "
-                              f"{self.served_model_name!r}", 404, param="model", code="model_not_found")
+        self.check_model(req.model)
         priority = self.auth.request_class(body.get("priority"), tenant)
         if isinstance(req, ChatCompletionRequest):
-            try:
-                text = self.tokenizer.apply_chat_template(req.template_messages(),
-                                                          add_generation_prompt=req.add_generation_prompt)
-            except Exception as e:  # noqa: BLE001 - a template that raises is the caller's doing
-                raise OpenAIError(f"could not apply the chat template: {e}", param="messages") from None
-            prompt = self.tokenizer.encode(text, add_special_tokens=False)
+            prompt = self.chat_prompt_ids(req)
             self._check_length(prompt, "messages")
             sampling = req.to_sampling(default_max=self.max_model_len - len(prompt))
         else:
@@ -117,6 +113,22 @@ class Gateway:
         except LimitError as e:
             raise OpenAIError(str(e)) from None
         return Prepared(kind, req, prompt, sampling, req.stop_strings(), priority, tenant)
+
+    def check_model(self, model: str | None) -> None:
+        """404 unless `model` is the served name (or not given)."""
+        if model not in (None, self.served_model_name):
+            raise OpenAIError(f"the model {model!r} does not exist; this server serves "
+                              f"{self.served_model_name!r}", 404, param="model", code="model_not_found")
+
+    def chat_prompt_ids(self, req: ChatCompletionRequest, add_special_tokens: bool = False) -> list[int]:
+        """The prompt of a chat request: its messages through the chat template, tokenized (what
+        /tokenize answers for messages, so both must come from here)."""
+        try:
+            text = self.tokenizer.apply_chat_template(req.template_messages(),
+                                                      add_generation_prompt=req.add_generation_prompt)
+        except Exception as e:  # noqa: BLE001 - a template that raises is the caller's doing
+            raise OpenAIError(f"could not apply the chat template: {e}", param="messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _check_length(self, prompt: list[int], param: str) -> None:
         """The prompt alone: the scheduler checks with max_tokens against the workers' context
@@ -148,7 +160,7 @@ class Gateway:
             arrival_time=arrival, trace=telemetry.inject_span(span), tenant=tenant and tenant.name)
         stream = self.streams.open(request)
         try:
-            await submit(self.bus, request)
+            await self._submit_when_ready(request)
         except OpenAIError as e:
             self._log_rejected(kind, body, arrival, e, p, rid)
             self.metrics.tenant_rejected(tenant, rejection_reason(e))
@@ -172,6 +184,40 @@ class Gateway:
         gen = Generation(self, p, request, stream)
         gen.span = span
         return gen
+
+    async def _submit_when_ready(self, request: GenerateRequest) -> None:
+        """Submits; while the mesh is still starting (no scheduler, or no worker yet) the request waits
+        for it, up to `ready_timeout` seconds, then gets a 503 with Retry-After."""
+        deadline = time.monotonic() + self.ready_timeout
+        retried = False
+        while True:
+            try:
+                await submit(self.bus, request)
+                return
+            except NotSubmitted as e:
+                refused = e
+            waited = await self._until_ready(deadline)
+            if waited is None or (waited is False and retried):
+                # Timed out, or the scheduler says it is ready and still refuses: not a start-up matter.
+                why = f"; waited {self.ready_timeout:g} s for the mesh to start" if waited is None else ""
+                raise OpenAIError(refused.message + why, 503, type="server_error",
+                                  headers={"Retry-After": str(RETRY_AFTER_S)})
+            retried = waited is False  # ready at once: one more try (it may have just become ready)
+
+    async def _until_ready(self, deadline: float) -> bool | None:
+        """Polls the scheduler until it says a request can be served: False when it already did at
+        the first ask, True when it did after waiting, None when `deadline` passed first."""
+        first = True
+        while True:
+            left = deadline - time.monotonic()
+            status = await self.scheduler_status(timeout=max(0.05, min(STATUS_TIMEOUT, left)))
+            if status is not None and status.get("ready"):
+                return not first
+            first = False
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            await asyncio.sleep(min(READY_POLL, left))
 
     def _log_rejected(self, kind: Kind, body, arrival: float, e: BaseException, p: Prepared | None = None,
                       rid: str | None = None, tenant: Tenant | None = None) -> None:

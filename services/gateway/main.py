@@ -41,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context length; a chat without max_tokens may fill it (default: %(default)s)")
     parser.add_argument("--stream-timeout", type=float, default=300.0,
                         help="fail a request when no token arrives for this many seconds (default: %(default)s)")
+    parser.add_argument("--ready-timeout", type=float, default=120.0,
+                        help="a request that arrives while the mesh is starting (no scheduler or no worker yet) "
+                             "waits this many seconds for it, then gets a 503 with Retry-After (default: %(default)s)")
     parser.add_argument("--request-log", default=os.environ.get("MESHSERVE_REQUEST_LOG", REQUEST_LOG_PATH),
                         help="JSONL log, a line per request, for `meshserve analyze` (default: $MESHSERVE_REQUEST_LOG "
                              "or %(default)s)")
@@ -75,7 +78,8 @@ async def _announce(server, served: str) -> None:
     for s in server.servers:
         for sock in s.sockets:
             host, port = sock.getsockname()[:2]
-            log.info("gateway serving %s on http://%s:%d/v1", served, host, port)
+            # Not "serving": whether requests can be served is the scheduler's to say (/health).
+            log.info("gateway for %s listening on http://%s:%d/v1", served, host, port)
 
 
 def with_defaults(args) -> argparse.Namespace:
@@ -120,7 +124,8 @@ async def run(args) -> int:
     if request_log:
         log.info("request log: %s", request_log.path)
     gw = Gateway(bus, tokenizer, served, streams, GatewayMetrics(served), max_model_len=args.max_model_len,
-                 stream_timeout=args.stream_timeout, request_log=request_log, auth=auth)
+                 stream_timeout=args.stream_timeout, request_log=request_log, auth=auth,
+                 ready_timeout=args.ready_timeout)
     nats_api = NatsAPI(gw)
     await nats_api.start()
 

@@ -18,7 +18,7 @@ import nats.errors
 
 from meshserve.shared.bus import Bus
 from meshserve.shared.openai_protocol import OpenAIError
-from meshserve.shared.schemas import GenerateRequest, SubmitReply, TokenChunk
+from meshserve.shared.schemas import NOT_READY, GenerateRequest, SubmitReply, TokenChunk
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +50,30 @@ def mesh_failure(error: str) -> OpenAIError:
     return OpenAIError(f"generation failed: {error}", status, type=error_type(status))
 
 
+class NotSubmitted(OpenAIError):
+    """A 503 for a request the scheduler certainly did not take because the mesh is not up yet
+    (nobody listens on its subject, or no worker has joined): sending it again later cannot run it
+    twice. Other refusals (a full queue, a tenant's limits) are plain OpenAIErrors."""
+
+    def __init__(self, message: str):
+        super().__init__(message, 503, type="server_error", code=NOT_READY)
+
+
 async def submit(bus: Bus, request: GenerateRequest) -> None:
     """Hands a request to the scheduler; raises OpenAIError when it is refused or nobody answers."""
     try:
         reply = await bus.request(bus.subjects.submit, request, SubmitReply, timeout=SUBMIT_TIMEOUT)
-    except (nats.errors.NoRespondersError, nats.errors.TimeoutError, asyncio.TimeoutError):
+    except nats.errors.NoRespondersError:
+        raise NotSubmitted("no scheduler is available to serve the request") from None
+    except (nats.errors.TimeoutError, asyncio.TimeoutError):
         raise OpenAIError("no scheduler is available to serve the request", 503, type="server_error") from None
     except nats.errors.Error as e:
         raise OpenAIError(f"the mesh is unreachable: {e}", 503, type="server_error") from None
     except RuntimeError as e:  # the scheduler answered with an error instead of a SubmitReply
         raise OpenAIError(f"the scheduler failed: {e}", 500, type="server_error") from None
     if not reply.ok:
+        if reply.status_code == 503 and reply.error_code == NOT_READY:
+            raise NotSubmitted(reply.error or "the scheduler cannot serve the request now")
         status = reply.status_code if reply.status_code >= 400 else 500
         headers = {} if reply.retry_after is None else {"Retry-After": str(max(1, math.ceil(reply.retry_after)))}
         raise OpenAIError(reply.error or "the scheduler refused the request", status,

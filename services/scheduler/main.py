@@ -29,8 +29,8 @@ import orjson
 from meshserve.shared.bus import Bus
 from meshserve.shared.limits import LimitError, check_context_length
 from meshserve.shared.prefix_hash import prompt_block_hashes
-from meshserve.shared.schemas import (Abort, BlockRefs, BlockTransfer, Done, GenerateRequest, Handoff, Heartbeat,
-                                      KVEvent, RoleSwitch, SubmitReply, TokenChunk, TransferReply, Usage)
+from meshserve.shared.schemas import (NOT_READY, Abort, BlockRefs, BlockTransfer, Done, GenerateRequest, Handoff,
+                                      Heartbeat, KVEvent, RoleSwitch, SubmitReply, TokenChunk, TransferReply, Usage)
 from meshserve.shared.service import run_service
 from meshserve.shared.telemetry import span
 from meshserve.shared.tenants import load_tenants
@@ -126,7 +126,8 @@ class Scheduler:
             if known and req.model not in known:
                 return SubmitReply(ok=False, status_code=404, error=f"the model {req.model!r} does not exist; "
                                    f"served: {known}")
-            return SubmitReply(ok=False, status_code=503, error="no worker is ready to serve this model yet")
+            return SubmitReply(ok=False, status_code=503, error="no worker is ready to serve this model yet",
+                               error_type="server_error", error_code=NOT_READY)
         try:
             check_context_length(len(req.prompt_token_ids), req.sampling.max_tokens,
                                  min(w.hb.max_model_len for w in cands))

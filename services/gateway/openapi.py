@@ -1,0 +1,317 @@
+"""The gateway's OpenAPI schema (/openapi.json): every route with its real request and response bodies.
+
+The routes parse their bodies themselves (so every error is OpenAI's JSON with a 400, and one
+handler serves HTTP and NATS), so FastAPI cannot see the request models in their signatures: the
+request bodies are added here from the same pydantic models the handlers validate with. The
+response models below describe the dicts the handlers build; tests/test_openai_surface.py checks
+real responses against them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel, Field
+
+# -- shared pieces
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error JSON: what every 4xx and 5xx carries."""
+
+    error: ErrorDetail
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = Field(default=None, description="present when "
+                                                              "part of the prompt came from the prefix cache")
+
+
+# -- /v1/completions
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunk(BaseModel):
+    """One `data:` line of a streamed completion (the usage chunk has no choices)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+# -- /v1/chat/completions
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One `data:` line of a streamed chat completion (the usage chunk has no choices)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+# -- /v1/responses
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+    logprobs: list[TokenLogprob] | None = None
+
+
+class OutputMessage(BaseModel):
+    type: Literal["message"]
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"]
+    content: list[OutputText]
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class ResponseError(BaseModel):
+    code: str
+    message: str
+
+
+class ResponseObject(BaseModel):
+    """A Response (`object: "response"`); the request's settings are echoed."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    completed_at: int | None
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    model: str
+    output: list[OutputMessage]
+    error: ResponseError | None
+    incomplete_details: dict[str, str] | None
+    instructions: str | None
+    max_output_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    top_logprobs: int | None
+    parallel_tool_calls: bool
+    tool_choice: str
+    tools: list[Any]
+    truncation: Literal["disabled"]
+    previous_response_id: None
+    reasoning: None
+    store: bool
+    background: bool
+    text: dict[str, Any]
+    metadata: dict[str, str]
+    user: str | None
+    usage: ResponseUsage | None
+
+
+class ResponseEvent(BaseModel):
+    """One streamed event (`event: <type>` then `data: <this>`). Which fields come depends on `type`:
+    response.created / in_progress / completed / incomplete / failed carry `response`;
+    response.output_item.added / done carry `output_index` and `item`; response.content_part.added /
+    done carry `item_id`, `output_index`, `content_index` and `part`; response.output_text.delta carries
+    `delta` and `logprobs`, response.output_text.done `text` and `logprobs`; error carries `code`,
+    `message`, `param`."""
+
+    type: Literal["response.created", "response.in_progress", "response.output_item.added",
+                  "response.content_part.added", "response.output_text.delta", "response.output_text.done",
+                  "response.content_part.done", "response.output_item.done", "response.completed",
+                  "response.incomplete", "response.failed", "error"]
+    sequence_number: int
+    response: ResponseObject | None = None
+    item: OutputMessage | None = None
+    part: OutputText | None = None
+    item_id: str | None = None
+    output_index: int | None = None
+    content_index: int | None = None
+    delta: str | None = None
+    text: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    code: str | None = None
+    message: str | None = None
+    param: str | None = None
+
+
+# -- the rest
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    parent: str | None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    scheduler: dict[str, Any] = Field(description="the scheduler's status: workers, load, KV usage, prefix cache")
+
+
+# -- building the document
+
+ERRORS = {400: "invalid request", 401: "no or a wrong API key (with a tenants file)",
+          403: "a priority above the tenant's maximum", 404: "unknown model",
+          429: "over the tenant's limits (with Retry-After)", 499: "the client closed the connection",
+          500: "internal error", 503: "the mesh is not ready, or the class's queue is full (with Retry-After)",
+          504: "no tokens arrived for --stream-timeout seconds"}
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def responses(model: type[BaseModel], stream: type[BaseModel] | None = None, stream_note: str = "",
+              errors: tuple[int, ...] = (400, 401, 403, 404, 429, 500, 503, 504)) -> dict:
+    """FastAPI's `responses=` for a route: the body on 200 (and, for streams, the SSE events), the errors."""
+    ok: dict[str, Any] = {"model": model, "description": "the response"}
+    if stream is not None:
+        ok["content"] = {"text/event-stream": {"schema": {
+            "type": "string", "description": f"with `stream: true`: server-sent events, each data line a "
+                                             f"{stream.__name__} object{stream_note}"}}}
+    return {200: ok, **{code: {"model": ErrorBody, "description": ERRORS[code]} for code in errors}}
+
+
+def install(app: FastAPI, request_bodies: dict[str, list[type[BaseModel]]],
+            extra_models: list[type[BaseModel]]) -> None:
+    """Makes app.openapi() describe each POST route's request body (one of the models listed for its
+    path) and keep `extra_models` (the stream event objects) among the components."""
+
+    def openapi() -> dict:
+        if app.openapi_schema:
+            return app.openapi_schema
+        doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+
+        def add(model: type[BaseModel]) -> str:
+            js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            for name, sub in js.pop("$defs", {}).items():
+                schemas.setdefault(name, sub)
+            name = js.get("title", model.__name__)
+            schemas.setdefault(name, js)
+            return name
+
+        for path, models in request_bodies.items():
+            names = [add(m) for m in models]
+            schema = _ref(names[0]) if len(names) == 1 else {"anyOf": [_ref(n) for n in names]}
+            doc["paths"][path]["post"]["requestBody"] = {
+                "required": True, "content": {"application/json": {"schema": schema}}}
+        for m in extra_models:
+            add(m)
+        app.openapi_schema = doc
+        return doc
+
+    app.openapi = openapi
