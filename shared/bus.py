@@ -6,6 +6,11 @@ check sequence numbers and use timeouts; this module only keeps the calls short.
 
 A reply that is an error says so in a header (ERROR_HEADER, its value the message, the payload
 empty), never in the payload, so no reply is told apart by looking at its bytes.
+
+A restarted nats-server is reconnected to without end (nats-py re-creates the subscriptions and
+sends what was published meanwhile, up to its pending buffer); what the server held when it died
+is lost, so a service that must know registers `on_reconnect` (the gateway re-submits its open
+requests).
 """
 
 from __future__ import annotations
@@ -55,23 +60,42 @@ class Bus:
     def __init__(self, nc: Client, namespace: str = DEFAULT_NAMESPACE):
         self.nc = nc
         self.subjects = Subjects(namespace)
+        self.reconnect_hooks: list = []  # called (no arguments) after each reconnection
+
+    def on_reconnect(self, hook) -> None:
+        self.reconnect_hooks.append(hook)
+
+    def _reconnected(self) -> None:
+        log.warning("nats: reconnected to %s", self.nc.connected_url and self.nc.connected_url.netloc)
+        for hook in self.reconnect_hooks:
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - one hook must not stop the others
+                log.exception("reconnect hook failed")
 
     @classmethod
     async def connect(cls, url: str = DEFAULT_NATS_URL, name: str = "meshserve",
                       namespace: str | None = None, connect_timeout: float = 30.0) -> "Bus":
         """Connects, retrying until the server is up (services may start before nats-server)."""
         deadline = asyncio.get_running_loop().time() + connect_timeout
+        bus: list[Bus] = []
+
+        async def reconnected() -> None:
+            if bus:
+                bus[0]._reconnected()
+
         while True:
             try:
-                nc = await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                nc = await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.25,
                                         connect_timeout=2, allow_reconnect=True, error_cb=_on_error,
-                                        disconnected_cb=_on_disconnect)
+                                        disconnected_cb=_on_disconnect, reconnected_cb=reconnected)
                 break
             except Exception as e:  # noqa: BLE001 - nats raises several kinds while the server starts
                 if asyncio.get_running_loop().time() > deadline:
                     raise ConnectionError(f"cannot reach NATS at {url}: {e}") from e
                 await asyncio.sleep(0.2)
-        return cls(nc, namespace or os.environ.get("MESHSERVE_NAMESPACE", DEFAULT_NAMESPACE))
+        bus.append(cls(nc, namespace or os.environ.get("MESHSERVE_NAMESPACE", DEFAULT_NAMESPACE)))
+        return bus[0]
 
     @property
     def max_payload(self) -> int:

@@ -60,6 +60,9 @@ class GenerateRequest(Message):
     output_token_ids: list[int] = Field(default_factory=list)
     trace: dict[str, str] = Field(default_factory=dict)  # W3C traceparent carrier
     tenant: str | None = None  # who sent it (the gateway found it by API key); None: no tenants file
+    # Bumped by the gateway at each re-submission (lost worker, scheduler restart, bus restart):
+    # chunks, handoffs and dones of an older attempt are stale and ignored (docs/faults.md).
+    attempt: int = 0
 
 
 NOT_READY = "not_ready"  # SubmitReply.error_code of a 503 while no worker serves the model yet (a starting mesh)
@@ -73,6 +76,7 @@ class SubmitReply(Message):
     error_type: str | None = None
     error_code: str | None = None
     retry_after: float | None = None
+    scheduler_id: str | None = None  # which scheduler accepted it (a restarted one has a new id)
 
 
 class Usage(Message):
@@ -103,6 +107,7 @@ class TokenChunk(Message):
     num_cached_tokens: int = 0
     worker_id: str = ""
     error: str | None = None
+    attempt: int = 0  # the GenerateRequest.attempt it belongs to
 
 
 class Handoff(Message):
@@ -125,6 +130,15 @@ class Handoff(Message):
 class Abort(Message):
     request_id: str
     reason: str = "abort"
+    # Set when a gateway re-submits: abort attempts up to this one (workers hear it directly,
+    # since the scheduler that routed them may be gone); None: the request, whatever its attempt.
+    attempt: int | None = None
+
+
+class ServiceHello(Message):
+    """Published every second by a scheduler (and a kv-pool, per node): a new id means a restart."""
+
+    service_id: str
 
 
 class Done(Message):
@@ -133,6 +147,7 @@ class Done(Message):
     request_id: str
     worker_id: str
     finish_reason: str | None = None
+    attempt: int = 0
 
 
 class Heartbeat(Message):
@@ -197,6 +212,7 @@ class ArenaDescriptor(Message):
     block_size: int
     num_blocks: int
     swap_blocks: int = 0  # capacity of the kv-pool's host swap tier (0: none)
+    epoch: str = ""  # the kv-pool process's id: its hellos carry it, a new one means a new ledger
 
 
 class LeaseRequest(Message):

@@ -10,6 +10,8 @@ a typo is an error where the subject is built, not a message nobody hears.
     <ns>.v1.completions, <ns>.v1.chat.completions   public request/reply API (gateway); a contract
     <ns>.scheduler.{submit,handoff,abort,done,status} gateway/workers -> scheduler
     <ns>.scheduler.usage                             gateway -> scheduler (a tenant's request ended)
+    <ns>.scheduler.hello                             scheduler -> gateways (its id, every second)
+    <ns>.scheduler.abort                             gateway -> scheduler, and workers (aborts of a superseded attempt)
     <ns>.worker.<id>.{prefill,adopt,abort,role}      scheduler -> one worker (role: elastic roles)
     <ns>.workers.heartbeat                           workers -> scheduler, kv-pools
     <ns>.kv.<node>.{arena,lease,release,retain,transfer,status}  workers, scheduler <-> the node's kv-pool
@@ -19,6 +21,7 @@ a typo is an error where the subject is built, not a message nobody hears.
     <ns>.kv.<node>.events                            workers, kv-pool -> scheduler, kv-pools (blocks stored/removed)
     <ns>.kv.<node>.pressure                          kv-pool -> the node's workers (a lease it could not fill)
     <ns>.kv.<node>.host_events                       kv-pool -> its workers (keys stored/removed in the host swap tier)
+    <ns>.kv.<node>.hello                             kv-pool -> its workers (its arena epoch, every second)
     <ns>.models.<node>.{load,list}                   workers, kv-pool -> the node's model-loader
     <ns>.tokens.<gateway id>                         workers -> the gateway that owns the request (the
                                                      instance is the whole address: one stream per gateway)
@@ -33,11 +36,11 @@ from typing import Literal, get_args
 DEFAULT_NAMESPACE = "meshserve"
 
 ApiEndpoint = Literal["completions", "chat.completions"]
-SchedulerEndpoint = Literal["submit", "handoff", "abort", "done", "status", "usage"]
+SchedulerEndpoint = Literal["submit", "handoff", "abort", "done", "status", "usage", "hello"]
 WorkerEndpoint = Literal["prefill", "adopt", "abort", "role"]
 WorkersEndpoint = Literal["heartbeat"]
 KVEndpoint = Literal["arena", "lease", "release", "retain", "transfer", "status", "swap", "import", "fetch",
-                     "chunk", "close", "events", "pressure", "host_events"]
+                     "chunk", "close", "events", "pressure", "host_events", "hello"]
 ModelsEndpoint = Literal["load", "list"]
 
 
@@ -111,6 +114,10 @@ class Subjects:
     @property
     def scheduler_status(self) -> str:
         return self.scheduler("status")
+
+    @property
+    def scheduler_hello(self) -> str:
+        return self.scheduler("hello")
 
     @property
     def usage(self) -> str:

@@ -79,6 +79,20 @@ class Mesh:
         out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout.split("\n")
         return [int(p) for p, pp in (line.split() for line in out if line.strip()) if int(pp) == self.proc.pid]
 
+    def service_pid(self, service: str) -> int | None:
+        """The pid of the launcher's child running `service` ("nats-server", "kv-pool", "scheduler"...)."""
+        for pid in self.children():
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            words = [a.decode(errors="replace") for a in argv]
+            if service == "nats-server" and words and Path(words[0]).name.startswith("nats-server"):
+                return pid
+            if "serve" in words and words.index("serve") + 1 < len(words) and words[words.index("serve") + 1] == service:
+                return pid
+        return None
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)

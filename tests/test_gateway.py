@@ -291,6 +291,56 @@ def test_demux_resubmits_when_the_worker_is_lost(nats_url):
     run_async(go())
 
 
+def test_demux_resubmits_to_a_restarted_scheduler_as_a_new_attempt(nats_url):
+    """A new id on scheduler.hello: what the old scheduler accepted is re-submitted as attempt 1 (the
+    old attempt aborted first, on the workers' subject too); attempt-0 chunks are ignored after."""
+    from meshserve.shared.schemas import ServiceHello
+
+    async def go():
+        bus, sched = await Bus.connect(nats_url, namespace="restart"), await Bus.connect(nats_url, namespace="restart")
+        seen: list = []  # submits and aborts, in the order the scheduler side received them
+
+        async def on_submit(msg):
+            seen.append(GenerateRequest.decode(msg.data))
+            await msg.respond(SubmitReply(ok=True, scheduler_id="old" if len(seen) == 1 else "new").encode())
+
+        async def on_abort(msg):
+            seen.append(Abort.decode(msg.data))
+
+        await sched.nc.subscribe(sched.subjects.submit, cb=on_submit)
+        await sched.nc.subscribe(sched.subjects.abort, cb=on_abort)
+        await confirm_subscriptions(sched.nc)
+        streams = TokenStreams(bus, "restart-test")
+        await streams.start()
+        try:
+            s = streams.open(gen_request("r", streams.subject))
+            await s.submit()
+            pub = lambda c: sched.publish(streams.subject, c)  # noqa: E731
+            await pub(chunk("r", 0, 0, [10, 11], worker_id="w1"))
+            assert [c.token_ids for c in await read_all(s, 1)] == [[10, 11]]
+            await sched.publish(sched.subjects.scheduler_hello, ServiceHello(service_id="old"))  # no change
+            await sched.publish(sched.subjects.scheduler_hello, ServiceHello(service_id="new"))
+            wait_until = asyncio.get_running_loop().time() + 5
+            while len(seen) < 3 and asyncio.get_running_loop().time() < wait_until:
+                await asyncio.sleep(0.01)
+            assert len(seen) == 3, seen
+            abort, again = seen[1], seen[2]
+            assert isinstance(abort, Abort) and abort.attempt == 0 and abort.request_id == "r"
+            assert again.attempt == 1 and again.output_token_ids == [10, 11]
+            await pub(chunk("r", 1, 2, [99], worker_id="w1"))  # the old attempt, still running: ignored
+            await pub(chunk("r", 0, 2, [12], worker_id="w1", attempt=1))
+            await pub(chunk("r", 1, 3, [13], worker_id="w1", attempt=1, finished=True, finish_reason="length"))
+            rest = await read_all(s)
+            assert [c.token_ids for c in rest] == [[12], [13]] and s.token_ids == [10, 11, 12, 13]
+            assert s.scheduler_id == "new"
+        finally:
+            await streams.stop()
+            await bus.close()
+            await sched.close()
+
+    run_async(go())
+
+
 # ------------------------------------------------------------------ whole responses, stand-in mesh
 
 

@@ -160,7 +160,7 @@ class Gateway:
             arrival_time=arrival, trace=telemetry.inject_span(span), tenant=tenant and tenant.name)
         stream = self.streams.open(request)
         try:
-            await self._submit_when_ready(request)
+            await self._submit_when_ready(request, stream)
         except OpenAIError as e:
             self._log_rejected(kind, body, arrival, e, p, rid)
             self.metrics.tenant_rejected(tenant, rejection_reason(e))
@@ -185,14 +185,14 @@ class Gateway:
         gen.span = span
         return gen
 
-    async def _submit_when_ready(self, request: GenerateRequest) -> None:
+    async def _submit_when_ready(self, request: GenerateRequest, stream: RequestStream) -> None:
         """Submits; while the mesh is still starting (no scheduler, or no worker yet) the request waits
         for it, up to `ready_timeout` seconds, then gets a 503 with Retry-After."""
         deadline = time.monotonic() + self.ready_timeout
         retried = False
         while True:
             try:
-                await submit(self.bus, request)
+                stream.scheduler_id = (await submit(self.bus, request)).scheduler_id
                 return
             except NotSubmitted as e:
                 refused = e

@@ -5,6 +5,12 @@ request can come from several publishers (a prefill worker then a decode worker,
 after a worker died), and NATS orders messages only per publisher, so a chunk can arrive early
 (a gap: held until the missing tokens arrive) or twice (a repeat: dropped). `index` (position of
 the chunk's first token in the output) is what decides, so the client sees every token once, in order.
+
+The gateway owns its requests: when the scheduler that accepted one restarts (a new id on
+`scheduler.hello`), when the bus reconnects (what the server held is lost) or when a gap stays
+open for GAP_TIMEOUT, it re-submits the request as a new `attempt` with the tokens the client
+already has, after aborting the old attempt on the workers; chunks of older attempts are ignored.
+A recomputed greedy or seeded continuation is the same text, so the client sees no seam.
 """
 
 from __future__ import annotations
@@ -18,14 +24,17 @@ import nats.errors
 
 from meshserve.shared.bus import Bus
 from meshserve.shared.openai_protocol import OpenAIError
-from meshserve.shared.schemas import NOT_READY, GenerateRequest, SubmitReply, TokenChunk
+from meshserve.shared.schemas import (NOT_READY, Abort, GenerateRequest, ServiceHello, SubmitReply,
+                                      TokenChunk)
 
 log = logging.getLogger(__name__)
 
 GATEWAY_ID = uuid.uuid4().hex  # names this process's token subject
 WORKER_LOST = "worker_lost"
-MAX_RESUBMITS = 3  # a request that kills workers should not take the whole mesh down with it
+MAX_RESUBMITS = 5  # a request that kills workers should not take the whole mesh down with it
 SUBMIT_TIMEOUT = 5.0
+GAP_TIMEOUT = 5.0  # a gap in a stream held open this long means a lost chunk: re-submit
+RESUBMIT_DEADLINE = 20.0  # a re-submission refused for want of a scheduler or workers retries this long
 
 
 async def confirm_subscriptions(nc) -> None:
@@ -59,7 +68,7 @@ class NotSubmitted(OpenAIError):
         super().__init__(message, 503, type="server_error", code=NOT_READY)
 
 
-async def submit(bus: Bus, request: GenerateRequest) -> None:
+async def submit(bus: Bus, request: GenerateRequest) -> SubmitReply:
     """Hands a request to the scheduler; raises OpenAIError when it is refused or nobody answers."""
     try:
         reply = await bus.request(bus.subjects.submit, request, SubmitReply, timeout=SUBMIT_TIMEOUT)
@@ -78,6 +87,7 @@ async def submit(bus: Bus, request: GenerateRequest) -> None:
         headers = {} if reply.retry_after is None else {"Retry-After": str(max(1, math.ceil(reply.retry_after)))}
         raise OpenAIError(reply.error or "the scheduler refused the request", status,
                           type=reply.error_type or error_type(status), code=reply.error_code, headers=headers)
+    return reply
 
 
 class RequestStream:
@@ -90,21 +100,71 @@ class RequestStream:
         self.token_ids: list[int] = []  # accepted so far, in order: what the client gets
         self.finished = False
         self.resubmits = 0
+        self.scheduler_id: str | None = None  # who accepted the current attempt (None: not yet)
+        self._gap_since: float | None = None
         self._held: dict[int, TokenChunk] = {}
         self._queue: asyncio.Queue[TokenChunk | OpenAIError] = asyncio.Queue()
         self._lost_workers: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
+        self._resubmitting: asyncio.Task | None = None
+
+    async def submit(self) -> None:
+        """The first submission (Gateway.submit); raises OpenAIError."""
+        self.scheduler_id = (await submit(self.bus, self.request)).scheduler_id
 
     async def next(self, timeout: float) -> TokenChunk:
         """The next in-order chunk (trimmed of repeats); raises OpenAIError when the request failed
-        and TimeoutError when nothing arrived for `timeout` seconds."""
-        item = await asyncio.wait_for(self._queue.get(), timeout)
+        and TimeoutError when nothing arrived for `timeout` seconds. A gap held open for
+        GAP_TIMEOUT re-submits the request."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            wait = deadline - loop.time()
+            if self._gap_since is not None:
+                wait = min(wait, self._gap_since + GAP_TIMEOUT - loop.time())
+            try:
+                item = await asyncio.wait_for(self._queue.get(), max(0.0, wait))
+                break
+            except asyncio.TimeoutError:
+                if loop.time() >= deadline:
+                    raise
+                if self._gap_since is not None and loop.time() >= self._gap_since + GAP_TIMEOUT:
+                    self.resubmit(f"a gap at token {len(self.token_ids)} stayed open {GAP_TIMEOUT:g} s")
         if isinstance(item, OpenAIError):
             raise item
         return item
 
+    def resubmit(self, why: str) -> None:
+        """A new attempt from the tokens the client has: the old one is aborted on the workers, and
+        its chunks (and those of its dead scheduler's routing) are ignored from now on."""
+        if self.finished:
+            return
+        old = self.request.attempt
+        self.request = self.request.model_copy(update={"attempt": old + 1})
+        self._held.clear()
+        self._gap_since = None
+        self.scheduler_id = None
+        self.resubmits += 1
+        if self.resubmits > MAX_RESUBMITS:
+            self._fail(OpenAIError(f"the request was re-submitted {self.resubmits - 1} times; giving up "
+                                   f"(last: {why})", 503, type="server_error"))
+            return
+        log.warning("request %s: %s; re-submitting after %d tokens (attempt %d)", self.request.request_id, why,
+                    len(self.token_ids), old + 1)
+        abort = Abort(request_id=self.request.request_id, reason="superseded", attempt=old)
+        again = self.request.model_copy(update={"output_token_ids": list(self.token_ids)})
+        self._resubmitting = self._spawn(self._resubmit(again, abort))
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
     def feed(self, chunk: TokenChunk) -> None:
-        if self.finished or (chunk.worker_id and chunk.worker_id in self._lost_workers):
+        if self.finished or chunk.attempt != self.request.attempt:
+            return  # over, or a superseded attempt's late chunk
+        if chunk.worker_id and chunk.worker_id in self._lost_workers:
             return  # a dead (or declared dead) worker's late chunks would race its replacement's
         if chunk.error:
             if chunk.error == WORKER_LOST and not chunk.finished:
@@ -114,6 +174,8 @@ class RequestStream:
             return
         if chunk.index > len(self.token_ids):
             self._held[chunk.index] = chunk
+            if self._gap_since is None:
+                self._gap_since = asyncio.get_running_loop().time()
             return
         self._accept(chunk)
         while self._held and not self.finished:
@@ -122,6 +184,8 @@ class RequestStream:
                 break
             for i in ready:
                 self._accept(self._held.pop(i))
+        if not self._held:
+            self._gap_since = None
 
     def _accept(self, chunk: TokenChunk) -> None:
         """`chunk.index` <= tokens received: keep only its new tokens."""
@@ -151,24 +215,40 @@ class RequestStream:
         if chunk.worker_id:
             self._lost_workers.add(chunk.worker_id)
         self._held.clear()
+        self._gap_since = None
         self.resubmits += 1
         if self.resubmits > MAX_RESUBMITS:
             self._fail(OpenAIError(f"the request lost its worker {self.resubmits} times; giving up",
                                    503, type="server_error"))
             return
+        if self._resubmitting is not None and not self._resubmitting.done():
+            return  # one re-submission of this attempt is under way already (it was lost twice)
         again = self.request.model_copy(update={"output_token_ids": list(self.token_ids)})
         log.warning("request %s lost worker %s after %d tokens; re-submitting", self.request.request_id,
                     chunk.worker_id or "?", len(self.token_ids))
-        task = asyncio.get_running_loop().create_task(self._resubmit(again))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._resubmitting = self._spawn(self._resubmit(again))
 
-    async def _resubmit(self, request: GenerateRequest) -> None:
-        try:
-            await submit(self.bus, request)
-        except OpenAIError as e:
-            if not self.finished:
-                self._fail(e)
+    async def _resubmit(self, request: GenerateRequest, abort: Abort | None = None) -> None:
+        """Submits again; a 503 (no scheduler yet, no workers heard yet) is retried until
+        RESUBMIT_DEADLINE, since a restart is what made this necessary."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + RESUBMIT_DEADLINE
+        while not self.finished and request.attempt == self.request.attempt:
+            try:
+                if abort is not None:  # before the submission: a worker hears it first
+                    await self.bus.publish(self.bus.subjects.abort, abort)
+                reply = await submit(self.bus, request)
+                if request.attempt == self.request.attempt:
+                    self.scheduler_id = reply.scheduler_id
+                return
+            except (OpenAIError, nats.errors.Error) as e:
+                retry = not isinstance(e, OpenAIError) or e.status_code == 503
+                if not retry or loop.time() + 0.5 > deadline:
+                    if not self.finished and request.attempt == self.request.attempt:
+                        self._fail(e if isinstance(e, OpenAIError) else
+                                   OpenAIError(f"the mesh is unreachable: {e}", 503, type="server_error"))
+                    return
+                await asyncio.sleep(0.5)
 
 
 class TokenStreams:
@@ -179,20 +259,44 @@ class TokenStreams:
         self.subject = bus.subjects.tokens(gateway_id)
         self._streams: dict[str, RequestStream] = {}
         self._sub = None
+        self._hello_sub = None
 
     async def start(self) -> None:
         # Generous pending limits: a slow consumer here would drop tokens of every request at once.
         self._sub = await self.bus.nc.subscribe(self.subject, cb=self._on_message,
                                                 pending_msgs_limit=1 << 20, pending_bytes_limit=1 << 30)
+        self._hello_sub = await self.bus.nc.subscribe(self.bus.subjects.scheduler_hello, cb=self._on_hello)
+        self.bus.on_reconnect(lambda: self.resubmit_all("the bus reconnected"))
         await confirm_subscriptions(self.bus.nc)  # before any request is submitted
 
     async def stop(self) -> None:
-        if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except nats.errors.Error:
-                pass
-            self._sub = None
+        for sub in (self._sub, self._hello_sub):
+            if sub is not None:
+                try:
+                    await sub.unsubscribe()
+                except nats.errors.Error:
+                    pass
+        self._sub = self._hello_sub = None
+
+    def resubmit_all(self, why: str, unless_accepted_by: str | None = None) -> int:
+        """Re-submits every open request (but those the scheduler `unless_accepted_by` holds, and
+        those whose submission is still in flight)."""
+        n = 0
+        for stream in list(self._streams.values()):
+            if stream.finished or stream.scheduler_id is None or stream.scheduler_id == unless_accepted_by:
+                continue
+            stream.resubmit(why)
+            n += 1
+        return n
+
+    async def _on_hello(self, msg) -> None:
+        try:
+            sid = ServiceHello.decode(msg.data).service_id
+        except Exception:  # noqa: BLE001
+            return
+        n = self.resubmit_all(f"scheduler {sid[:8]} replaced the one that accepted it", unless_accepted_by=sid)
+        if n:
+            log.warning("a new scheduler %s: re-submitted %d open requests", sid[:8], n)
 
     def open(self, request: GenerateRequest) -> RequestStream:
         """Registers before the request is submitted, so its first chunk cannot be missed."""

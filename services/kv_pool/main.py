@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections import Counter, deque
 
 import orjson
@@ -34,8 +35,8 @@ from meshserve.shared.bus import Bus
 from meshserve.shared.kv_layout import kv_arena_shape, kv_bytes_per_block
 from meshserve.shared.model.config import ModelConfig
 from meshserve.shared.schemas import (ArenaDescriptor, BlockRefs, BlockTransfer, Heartbeat, KVEvent, KVImport,
-                                      KVImportReply, LeaseReply, LeaseRequest, LoadRequest, PoolPressure, SwapReply,
-                                      SwapRequest, TransferReply, WeightsDescriptor)
+                                      KVImportReply, LeaseReply, LeaseRequest, LoadRequest, PoolPressure, ServiceHello,
+                                      SwapReply, SwapRequest, TransferReply, WeightsDescriptor)
 from meshserve.shared.service import run_service
 
 from . import transfer
@@ -43,6 +44,8 @@ from .blocks import ArenaBlocks
 from .swap import HostTier
 
 log = logging.getLogger("meshserve.kv_pool")
+
+HELLO_INTERVAL = 1.0
 
 
 class BlockLedger:
@@ -252,6 +255,17 @@ class KVPool:
             await nc.subscribe(self.kv(verb), cb=cb)
         await nc.subscribe(s.heartbeat, cb=on_heartbeat)
         self.reaper = asyncio.ensure_future(self._reap())
+        self.greeter = asyncio.ensure_future(self._hello())
+
+    async def _hello(self) -> None:
+        """The arena's epoch every second: a worker that hears a new one knows the pool restarted and
+        that the blocks it holds are no longer its own (docs/faults.md)."""
+        while True:
+            try:
+                await self.bus.publish(self.kv("hello"), ServiceHello(service_id=self.desc.epoch))
+            except Exception as e:  # noqa: BLE001 - the bus may be reconnecting
+                log.debug("hello not sent: %s", e)
+            await asyncio.sleep(HELLO_INTERVAL)
 
     async def _reap(self) -> None:
         """Takes back the blocks of workers that went silent (killed, crashed, partitioned)."""
@@ -300,7 +314,8 @@ async def make_arena(bus: Bus, args) -> tuple[ArenaDescriptor, object]:
     log.info("KV arena: %d blocks of %d tokens, %.2f GiB at %s; host swap tier: %d blocks", num_blocks,
              args.block_size, nbytes / (1 << 30), path, swap_blocks)
     return ArenaDescriptor(node_id=args.node_id, path=path, backend=device, ipc=ipc, dtype=args.dtype, shape=shape,
-                           block_size=args.block_size, num_blocks=num_blocks, swap_blocks=swap_blocks), buf
+                           block_size=args.block_size, num_blocks=num_blocks, swap_blocks=swap_blocks,
+                           epoch=uuid.uuid4().hex), buf
 
 
 async def main(args) -> None:

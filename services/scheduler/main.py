@@ -15,6 +15,11 @@ still to generate call for another split, with hysteresis, telling the worker on
 It never sees tokens: the gateway owns each stream. When a worker goes silent, the scheduler
 tells the gateway of each of its requests ("worker_lost"); the gateway re-submits with the
 tokens the client already has, and a new worker recomputes and continues from there.
+
+Its state is soft: a restarted scheduler rebuilds its view of the workers from their heartbeats
+(it takes submissions only once it has heard them, or after --worker-timeout), and announces its
+new id every second on `scheduler.hello`; each gateway then re-submits the requests an older
+scheduler accepted, as a new attempt (docs/faults.md).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 
 import orjson
@@ -30,7 +36,8 @@ from meshserve.shared.bus import Bus
 from meshserve.shared.limits import LimitError, check_context_length
 from meshserve.shared.prefix_hash import prompt_block_hashes
 from meshserve.shared.schemas import (NOT_READY, Abort, BlockRefs, BlockTransfer, Done, GenerateRequest, Handoff,
-                                      Heartbeat, KVEvent, RoleSwitch, SubmitReply, TokenChunk, TransferReply, Usage)
+                                      Heartbeat, KVEvent, RoleSwitch, ServiceHello, SubmitReply, TokenChunk,
+                                      TransferReply, Usage)
 from meshserve.shared.service import run_service
 from meshserve.shared.telemetry import span
 from meshserve.shared.tenants import load_tenants
@@ -40,6 +47,8 @@ from .roles import ElasticRoles, Load
 from .routing import WorkerView, pick_decode, pick_idle_for_short_prompt, pick_prefill
 
 log = logging.getLogger("meshserve.scheduler")
+
+HELLO_INTERVAL = 1.0
 
 
 @dataclass
@@ -62,6 +71,7 @@ class Scheduler:
         self.workers: dict[str, WorkerView] = {}
         self.requests: dict[str, Tracked] = {}
         self.aborted: set[str] = set()
+        self.id = uuid.uuid4().hex  # new at each start: the gateways re-submit what an older one held
         tenants = getattr(args, "tenants", None)
         self.admission = Admission(load_tenants(tenants) if tenants else None)
         self.roles = ElasticRoles(enabled=not getattr(args, "fixed_roles", False))
@@ -146,14 +156,14 @@ class Scheduler:
             w.assigned.add(req.request_id)
             self.aborted.discard(req.request_id)
             await self.bus.publish(self.bus.subjects.worker(w.hb.worker_id, "prefill"), req)
-        return SubmitReply(ok=True)
+        return SubmitReply(ok=True, scheduler_id=self.id)
 
     async def handoff(self, h: Handoff) -> None:
         rid, src = h.request.request_id, h.from_worker
         self._unassign(rid, src)
         s = self.bus.subjects
-        if rid in self.aborted or rid not in self.requests:
-            # Nobody wants it any more: give the blocks back on the prefill worker's behalf.
+        if rid in self.aborted or rid not in self.requests or self.requests[rid].req.attempt != h.request.attempt:
+            # Nobody wants it any more (or it is a superseded attempt): give the blocks back on the prefill worker's behalf.
             await self.bus.publish(s.kv("release", h.node_id), BlockRefs(worker_id=src, block_ids=h.block_ids))
             self.requests.pop(rid, None)
             return
@@ -178,14 +188,16 @@ class Scheduler:
 
     def done(self, d: Done) -> None:
         t = self.requests.get(d.request_id)
+        if t is not None and t.req.attempt != d.attempt:
+            return  # a superseded attempt ended; the current one goes on
         self._unassign(d.request_id, d.worker_id)
         if t is not None and t.worker == d.worker_id:
             del self.requests[d.request_id]
 
     async def abort(self, a: Abort) -> None:
         t = self.requests.get(a.request_id)
-        if t is None:
-            return
+        if t is None or (a.attempt is not None and a.attempt < t.req.attempt):
+            return  # unknown, or the abort of an attempt the gateway superseded (workers heard it)
         self.aborted.add(a.request_id)
         if t.worker is not None:
             await self.bus.publish(self.bus.subjects.worker(t.worker, "abort"), a)
@@ -198,7 +210,7 @@ class Scheduler:
     async def _lost(self, req: GenerateRequest) -> None:
         """Tells the gateway to re-submit; it knows which tokens the client already has."""
         await self.bus.publish(req.stream_subject, TokenChunk(request_id=req.request_id, seq=-1, index=-1,
-                                                              token_ids=[], error="worker_lost"))
+                                                              token_ids=[], error="worker_lost", attempt=req.attempt))
 
     # -- workers
 
@@ -284,7 +296,6 @@ class Scheduler:
         async def on_status(msg):
             await msg.respond(orjson.dumps(self.status()))
 
-        await nc.subscribe(s.submit, cb=on_submit)
         await nc.subscribe(s.handoff, cb=on_handoff)
         await nc.subscribe(s.done, cb=on_done)
         await nc.subscribe(s.abort, cb=on_abort)
@@ -293,6 +304,23 @@ class Scheduler:
         await nc.subscribe(s.scheduler_status, cb=on_status)
         await nc.subscribe(s.usage, cb=on_usage)
         self.reaper = asyncio.ensure_future(self.reap())
+        self.greeter = asyncio.ensure_future(self.hello(lambda: nc.subscribe(s.submit, cb=on_submit)))
+
+    async def hello(self, take_submissions) -> None:
+        """Takes submissions once the workers' heartbeats came in (or after --worker-timeout), so a
+        restarted scheduler does not refuse requests for want of workers it has not heard yet;
+        then announces its id every second."""
+        deadline = time.monotonic() + self.args.worker_timeout
+        while not self.status()["ready"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await take_submissions()
+        log.info("scheduler %s taking requests (%d workers known)", self.id, len(self.workers))
+        while True:
+            try:
+                await self.bus.publish(self.bus.subjects.scheduler_hello, ServiceHello(service_id=self.id))
+            except Exception as e:  # noqa: BLE001 - the bus may be reconnecting; the next one will do
+                log.debug("hello not sent: %s", e)
+            await asyncio.sleep(HELLO_INTERVAL)
 
 
 def add_arguments(p) -> None:

@@ -14,7 +14,7 @@ import uuid
 from meshserve.shared import telemetry
 from meshserve.shared.bus import Bus
 from meshserve.shared.schemas import (ArenaDescriptor, BlockRefs, Handoff, KVEvent, KVImport, KVImportReply,
-                                      LeaseReply, LeaseRequest, SwapReply, SwapRequest)
+                                      LeaseReply, LeaseRequest, ServiceHello, SwapReply, SwapRequest)
 
 log = logging.getLogger("meshserve.worker.kv")
 
@@ -34,6 +34,19 @@ class KVPoolClient:
     async def subscribe(self, verb: str, cb) -> None:
         """cb(msg) for each message the pool publishes on this verb (pressure, host_events)."""
         await self.bus.nc.subscribe(self.subject(verb), cb=cb)
+
+    async def watch_epoch(self, epoch: str, on_change) -> None:
+        """on_change(new_epoch) when the pool's hello names another arena epoch than `epoch` (the
+        one this worker mapped): the pool restarted and its ledger starts afresh."""
+        async def on_hello(msg):
+            try:
+                seen = ServiceHello.decode(msg.data).service_id
+            except Exception:  # noqa: BLE001
+                return
+            if epoch and seen != epoch:
+                on_change(seen)
+
+        await self.subscribe("hello", on_hello)
 
     async def arena(self) -> ArenaDescriptor:
         return await self.bus.request(self.subject("arena"), LeaseRequest(worker_id=self.worker_id, num_blocks=0),

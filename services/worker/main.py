@@ -26,6 +26,8 @@ import logging
 import os
 import time
 
+import nats.errors
+
 from meshserve.shared import node_memory, shm
 from meshserve.shared.bus import Bus
 from meshserve.shared.engine import wire
@@ -61,6 +63,7 @@ class Worker:
         self.wake = asyncio.Event()
         self.streams: dict[str, GenerateRequest] = {}  # request id -> its request (stream subject)
         self.chunk_seq: dict[str, int] = {}
+        self.attempts: dict[str, int] = {}  # request id -> the GenerateRequest.attempt running here
         self.to_hand_off: set[str] = set()  # prefilled here, to pass on after the first token
         self.tasks: list[asyncio.Task] = []
         # Steps always run on this one thread: OpenMP keeps one warm thread team per calling
@@ -112,7 +115,9 @@ class Worker:
         for verb, cb in (("prefill", self._on_request), ("adopt", self._on_adopt), ("abort", self._on_abort),
                         ("role", self._on_role)):
             await self.bus.nc.subscribe(s.worker(self.id, verb), cb=cb)
-        self.tasks = [asyncio.ensure_future(self._heartbeats()), asyncio.ensure_future(self._loop())]
+        await self.bus.nc.subscribe(s.abort, cb=self._on_superseded)
+        await pool.watch_epoch(arena.epoch, self._pool_restarted)
+        self.tasks = [asyncio.ensure_future(self._heartbeats()), asyncio.ensure_future(self._run())]
         log.info("worker %s ready: %s, %d KV blocks of the arena leased", self.id, self.role,
                  self.engine.block_pool.num_free)
 
@@ -145,32 +150,62 @@ class Worker:
     async def _on_role(self, msg) -> None:
         self._post("role", RoleSwitch.decode(msg.data))
 
+    async def _on_superseded(self, msg) -> None:
+        """A gateway re-submitted a request (its scheduler restarted...): the old attempt stops here,
+        even though no scheduler routed this abort."""
+        a = Abort.decode(msg.data)
+        if a.attempt is not None and self.attempts.get(a.request_id, a.attempt + 1) <= a.attempt:
+            self._post("abort", a)
+
+    def _pool_restarted(self, epoch: str) -> None:
+        """The node's kv-pool restarted: its ledger no longer knows the blocks this worker holds and
+        may lease them to others, so nothing in them can be trusted. The simplest sound recovery is
+        the lost-worker one: exit, the launcher restarts the worker on the new arena, and the
+        scheduler re-dispatches its requests (the gateways continue them from the tokens sent)."""
+        log.error("worker %s: the kv-pool restarted (epoch %s); exiting so that its requests are recomputed",
+                  self.id, epoch[:8])
+        logging.shutdown()
+        os._exit(75)
+
     async def _apply_inbox(self) -> None:
         inbox, self.inbox = self.inbox, []
         for kind, m in inbox:
             if kind == "request":
                 await self._add(m)
             elif kind == "adopt":
+                if self.attempts.get(m.request.request_id, m.request.attempt) < m.request.attempt:
+                    await self._abort(Abort(request_id=m.request.request_id, reason="superseded",
+                                            attempt=m.request.attempt - 1))  # its old attempt still runs here
                 self._adopt(m)
             elif kind == "recompute":  # its blocks could not come over from another node
                 self.chunk_seq[m.request.request_id] = m.next_seq
                 await self._add(m.request.model_copy(
                     update={"output_token_ids": m.token_ids[len(m.request.prompt_token_ids):]}))
             elif kind == "aborted":  # while its blocks came over
-                await self._done(m.request.request_id, "abort")
+                await self._done(m.request.request_id, "abort", m.request.attempt)
             elif kind == "reclaim":  # another worker of the node is short of blocks
                 await self.blocks.reclaim()
             elif kind == "role":
                 await self._switch_role(m)
             else:
-                self.blocks.cancel(m.request_id)
-                self.engine.abort(m.request_id, m.reason)
-                self.received.pop(m.request_id, None)
-                self.decode_start.pop(m.request_id, None)
-                if self.streams.pop(m.request_id, None) is not None:
-                    await self._done(m.request_id, m.reason)
+                await self._abort(m)
+
+    async def _abort(self, m: Abort) -> None:
+        if m.attempt is not None and self.attempts.get(m.request_id, m.attempt + 1) > m.attempt:
+            return  # superseded meanwhile by the attempt now running here
+        self.blocks.cancel(m.request_id)
+        self.engine.abort(m.request_id, m.reason)
+        self.received.pop(m.request_id, None)
+        self.decode_start.pop(m.request_id, None)
+        self.to_hand_off.discard(m.request_id)
+        # not streamed later as a newer attempt's tokens:
+        self.unpublished = [o for o in self.unpublished if o.request_id != m.request_id]
+        if self.streams.pop(m.request_id, None) is not None:
+            await self._done(m.request_id, m.reason)
 
     async def _add(self, req: GenerateRequest) -> None:
+        if self.attempts.get(req.request_id, req.attempt) < req.attempt:  # its old attempt still runs here
+            await self._abort(Abort(request_id=req.request_id, reason="superseded", attempt=req.attempt - 1))
         await self.blocks.prepare(req.prompt_token_ids + req.output_token_ids)  # its prefix back from the host tier
         try:
             self.engine.add_request(req.request_id, req.prompt_token_ids, wire.sampling_params(req.sampling),
@@ -179,10 +214,14 @@ class Worker:
         except RequestError as e:
             await self.bus.publish(req.stream_subject, TokenChunk(
                 request_id=req.request_id, seq=0, index=len(req.output_token_ids), token_ids=[], finished=True,
-                finish_reason="error", error=str(e), worker_id=self.id))
-            await self._done(req.request_id, "error")
+                finish_reason="error", error=str(e), worker_id=self.id, attempt=req.attempt))
+            await self._done(req.request_id, "error", req.attempt)
             return
         self.streams[req.request_id] = req
+        self.attempts[req.request_id] = req.attempt
+        if req.attempt:
+            log.info("worker %s: request %s, attempt %d, from %d tokens", self.id, req.request_id, req.attempt,
+                     len(req.output_token_ids))
         self.received[req.request_id] = time.time()
         self.chunk_seq.setdefault(req.request_id, 0)
         if self.role == "prefill":
@@ -192,10 +231,23 @@ class Worker:
         req = h.request
         self.blocks.adopt(h)
         self.streams[req.request_id] = req
+        self.attempts[req.request_id] = req.attempt
         self.chunk_seq[req.request_id] = h.next_seq
         self.decode_start[req.request_id] = time.time()
 
     # -- the loop
+
+    async def _run(self) -> None:
+        """The loop, or the process: a worker whose loop died but whose heartbeats went on would
+        hold its requests forever; exiting makes them the lost-worker case (re-dispatched)."""
+        try:
+            await self._loop()
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            log.exception("worker %s: the engine loop failed; exiting", self.id)
+            logging.shutdown()
+            os._exit(70)
 
     async def _loop(self) -> None:
         # A step's tokens are streamed while the next step computes (the cores would otherwise wait
@@ -211,7 +263,14 @@ class Worker:
                 if not self.inbox:
                     await self.wake.wait()
                 continue
-            await self.blocks.before_step()
+            try:
+                await self.blocks.before_step()
+            except (nats.errors.Error, asyncio.TimeoutError, ConnectionError) as e:
+                # The bus is reconnecting (a restarted nats-server) or the kv-pool is restarting:
+                # try again; a new pool epoch makes this worker exit (_pool_restarted).
+                log.warning("worker %s: block lease failed (%s); retrying", self.id, e or type(e).__name__)
+                await asyncio.sleep(0.2)
+                continue
             step = asyncio.get_running_loop().run_in_executor(self.stepper, self.engine.step)
             await self._flush()
             outputs = await step
@@ -267,7 +326,7 @@ class Worker:
                 request_id=out.request_id, seq=seq_no, index=out.num_output_tokens - len(out.new_token_ids),
                 token_ids=out.new_token_ids, logprobs=lps, finished=out.finished, finish_reason=out.finish_reason,
                 num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
-                worker_id=self.id))
+                worker_id=self.id, attempt=req.attempt))
             if out.finished:
                 del self.streams[out.request_id]
                 self.to_hand_off.discard(out.request_id)
@@ -298,6 +357,7 @@ class Worker:
         """Prefill is done: pass the sequence on by block ids (no KV byte moves)."""
         self.to_hand_off.discard(request_id)
         req = self.streams.pop(request_id)
+        self.attempts.pop(request_id, None)
         seq, blocks, shared = await self.blocks.detach(request_id)
         with telemetry.span("kv.handoff", req.trace, worker=self.id, request_id=request_id, blocks=len(blocks)):
             await self.bus.publish(self.bus.subjects.handoff, Handoff(
@@ -305,10 +365,11 @@ class Worker:
                 num_computed_tokens=seq.num_computed_tokens, num_cached_tokens=seq.num_cached_tokens,
                 next_seq=self.chunk_seq.pop(request_id), from_worker=self.id, node_id=self.args.node_id))
 
-    async def _done(self, request_id: str, reason: str | None) -> None:
+    async def _done(self, request_id: str, reason: str | None, attempt: int | None = None) -> None:
         self.chunk_seq.pop(request_id, None)
+        attempt = self.attempts.pop(request_id, 0) if attempt is None else attempt
         await self.bus.publish(self.bus.subjects.done, Done(request_id=request_id, worker_id=self.id,
-                                                            finish_reason=reason))
+                                                            finish_reason=reason, attempt=attempt))
 
     def _pending_tokens(self) -> tuple[int, int]:
         """(prompt tokens not yet computed, output tokens not yet generated) of its sequences."""

@@ -1,0 +1,142 @@
+"""Fault drills on a real `meshserve up`: kill -9, in turn and mid-load, the kv-pool, the model
+loader, the scheduler, the gateway and the nats-server. Every stream accepted before the fault
+must end with exactly the text of an undisturbed run, or with a clear error (an SSE error event,
+or for the gateway's own clients a lost connection): never cut short without one, never a gap
+or a repeat. The mesh must serve again within RECOVERY_S. One mesh serves every drill: each
+waits until the launcher restarted what it killed and a request succeeds again."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import sys
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+from mesh_util import Mesh
+from meshserve.shared.engine.llm import LLM
+from meshserve.shared.engine.sequence import SamplingParams
+
+PROMPTS = ["The quick brown fox", "Hello world! Hello there", "def add(a, b):", "Once upon a time there was"]
+MAX_TOKENS = 160
+RECOVERY_S = 60.0  # from the kill to a request served again
+TIMES: dict[str, float] = {}  # recovery time per fault, printed at the end
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    llm = LLM(str(tiny_llama), "float32")
+    return [llm.generate([p], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))[0].text
+            for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_llama, tmp_path_factory):
+    with Mesh(tiny_llama, tmp_path_factory.mktemp("faults"), prefill=1, decode=1) as m:
+        yield m
+    print("recovery times (s):", {k: round(v, 2) for k, v in TIMES.items()})
+
+
+def _stream(client: OpenAI, model: str, prompt: str, received: list, i: int) -> tuple[str, str]:
+    """("ok"|"cut", text), or ("error", message) when the stream ended with a clear error."""
+    text, finish = "", None
+    try:
+        for c in client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True}):
+            if c.choices:
+                text += c.choices[0].text
+                finish = c.choices[0].finish_reason or finish
+            received[i] += 1
+    except openai.APIConnectionError as e:
+        return "connection", str(e)
+    except openai.APIError as e:  # an SSE error event, or an error status
+        return "error", str(e)
+    return ("ok" if finish else "cut"), text
+
+
+def _serves(mesh: Mesh, want: str, deadline: float) -> float:
+    """Polls until a request comes back right; returns when."""
+    client = OpenAI(base_url=mesh.url + "/v1", api_key="unused", timeout=10, max_retries=0)
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            r = client.completions.create(model=mesh.model, prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                          temperature=0, extra_body={"ignore_eos": True})
+            if r.choices[0].text == want:
+                return time.monotonic()
+            last = f"wrong text: {r.choices[0].text!r}"
+        except (openai.APIError, httpx.HTTPError) as e:
+            last = e
+        time.sleep(0.2)
+    raise AssertionError(f"the mesh did not serve again within {RECOVERY_S}s: {last}\n"
+                         f"{mesh.log.read_text()[-3000:]}")
+
+
+def _all_back(mesh: Mesh, deadline: float) -> None:
+    """Every service runs again and the scheduler knows both workers."""
+    while time.monotonic() < deadline:
+        names = ["nats-server", "model-loader", "kv-pool", "prefill", "decode", "scheduler", "gateway"]
+        if all(mesh.service_pid(n) for n in names):
+            try:
+                st = mesh.ask("scheduler.status")
+                if st["ready"] and len(st["workers"]) == 2:
+                    return
+            except Exception:  # noqa: BLE001 - the bus may still be coming back
+                pass
+        time.sleep(0.2)
+    raise AssertionError(f"not every service came back:\n{mesh.log.read_text()[-3000:]}")
+
+
+@pytest.mark.parametrize("service", ["model-loader", "scheduler", "kv-pool", "nats-server", "gateway"])
+def test_kill9_mid_load_loses_nothing(mesh, reference, service):
+    _all_back(mesh, time.monotonic() + RECOVERY_S)
+    client = OpenAI(base_url=mesh.url + "/v1", api_key="unused", timeout=90, max_retries=0)
+    received = [0] * len(PROMPTS)
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as ex:
+        futures = [ex.submit(_stream, client, mesh.model, p, received, i) for i, p in enumerate(PROMPTS)]
+        started = time.monotonic() + 60
+        while not all(received) and time.monotonic() < started:
+            time.sleep(0.01)
+        assert all(received), "the streams did not start"
+        pid = mesh.service_pid(service)
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        at_kill = list(received)
+        outcomes = [f.result(timeout=120) for f in futures]
+    assert time.monotonic() - killed < 100, "a stream hung"
+    assert min(at_kill) < MAX_TOKENS / 2, f"the kill came late: {at_kill} chunks received"
+    clear = ("error", "connection") if service == "gateway" else ("error",)
+    for (kind, text), want in zip(outcomes, reference):
+        assert kind in ("ok", *clear), f"{service}: a stream ended {kind}: {text!r}"
+        if kind == "ok":
+            assert text == want, f"{service}: a stream's text differs from an undisturbed run"
+    TIMES[service] = _serves(mesh, reference[0], killed + RECOVERY_S) - killed
+    print(f"{service}: {[k for k, _ in outcomes]}, serving again {TIMES[service]:.2f}s after the kill")
+    assert mesh.service_pid(service) not in (None, pid)  # the launcher restarted it
+    assert mesh.proc.poll() is None
+
+
+def test_launcher_restarts_with_backoff_then_gives_up(monkeypatch, tmp_path):
+    """A child that keeps dying at once is restarted RESTART_LIMIT times, then the launcher gives up
+    saying why; one that ran long enough starts a fresh count."""
+    import argparse
+
+    from meshserve.cli import launcher
+
+    monkeypatch.setattr(launcher, "BACKOFF_S", (0.01, 0.02))
+    la = launcher.Launcher(argparse.Namespace())
+    try:
+        la.spawn("flaky", [sys.executable, "-c", "raise SystemExit(3)"])
+        deadline = time.monotonic() + 30
+        with pytest.raises(launcher.GiveUp, match="flaky exited with code 3 6 times in a row"):
+            while time.monotonic() < deadline:
+                la.supervise()
+                time.sleep(0.01)
+        assert la.restart_counts()["flaky"] == launcher.RESTART_LIMIT
+    finally:
+        la.stop(grace=5)
