@@ -89,7 +89,8 @@ class Mesh:
             words = [a.decode(errors="replace") for a in argv]
             if service == "nats-server" and words and Path(words[0]).name.startswith("nats-server"):
                 return pid
-            if "serve" in words and words.index("serve") + 1 < len(words) and words[words.index("serve") + 1] == service:
+            role = words[words.index("serve") + 1] if "serve" in words[:-1] else None
+            if role == service:
                 return pid
         return None
 

@@ -162,10 +162,14 @@ class Scheduler:
         rid, src = h.request.request_id, h.from_worker
         self._unassign(rid, src)
         s = self.bus.subjects
-        if rid in self.aborted or rid not in self.requests or self.requests[rid].req.attempt != h.request.attempt:
-            # Nobody wants it any more (or it is a superseded attempt): give the blocks back on the prefill worker's behalf.
+        current = self.requests.get(rid)
+        superseded = current is not None and current.req.attempt != h.request.attempt
+        if rid in self.aborted or current is None or superseded:
+            # Nobody wants it any more (or a newer attempt runs): give the blocks back on the
+            # prefill worker's behalf.
             await self.bus.publish(s.kv("release", h.node_id), BlockRefs(worker_id=src, block_ids=h.block_ids))
-            self.requests.pop(rid, None)
+            if not superseded:
+                self.requests.pop(rid, None)
             return
         dst = pick_decode(self.decode_candidates(h.request.model), h.node_id)
         if dst is None:
