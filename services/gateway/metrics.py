@@ -47,6 +47,8 @@ class WorkerRoles:
         role = GaugeMetricFamily("meshserve:worker_role", "Each worker's current role (1) among prefill, decode, "
                                  "mixed.", labels=["model_name", "worker", "role"])
         for w in self.status.get("workers") or []:
+            if not isinstance(w, dict):  # a status of another shape (an older scheduler): no series
+                continue
             for r in ROLES:
                 role.add_metric([self.model, str(w.get("id")), r], float(w.get("role") == r))
         switches = CounterMetricFamily("meshserve:role_switches", "Worker role switches (elastic roles).",
