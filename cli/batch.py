@@ -3,20 +3,23 @@
 
 Every valid line is added to the engine at once, so they are served by continuous batching
 together; a bad line gets its own error result and the others still run. Results are written
-in input order.
+in input order. The request fields are those of the HTTP API (shared/openai_protocol.py): n
+choices (later ones wait for the first's prompt to be cached), echo, structured output, tools.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import uuid
 from typing import IO, TYPE_CHECKING
 
 import orjson
 
-from meshserve.shared.openai_protocol import (ChatCompletionRequest, OpenAIError, chat_logprobs, chat_response,
-                                              completion_logprobs, completion_response, new_id, parse_request,
-                                              usage)
+from meshserve.shared import tool_calls
+from meshserve.shared.openai_protocol import (ChatCompletionRequest, OpenAIError, chat_choice, chat_logprobs,
+                                              chat_response, completion_choice, completion_logprobs,
+                                              completion_response, join_logprobs, new_id, parse_request, usage)
 
 if TYPE_CHECKING:
     from meshserve.shared.engine.llm import LLM, Completion
@@ -58,31 +61,57 @@ def _prepare(llm: LLM, item: dict, served: str):
     from meshserve.shared.engine import wire
 
     kind = _kind(item)
-    req = parse_request(kind, item.get("body"))
+    req = parse_request(kind, item.get("body"), llm.tokenizer.vocab_size)
     if req.model not in (None, served, llm.model_name):
         raise OpenAIError(f"the model {req.model!r} does not exist; this batch serves {served!r}",
                           status_code=404, param="model", code="model_not_found")
     if isinstance(req, ChatCompletionRequest):
         try:
-            prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(req.template_messages()),
-                                          add_special_tokens=False)
+            prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
+                req.template_messages(), add_generation_prompt=req.add_generation_prompt, tools=req.tool_dicts()),
+                add_special_tokens=False)
         except Exception as e:  # a template that raises is the caller's doing
             raise OpenAIError(f"could not apply the chat template: {e}", param="messages") from None
-        sampling = req.to_sampling(default_max=llm.engine.max_model_len - len(prompt))
+        sampling = req.to_sampling(llm.engine.max_model_len - len(prompt), llm.generation_defaults)
     else:
         prompt = req.prompt if isinstance(req.prompt, list) else llm.tokenizer.encode(req.prompt)
-        sampling = req.to_sampling()
+        sampling = req.to_sampling(llm.generation_defaults)
     return kind, req, prompt, wire.sampling_params(sampling, req.stop_strings())
 
 
-def _body(llm: LLM, kind: str, served: str, c: Completion, want_logprobs: bool) -> dict:
-    u = usage(len(c.prompt_token_ids), len(c.token_ids), c.num_cached_tokens)
+def _add(llm: LLM, prompt: list[int], params, n: int) -> list[Completion]:
+    """n choices: the first, then the others after it (they share its prompt's blocks), seed + i each."""
+    first = llm.add(prompt, params)
+    rest = [llm.add(prompt, params if params.seed is None else dataclasses.replace(params, seed=params.seed + i),
+                    after=first.request_id) for i in range(1, n)]
+    return [first, *rest]
+
+
+def _body(llm: LLM, kind: str, served: str, req, cs: list[Completion], want_logprobs: bool) -> dict:
+    u = usage(len(cs[0].prompt_token_ids), sum(len(c.token_ids) for c in cs), cs[0].num_cached_tokens)
     dec = llm.tokenizer.decode
-    if kind == "chat":
-        lp = chat_logprobs(c.token_ids, c.logprobs, dec) if want_logprobs else None
-        return chat_response(new_id("chatcmpl"), served, c.text, c.finish_reason, u, lp)
-    lp = completion_logprobs(c.token_ids, c.logprobs, dec) if want_logprobs else None
-    return completion_response(new_id("cmpl"), served, c.text, c.finish_reason, u, lp)
+    choices = []
+    for i, c in enumerate(cs):
+        if kind == "chat":
+            lp = chat_logprobs(c.token_ids, c.logprobs, dec) if want_logprobs else None
+            mode = req.tool_mode()
+            content, calls = tool_calls.read_calls(mode, c.text, req.tool_choice.function["name"]
+                                                   if mode == "named" else None)
+            finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+            choices.append(chat_choice(i, content, finish, lp, [t.openai() for t in calls] or None))
+            continue
+        lp = completion_logprobs(c.token_ids, c.logprobs, dec) if want_logprobs else None
+        text = c.text
+        if req.echo:
+            prompt_text = req.prompt if isinstance(req.prompt, str) else dec(c.prompt_token_ids)
+            if want_logprobs:
+                plp = completion_logprobs(c.prompt_token_ids, c.prompt_logprobs or [None] * len(c.prompt_token_ids),
+                                          dec)
+                lp = join_logprobs(plp, completion_logprobs(c.token_ids, c.logprobs, dec, len(prompt_text)))
+            text = prompt_text + text
+        choices.append(completion_choice(i, text, c.finish_reason, lp))
+    build = chat_response if kind == "chat" else completion_response
+    return build(new_id("chatcmpl" if kind == "chat" else "cmpl"), served, "", None, u, choices=choices)
 
 
 def run_batch(llm: LLM, inp: IO[bytes], out: IO[bytes], served: str) -> tuple[int, int]:
@@ -90,7 +119,7 @@ def run_batch(llm: LLM, inp: IO[bytes], out: IO[bytes], served: str) -> tuple[in
     from meshserve.shared.engine.llm_engine import RequestError
 
     results: list[dict | None] = []
-    pending: list[tuple[int, str, Completion, bool, object]] = []
+    pending: list[tuple[int, str, object, list[Completion], bool, object]] = []
     for line in inp:
         if not line.strip():
             continue
@@ -99,16 +128,16 @@ def run_batch(llm: LLM, inp: IO[bytes], out: IO[bytes], served: str) -> tuple[in
             item = _read_line(line)
             cid = item.get("custom_id")
             kind, req, prompt, params = _prepare(llm, item, served)
-            c = llm.add(prompt, params)
-            pending.append((len(results), kind, c, params.logprobs is not None, cid))
+            cs = _add(llm, prompt, params, req.n)
+            pending.append((len(results), kind, req, cs, params.logprobs is not None, cid))
             results.append(None)
         except OpenAIError as e:
             results.append(_error_result(cid, e))
         except RequestError as e:
             results.append(_error_result(cid, OpenAIError(str(e))))
     llm.run()
-    for i, kind, c, want_lp, cid in pending:
-        results[i] = _result(cid, 200, _body(llm, kind, served, c, want_lp))
+    for i, kind, req, cs, want_lp, cid in pending:
+        results[i] = _result(cid, 200, _body(llm, kind, served, req, cs, want_lp))
     return write_results(results, out)
 
 

@@ -42,8 +42,8 @@ def priority_level(priority: int | str) -> int:
 def check_sampling(p) -> None:
     """The ranges of the sampling parameters, for anything with their fields (the wire's Sampling,
     the engine's SamplingParams)."""
-    if p.max_tokens < 1:
-        raise LimitError("max_tokens must be at least 1", param="max_tokens")
+    if p.max_tokens < (0 if getattr(p, "prompt_logprobs", None) is not None else 1):
+        raise LimitError("max_tokens must be at least 1 (0 only with echo)", param="max_tokens")
     if p.temperature < 0:
         raise LimitError("temperature must be non-negative", param="temperature")
     if not 0 < p.top_p <= 1:
@@ -54,6 +54,17 @@ def check_sampling(p) -> None:
         raise LimitError("min_p must be in [0, 1]", param="min_p")
     if p.logprobs is not None and not 0 <= p.logprobs <= 20:
         raise LimitError("logprobs must be between 0 and 20", param="logprobs")
+    if p.prompt_logprobs is not None and not 0 <= p.prompt_logprobs <= 20:
+        raise LimitError("prompt logprobs must be between 0 and 20", param="logprobs")
+    if any(not -100 <= b <= 100 for b in (p.logit_bias or {}).values()):
+        raise LimitError("logit_bias values must be between -100 and 100", param="logit_bias")
+    if not p.repetition_penalty > 0:
+        raise LimitError("repetition_penalty must be positive", param="repetition_penalty")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2 <= getattr(p, name) <= 2:
+            raise LimitError(f"{name} must be between -2 and 2", param=name)
+    if not 0 <= p.min_tokens <= max(p.max_tokens, 0):
+        raise LimitError("min_tokens must be between 0 and max_tokens", param="min_tokens")
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str = "prompt") -> None:

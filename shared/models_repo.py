@@ -33,7 +33,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_MODEL", "KNOWN_MODELS", "ModelSpec", "UnknownModel", "cache_dir", "cached_path", "check", "pull",
-           "resolve", "load_model_files", "load_tokenizer"]
+           "resolve", "load_model_files", "load_tokenizer", "generation_defaults", "GENERATION_DEFAULT_FIELDS"]
+
+# The sampling fields of a Hugging Face generation_config.json a request inherits when it does not
+# set them (the same ones vLLM takes); the request's name of each.
+GENERATION_DEFAULT_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                             "repetition_penalty": "repetition_penalty"}
 
 
 @dataclass(frozen=True)
@@ -235,6 +240,20 @@ def _gguf_tokenizer(path: Path, reader=None) -> "Tokenizer":
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     return tok
+
+
+def generation_defaults(name_or_path: str | Path) -> dict[str, float | int]:
+    """The sampling defaults of a model's generation_config.json (an HF directory), by request field
+    name; {} when it has none (GGUF files carry none)."""
+    import json
+
+    path = resolve(name_or_path)
+    file = path / "generation_config.json" if path.is_dir() else None
+    if file is None or not file.is_file():
+        return {}
+    cfg = json.loads(file.read_text(encoding="utf-8"))
+    return {req: cfg[hf] for hf, req in GENERATION_DEFAULT_FIELDS.items()
+            if isinstance(cfg.get(hf), (int, float)) and not isinstance(cfg.get(hf), bool)}
 
 
 def load_model_files(name_or_path: str | Path) -> tuple["ModelConfig", dict[str, "torch.Tensor"], "Tokenizer"]:

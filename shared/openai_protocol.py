@@ -3,13 +3,16 @@ wire types (a request's sampling becomes shared/schemas.py's Sampling; the engin
 its own door, shared/engine/wire.py).
 
 Used by the offline batch runner and by the gateway, so both speak exactly the same dialect; torch-free.
-Unknown fields are ignored (as vLLM does); fields we cannot honour are rejected with a 400.
+Unknown fields are ignored (as vLLM does); fields that would change the output are honoured or
+rejected with a 400 naming them.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
+from functools import lru_cache
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -34,27 +37,108 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+MAX_N = 16  # choices per request
+
+# OpenAI's defaults, for what neither the request nor the model's generation_config.json sets.
+OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (newer name of the guided_* fields): one of these."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+def _refuse(message: str, param: str) -> OpenAIError:
+    return OpenAIError(f"{param}: {message}", param=param)
+
+
+@lru_cache(maxsize=256)
+def _constraint_error(kind: str, spec: str) -> str | None:
+    from .engine.constraints import ConstraintError, check
+
+    try:
+        check(kind, spec)
+    except ConstraintError as e:
+        return str(e)
+    return None
+
+
+def check_constraint(kind: str, spec: str, param: str) -> tuple[str, str]:
+    """The constraint, or OpenAIError(400) naming the field when it does not compile."""
+    err = _constraint_error(kind, spec)
+    if err:
+        raise _refuse(f"invalid {kind.replace('_', ' ')}: {err}", param)
+    return kind, spec
+
+
+def _schema_text(value: dict | str, param: str) -> str:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise _refuse(f"not valid JSON: {e}", param) from None
+    if not isinstance(value, dict):
+        raise _refuse("a JSON schema must be an object", param)
+    return json.dumps(value)
+
+
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Fields both endpoints share. A field that would change the output is honoured or refused
+    with a 400 naming it (`check`); unknown fields that change nothing (`user`, ...) are ignored."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=-1)
-    min_p: float = Field(default=0.0, ge=0, le=1)
+    # None: the model's generation_config.json, else OpenAI's default (OPENAI_DEFAULTS)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=10)
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(default=0, ge=0)
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    best_of: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
     user: str | None = None
     priority: Literal["interactive", "normal", "background"] | None = Field(
         default=None, description="meshserve's own: the request's class (default: its tenant's, else normal)")
+    # structured output: OpenAI's response_format, vLLM's guided_* and structured_outputs
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted: every backend name means llguidance here
+    guided_whitespace_pattern: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("stop")
     @classmethod
@@ -65,25 +149,93 @@ class _SamplingFields(BaseModel):
             raise ValueError("at most 16 stop sequences")
         return v
 
-    @model_validator(mode="after")
-    def _unsupported(self):
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported yet")
-        return self
+    def check(self, vocab_size: int | None = None) -> None:
+        """What pydantic cannot say: raises OpenAIError(400) naming the field."""
+        if self.best_of is not None and self.best_of != self.n:
+            raise _refuse("best_of is not supported (only best_of == n, which returns every choice)", "best_of")
+        if self.guided_whitespace_pattern is not None:
+            raise _refuse("not supported: JSON is generated without free whitespace", "guided_whitespace_pattern")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise _refuse("must not exceed max_tokens", "min_tokens")
+        self.logit_bias_ids(vocab_size)
+        self.constraint()
 
     def stop_strings(self) -> list[str]:
         """The stop strings (matched on the text by whoever detokenizes; never on the wire)."""
         return [s for s in (self.stop or []) if s]
 
-    def _sampling(self, max_tokens: int | None, logprobs: int | None, default_max: int) -> Sampling:
+    def logit_bias_ids(self, vocab_size: int | None = None) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        out = {}
+        for k, v in self.logit_bias.items():
+            try:
+                t = int(k)
+            except ValueError:
+                raise _refuse(f"keys must be token ids, not {k!r}", "logit_bias") from None
+            if t < 0 or (vocab_size is not None and t >= vocab_size):
+                raise _refuse(f"token id {t} is not in [0, {vocab_size})", "logit_bias")
+            if not -100 <= v <= 100:
+                raise _refuse(f"the bias of token {t} must be between -100 and 100", "logit_bias")
+            out[t] = v
+        return out
+
+    def constraint(self) -> tuple[str, str] | None:
+        """The structured-output constraint (kind, spec) the request asks for, checked; one at most."""
+        found: list[tuple[str, str, str]] = []  # (param, kind, spec)
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", "json_object", ""))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise _refuse("json_schema.schema is required with type json_schema", "response_format")
+            p = "response_format.json_schema.schema"
+            found.append((p, "json_schema", _schema_text(rf.json_schema.schema_, p)))
+        if self.guided_json is not None:
+            found.append(("guided_json", "json_schema", _schema_text(self.guided_json, "guided_json")))
+        for name, kind in (("guided_regex", "regex"), ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                found.append((name, kind, getattr(self, name)))
+        if self.guided_choice is not None:
+            found.append(("guided_choice", "choice", json.dumps(self.guided_choice)))
+        so = self.structured_outputs
+        if so is not None:
+            for name, kind in (("json_", "json_schema"), ("regex", "regex"), ("choice", "choice"),
+                               ("grammar", "grammar"), ("json_object", "json_object")):
+                v = getattr(so, name)
+                if v is None or v is False:
+                    continue
+                param = f"structured_outputs.{name.rstrip('_')}"
+                spec = (_schema_text(v, param) if kind == "json_schema" else json.dumps(v) if kind == "choice"
+                        else "" if kind == "json_object" else v)
+                found.append((param, kind, spec))
+        if len(found) > 1:
+            raise _refuse(f"only one structured-output constraint per request; {found[0][0]} is given too",
+                          found[1][0])
+        if not found:
+            return None
+        param, kind, spec = found[0]
+        return check_constraint(kind, spec, param)
+
+    def _sampling(self, max_tokens: int | None, logprobs: int | None, default_max: int,
+                  defaults: dict | None = None, constraint: tuple[str, str] | None = None,
+                  prompt_logprobs: int | None = None) -> Sampling:
+        """defaults: the model's generation defaults (models_repo.generation_defaults), for the
+        sampling fields the request leaves unset."""
+        d = {**OPENAI_DEFAULTS, **(defaults or {})}
+        pick = {k: getattr(self, k) if getattr(self, k) is not None else d[k] for k in OPENAI_DEFAULTS}
         return Sampling(
             max_tokens=max_tokens if max_tokens is not None else default_max,
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            seed=self.seed, stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs)
+            temperature=pick["temperature"], top_p=pick["top_p"], top_k=int(pick["top_k"]), min_p=pick["min_p"],
+            repetition_penalty=pick["repetition_penalty"], presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias_ids(), min_tokens=self.min_tokens,
+            seed=self.seed, stop_token_ids=self.stop_token_ids or [],
+            ignore_eos=self.ignore_eos, logprobs=logprobs, constraint=constraint, prompt_logprobs=prompt_logprobs)
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: with echo, the prompt's logprobs only
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
@@ -97,12 +249,20 @@ class CompletionRequest(_SamplingFields):
             self.prompt = p[0]
         if self.prompt == "" or self.prompt == []:
             raise ValueError("prompt must not be empty")
-        if self.echo or self.suffix:
-            raise ValueError("echo and suffix are not supported")
         return self
 
-    def to_sampling(self) -> Sampling:
-        return self._sampling(self.max_tokens, self.logprobs, default_max=16)
+    def check(self, vocab_size: int | None = None) -> None:
+        super().check(vocab_size)
+        if self.suffix:
+            raise _refuse("not supported (no fill-in-the-middle)", "suffix")
+        if self.max_tokens == 0 and not self.echo:
+            raise _refuse("must be at least 1 (0 only with echo)", "max_tokens")
+
+    def to_sampling(self, defaults: dict | None = None) -> Sampling:
+        """With echo, the prompt's logprobs are computed (and max_tokens may be 0)."""
+        prompt_lps = (self.logprobs or 0) if self.echo and (self.logprobs is not None or self.max_tokens == 0) else None
+        return self._sampling(self.max_tokens, self.logprobs, default_max=16, defaults=defaults,
+                                    constraint=self.constraint(), prompt_logprobs=prompt_lps)
 
 
 class ChatMessage(BaseModel):
@@ -110,6 +270,9 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's result: which call it answers
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -121,6 +284,45 @@ class ChatMessage(BaseModel):
             return "".join(parts)
         return self.content or ""
 
+    def template(self) -> dict[str, Any]:
+        """The message as a chat template expects it: Transformers' convention, arguments as objects."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            calls = []
+            for c in self.tool_calls:
+                fn = dict(c.get("function") or {})
+                if isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except json.JSONDecodeError:
+                        pass
+                calls.append({**c, "function": fn})
+            out["tool_calls"] = calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: dict[str, str]
+
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -128,28 +330,77 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    functions: list[dict[str, Any]] | None = None  # the deprecated form of tools: refused
+    function_call: str | dict[str, Any] | None = None
 
-    def to_sampling(self, default_max: int) -> Sampling:
+    def check(self, vocab_size: int | None = None) -> None:
+        super().check(vocab_size)
+        for old in ("functions", "function_call"):
+            if getattr(self, old) is not None:
+                raise _refuse("the deprecated function-calling fields are not supported; use tools and tool_choice",
+                              old)
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise _refuse("needs tools", "tool_choice")
+        mode = self.tool_mode()
+        if mode in ("required", "named") and (self.response_format or self.guided_json or self.guided_regex or
+                                              self.guided_choice or self.guided_grammar or self.structured_outputs):
+            raise _refuse("a forced tool call cannot have another structured-output constraint", "tool_choice")
+        if mode == "named":
+            name = self.tool_choice.function.get("name")
+            if name not in {t.function.name for t in self.tools}:
+                raise _refuse(f"names the function {name!r}, which is not among the tools", "tool_choice")
+        for i, t in enumerate(self.tools or []):
+            if t.function.parameters is not None:
+                check_constraint("json_schema", json.dumps(t.function.parameters), f"tools[{i}].function.parameters")
+
+    def tool_mode(self) -> Literal["none", "auto", "required", "named"]:
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    def tool_dicts(self) -> list[dict] | None:
+        """The tools as the chat template receives them (Transformers passes the dicts as they are)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def to_sampling(self, default_max: int, defaults: dict | None = None) -> Sampling:
+        from . import tool_calls
+
         lp = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling(self.max_completion_tokens or self.max_tokens, lp, default_max)
+        mode, constraint = self.tool_mode(), self.constraint()
+        if mode == "required":
+            constraint = check_constraint("json_schema", json.dumps(tool_calls.required_schema(
+                self.tool_dicts(), self.parallel_tool_calls)), "tools")
+        elif mode == "named":
+            constraint = check_constraint("json_schema", json.dumps(tool_calls.named_schema(
+                self.tool_dicts(), self.tool_choice.function["name"])), "tools")
+        return self._sampling(self.max_completion_tokens or self.max_tokens, lp, default_max,
+                                    defaults=defaults, constraint=constraint)
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template() for m in self.messages]
 
 
-def parse_request(kind: Literal["completions", "chat"], body: Any) -> CompletionRequest | ChatCompletionRequest:
-    """Validates a request body; raises OpenAIError(400) saying what is wrong."""
+def parse_request(kind: Literal["completions", "chat"], body: Any,
+                  vocab_size: int | None = None) -> CompletionRequest | ChatCompletionRequest:
+    """Validates a request body; raises OpenAIError(400) saying what is wrong, naming the field."""
     from pydantic import ValidationError
 
     cls = CompletionRequest if kind == "completions" else ChatCompletionRequest
     if not isinstance(body, dict):
         raise OpenAIError("the request body must be a JSON object")
     try:
-        return cls.model_validate(body)
+        req = cls.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
         param = ".".join(str(x) for x in err.get("loc", ())) or None
         raise OpenAIError(f"{param + ': ' if param else ''}{err['msg']}", param=param) from None
+    req.check(vocab_size)
+    return req
 
 
 def new_id(prefix: str) -> str:
@@ -181,6 +432,11 @@ def completion_logprobs(tokens: list[int], logprobs: list[Logprob | None], decod
     return out
 
 
+def join_logprobs(first: dict, then: dict) -> dict:
+    """Two completions logprobs objects, one after the other (echo: the prompt's, then the output's)."""
+    return {k: first[k] + then[k] for k in first}
+
+
 def chat_logprobs(tokens: list[int], logprobs: list[Logprob | None], decode) -> dict:
     """The chat logprobs object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
     def entry(t: int, v: float) -> dict:
@@ -191,35 +447,48 @@ def chat_logprobs(tokens: list[int], logprobs: list[Logprob | None], decode) -> 
                         for t, lp in zip(tokens, logprobs) if lp is not None]}
 
 
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_choice(index: int, content: str | None, finish_reason: str | None, logprobs: dict | None = None,
+                tool_calls: list[dict] | None = None) -> dict:
+    """tool_calls: as OpenAI returns them ({id, type, function: {name, arguments}})."""
+    message: dict = {"role": "assistant", "content": content}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
 def completion_response(rid: str, model: str, text: str, finish_reason: str | None, usage_: dict,
-                        logprobs: dict | None = None) -> dict:
+                        logprobs: dict | None = None, choices: list[dict] | None = None) -> dict:
+    """One choice (text, finish_reason, logprobs), or `choices` (completion_choice) for n > 1."""
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
-            "usage": usage_}
+            "choices": choices or [completion_choice(0, text, finish_reason, logprobs)], "usage": usage_}
 
 
 def chat_response(rid: str, model: str, text: str, finish_reason: str | None, usage_: dict,
-                  logprobs: dict | None = None) -> dict:
+                  logprobs: dict | None = None, choices: list[dict] | None = None) -> dict:
+    """One choice (text, finish_reason, logprobs), or `choices` (chat_choice) for n > 1 or tool calls."""
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": logprobs, "finish_reason": finish_reason}],
-            "usage": usage_}
+            "choices": choices or [chat_choice(0, text, finish_reason, logprobs)], "usage": usage_}
 
 
 # Streaming: the chunks of one response share its id and `created`, so the caller passes both.
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None = None,
-                     logprobs: dict | None = None) -> dict:
+                     logprobs: dict | None = None, index: int = 0) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None = None,
-               logprobs: dict | None = None) -> dict:
-    """`delta` is {"role": "assistant", "content": ...} in the first chunk, {"content": ...} after, {} at the end."""
+               logprobs: dict | None = None, index: int = 0) -> dict:
+    """`delta` is {"role": "assistant", "content": ...} in the first chunk, {"content": ...} after, {} at the end
+    (or {"tool_calls": [...]} as OpenAI streams calls)."""
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
 def usage_chunk(rid: str, object_: str, model: str, created: int, usage_: dict) -> dict:

@@ -39,6 +39,13 @@ class Sampling(Message):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    constraint: tuple[str, str] | None = None  # structured output: (kind, spec), shared/engine/constraints.py
+    prompt_logprobs: int | None = None
 
     def check(self) -> None:
         """Raises limits.LimitError for a parameter out of its range."""
@@ -63,6 +70,9 @@ class GenerateRequest(Message):
     # Bumped by the gateway at each re-submission (lost worker, scheduler restart, bus restart):
     # chunks, handoffs and dones of an older attempt are stale and ignored (docs/faults.md).
     attempt: int = 0
+    # n > 1: the request id of the first choice (same prompt). The scheduler sends this one to that
+    # one's worker while it is there, and the engine holds it until that prompt is in the prefix cache.
+    after: str | None = None
 
 
 NOT_READY = "not_ready"  # SubmitReply.error_code of a 503 while no worker serves the model yet (a starting mesh)
@@ -108,6 +118,7 @@ class TokenChunk(Message):
     worker_id: str = ""
     error: str | None = None
     attempt: int = 0  # the GenerateRequest.attempt it belongs to
+    prompt_logprobs: list[Logprob | None] | None = None  # the prompt's (echo), in the first chunk
 
 
 class Handoff(Message):

@@ -5,7 +5,17 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import json
+
+import jsonschema
 import orjson
+
+SCHEMA = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9},
+                                           "ok": {"type": "boolean"}}, "required": ["x", "ok"],
+          "additionalProperties": False}
+TOOL = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+    "additionalProperties": False}}}
 
 
 def test_batch_command(tiny_llama, tmp_path):
@@ -21,6 +31,17 @@ def test_batch_command(tiny_llama, tmp_path):
          "body": {"prompt": "x", "top_p": 7}},
         {"custom_id": "too-long", "method": "POST", "url": "/v1/completions",
          "body": {"prompt": "x", "max_tokens": 100000}},
+        # issue 10's fields through the in-process engine
+        {"custom_id": "n", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "The quick brown fox", "max_tokens": 4, "n": 3, "seed": 5}},
+        {"custom_id": "schema", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "JSON"}], "max_tokens": 60, "temperature": 0,
+                  "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}}},
+        {"custom_id": "tool", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 60, "temperature": 0,
+                  "tools": [TOOL], "tool_choice": "required"}},
+        {"custom_id": "echo", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "The quick brown fox", "max_tokens": 0, "echo": True, "logprobs": 1}},
     ]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_bytes(b"\n".join(orjson.dumps(x) for x in lines) + b"\nnot json\n")
@@ -46,4 +67,17 @@ def test_batch_command(tiny_llama, tmp_path):
         assert by[cid]["response"]["body"]["error"]["message"]
         assert by[cid]["error"]["message"]
     assert "top_p" in by["bad-param"]["response"]["body"]["error"]["message"]
-    assert "3 succeeded, 4 failed" in r.stderr
+    assert "7 succeeded, 4 failed" in r.stderr
+    n = by["n"]["response"]["body"]
+    assert [c["index"] for c in n["choices"]] == [0, 1, 2] and n["usage"]["completion_tokens"] == 12
+    assert len({c["text"] for c in n["choices"]}) > 1  # seed, seed + 1, seed + 2
+    jsonschema.validate(json.loads(by["schema"]["response"]["body"]["choices"][0]["message"]["content"]), SCHEMA)
+    tool = by["tool"]["response"]["body"]["choices"][0]
+    assert tool["finish_reason"] == "tool_calls" and tool["message"]["content"] is None
+    call = tool["message"]["tool_calls"][0]
+    assert call["function"]["name"] == "weather" and call["id"].startswith("call_")
+    jsonschema.validate(json.loads(call["function"]["arguments"]), TOOL["function"]["parameters"])
+    echo = by["echo"]["response"]["body"]["choices"][0]
+    assert echo["text"] == "The quick brown fox" and echo["logprobs"]["token_logprobs"][0] is None
+    assert len(echo["logprobs"]["tokens"]) == by["echo"]["response"]["body"]["usage"]["prompt_tokens"] > 1
+    assert all(v < 0 for v in echo["logprobs"]["token_logprobs"][1:])

@@ -126,7 +126,7 @@ BAD = [
     ("/v1/completions", b'{"prompt": "hi", "temperature": 9}', "temperature", None),
     ("/v1/completions", b'{"prompt": "hi", "top_p": 0}', "top_p", None),
     ("/v1/completions", b'{"prompt": "hi", "max_tokens": "ten"}', "max_tokens", None),
-    ("/v1/completions", b'{"prompt": "hi", "n": 2}', "n", None),
+    ("/v1/completions", b'{"prompt": "hi", "n": 17}', "n", None),  # more choices than MAX_N
     ("/v1/completions", b'{"max_tokens": 3}', "prompt", None),
     ("/v1/completions", b'{"prompt": [1000000]}', "prompt", None),
     ("/v1/completions", b'{"prompt": "hi", "priority": "urgent"}', "priority", None),
@@ -136,6 +136,39 @@ BAD = [
     ("/v1/chat/completions", b'{"messages": "hi"}', "messages", None),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, '
                              b'"top_logprobs": 99}', "top_logprobs", None),
+    # fields that would change the output and are not honoured, or are out of range (issue 10)
+    ("/v1/completions", b'{"prompt": "hi", "suffix": "bye"}', "suffix", None),
+    ("/v1/completions", b'{"prompt": "hi", "best_of": 3}', "best_of", None),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 0}', "max_tokens", None),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 2, "min_tokens": 3}', "min_tokens", None),
+    ("/v1/completions", b'{"prompt": "hi", "presence_penalty": 3}', "presence_penalty", None),
+    ("/v1/completions", b'{"prompt": "hi", "repetition_penalty": 0}', "repetition_penalty", None),
+    ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"x": 1}}', "logit_bias", None),
+    ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"5": 101}}', "logit_bias", None),
+    ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"99999": 1}}', "logit_bias", None),
+    ("/v1/completions", b'{"prompt": "hi", "guided_json": {"type": "strin"}}', "guided_json", None),
+    ("/v1/completions", b'{"prompt": "hi", "guided_regex": "[a-"}', "guided_regex", None),
+    ("/v1/completions", b'{"prompt": "hi", "guided_grammar": "start: ("}', "guided_grammar", None),
+    ("/v1/completions", b'{"prompt": "hi", "guided_choice": []}', "guided_choice", None),
+    ("/v1/completions", b'{"prompt": "hi", "guided_regex": "a", "guided_choice": ["b"]}', "guided_choice", None),
+    ("/v1/completions", b'{"prompt": "hi", "guided_whitespace_pattern": " "}', "guided_whitespace_pattern", None),
+    ("/v1/completions", b'{"prompt": "hi", "structured_outputs": {"regex": "[a-"}}', "structured_outputs.regex",
+     None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "response_format": '
+                             b'{"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}}',
+     "response_format.json_schema.schema", None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "response_format": '
+                             b'{"type": "xml"}}', "response_format.type", None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}',
+     "tool_choice", None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", '
+                             b'"function": {"name": "f"}}], "tool_choice": {"type": "function", "function": '
+                             b'{"name": "g"}}}', "tool_choice", None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", '
+                             b'"function": {"name": "f", "parameters": {"type": "objec"}}}]}',
+     "tools[0].function.parameters", None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]}',
+     "functions", None),
 ]
 
 

@@ -16,9 +16,11 @@ import orjson
 from meshserve.shared import telemetry
 from meshserve.shared.bus import Bus
 from meshserve.shared.limits import LimitError, check_context_length, check_token_ids
-from meshserve.shared.openai_protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, chat_chunk,
-                                              chat_logprobs, chat_response, completion_chunk, completion_logprobs,
-                                              completion_response, parse_request, usage, usage_chunk)
+from meshserve.shared import tool_calls
+from meshserve.shared.openai_protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, chat_choice,
+                                              chat_chunk, chat_logprobs, chat_response, completion_choice,
+                                              completion_chunk, completion_logprobs, completion_response,
+                                              join_logprobs, parse_request, usage, usage_chunk)
 from meshserve.shared.schemas import Abort, GenerateRequest, Logprob, Message, Sampling, TokenChunk, Usage
 from meshserve.shared.tenants import Tenant
 from meshserve.shared.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -45,6 +47,16 @@ class Prepared:
     stop: list[str]  # stop strings: matched here, on the text; never sent
     priority: str
     tenant: Tenant | None = None
+    prompt_text: str = ""  # what echo returns
+
+    @property
+    def n(self) -> int:
+        return self.request.n
+
+    def choice_sampling(self, index: int) -> Sampling:
+        """Choice i's parameters: its own seeded stream, seed + i."""
+        s = self.sampling
+        return s if index == 0 or s.seed is None else s.model_copy(update={"seed": s.seed + index})
 
 
 @dataclass
@@ -55,6 +67,7 @@ class Delta:
     token_ids: list[int]
     logprobs: list[Logprob | None] | None
     finish_reason: str | None
+    index: int = 0  # the choice
 
 
 def _limit_error(e: LimitError, param: str | None = None) -> OpenAIError:
@@ -66,8 +79,12 @@ class Gateway:
 
     def __init__(self, bus: Bus, tokenizer: Tokenizer, served_model_name: str, streams: TokenStreams,
                  metrics: GatewayMetrics, max_model_len: int = 8192, stream_timeout: float = 300.0,
-                 request_log: RequestLog | None = None, auth: Auth | None = None, ready_timeout: float = 120.0):
+                 request_log: RequestLog | None = None, auth: Auth | None = None, ready_timeout: float = 120.0,
+                 generation_defaults: dict | None = None):
+        """generation_defaults: the model's own sampling defaults (models_repo.generation_defaults),
+        for what a request leaves unset."""
         self.bus, self.tokenizer, self.served_model_name = bus, tokenizer, served_model_name
+        self.generation_defaults = dict(generation_defaults or {})
         self.auth = auth or Auth(None)  # API keys and classes (the tenants file); none: open
         self.streams, self.metrics = streams, metrics
         self.request_log = request_log  # a line per ended request (request_log.py); None: off
@@ -88,13 +105,14 @@ class Gateway:
 
     def prepare(self, kind: Kind, body, tenant: Tenant | None = None) -> Prepared:
         """Raises OpenAIError(4xx) for anything wrong with the request."""
-        req = parse_request(kind, body)
+        req = parse_request(kind, body, self.tokenizer.vocab_size)
         self.check_model(req.model)
         priority = self.auth.request_class(body.get("priority"), tenant)
         if isinstance(req, ChatCompletionRequest):
             prompt = self.chat_prompt_ids(req)
             self._check_length(prompt, "messages")
-            sampling = req.to_sampling(default_max=self.max_model_len - len(prompt))
+            sampling = req.to_sampling(self.max_model_len - len(prompt), self.generation_defaults)
+            prompt_text = ""
         else:
             if isinstance(req.prompt, list):
                 prompt = list(req.prompt)
@@ -107,12 +125,30 @@ class Gateway:
             if not prompt:
                 raise OpenAIError("the prompt encodes to no tokens", param="prompt")
             self._check_length(prompt, "prompt")
-            sampling = req.to_sampling()
+            sampling = req.to_sampling(self.generation_defaults)
+            prompt_text = req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(prompt)
         try:
             sampling.check()
         except LimitError as e:
-            raise OpenAIError(str(e)) from None
-        return Prepared(kind, req, prompt, sampling, req.stop_strings(), priority, tenant)
+            raise OpenAIError(str(e), param=e.param) from None
+        return Prepared(kind, req, prompt, sampling, req.stop_strings(), priority, tenant, prompt_text)
+
+    def check_model(self, model: str | None) -> None:
+        """404 unless `model` is the served name (or not given)."""
+        if model not in (None, self.served_model_name):
+            raise OpenAIError(f"the model {model!r} does not exist; this server serves "
+                              f"{self.served_model_name!r}", 404, param="model", code="model_not_found")
+
+    def chat_prompt_ids(self, req: ChatCompletionRequest, add_special_tokens: bool = False) -> list[int]:
+        """The prompt of a chat request: its messages through the chat template, tokenized (what
+        /tokenize answers for messages, so both must come from here)."""
+        try:
+            text = self.tokenizer.apply_chat_template(req.template_messages(),
+                                                      add_generation_prompt=req.add_generation_prompt,
+                                                      tools=req.tool_dicts())
+        except Exception as e:  # noqa: BLE001 - a template that raises is the caller's doing
+            raise OpenAIError(f"could not apply the chat template: {e}", param="messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def check_model(self, model: str | None) -> None:
         """404 unless `model` is the served name (or not given)."""
@@ -141,8 +177,9 @@ class Gateway:
     # -- submission
 
     async def submit(self, kind: Kind, body, tenant: Tenant | None = None) -> "Generation":
-        """Validates and submits (as `tenant`, from `authenticate`); raises OpenAIError before
-        anything is sent to the client. The caller must `close()` the returned Generation."""
+        """Validates and submits (as `tenant`, from `authenticate`); n choices are n requests: the
+        first, then the others, which share its prompt. Raises OpenAIError before anything is sent
+        to the client. The caller must `close()` the returned Generation."""
         came = time.time()
         try:
             p = self.prepare(kind, body, tenant)
@@ -154,34 +191,35 @@ class Gateway:
         rid = uuid.uuid4().hex
         span = telemetry.start("gateway.request", None, request_id=rid, model=self.served_model_name,
                                prompt_tokens=len(p.prompt_token_ids))
-        request = GenerateRequest(
-            request_id=rid, model=self.served_model_name, prompt_token_ids=p.prompt_token_ids,
-            sampling=p.sampling, priority=p.priority, stream_subject=self.streams.subject,
-            arrival_time=arrival, trace=telemetry.inject_span(span), tenant=tenant and tenant.name)
-        stream = self.streams.open(request)
+        trace = telemetry.inject_span(span)
+        requests = [GenerateRequest(
+            request_id=rid if i == 0 else f"{rid}-{i}", model=self.served_model_name,
+            prompt_token_ids=p.prompt_token_ids, sampling=p.choice_sampling(i), priority=p.priority,
+            stream_subject=self.streams.subject, arrival_time=arrival, trace=trace,
+            tenant=tenant and tenant.name, after=None if i == 0 else rid) for i in range(p.n)]
+        streams = [self.streams.open(r) for r in requests]
         try:
-            await self._submit_when_ready(request, stream)
-        except OpenAIError as e:
-            self._log_rejected(kind, body, arrival, e, p, rid)
-            self.metrics.tenant_rejected(tenant, rejection_reason(e))
-            span.end()
-            self.streams.close(request.request_id)
-            if e.status_code == 503:  # the reply may be what got lost: make sure nothing runs
-                self.abort(request.request_id)
-            if rejection_reason(e) is None:  # not refused at admission: it may have been admitted
-                self.settle(request, 0)
-            raise
+            await self._submit_when_ready(requests[0], streams[0])
+            if len(requests) > 1:  # after the first: the scheduler then knows where it went
+                await asyncio.gather(*(self._submit_when_ready(r, s) for r, s in zip(requests[1:], streams[1:])))
         except BaseException as e:
             self._log_rejected(kind, body, arrival, e, p, rid)
+            if isinstance(e, OpenAIError):
+                self.metrics.tenant_rejected(tenant, rejection_reason(e))
             span.end()
-            self.streams.close(request.request_id)
-            self.abort(request.request_id)
-            self.settle(request, 0)
+            lost = not isinstance(e, OpenAIError) or e.status_code == 503  # the reply may be what got lost
+            admitted = not isinstance(e, OpenAIError) or rejection_reason(e) is None
+            for r in requests:
+                self.streams.close(r.request_id)
+                if lost or len(requests) > 1:  # make sure nothing runs (the first may have been taken)
+                    self.abort(r.request_id)
+                if admitted or len(requests) > 1:  # not refused at admission: it may have been admitted
+                    self.settle(r, 0)
             raise
         self.metrics.queue.observe(time.time() - arrival)
         self.metrics.prompt_tokens.inc(len(p.prompt_token_ids))
         self.metrics.tenant_admitted(tenant, len(p.prompt_token_ids))
-        gen = Generation(self, p, request, stream)
+        gen = Generation(self, p, requests, streams)
         gen.span = span
         return gen
 
@@ -264,71 +302,50 @@ class Gateway:
             return None
 
     def models(self) -> dict:
+        """generation_defaults: the model's own sampling defaults, applied when a request leaves them unset."""
         return {"object": "list", "data": [{
             "id": self.served_model_name, "object": "model", "created": self.created, "owned_by": "meshserve",
-            "root": self.served_model_name, "parent": None, "max_model_len": self.max_model_len}]}
+            "root": self.served_model_name, "parent": None, "max_model_len": self.max_model_len,
+            "generation_defaults": self.generation_defaults}]}
 
 
-class Generation:
-    """One submitted request: reads its token stream and builds the response."""
+class Choice:
+    """One choice of a request: reads its token stream (a request of its own in the mesh)."""
 
-    def __init__(self, gw: Gateway, prepared: Prepared, request: GenerateRequest, stream: RequestStream):
-        self.gw, self.prepared, self.request, self._stream = gw, prepared, request, stream
-        self.span = telemetry.NOOP_SPAN  # the gateway.request span, ended by close()
-        self.kind = prepared.kind
-        self.stream = prepared.request.stream
-        prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
-        self.id = f"{prefix}-{request.request_id}"
-        self.created = int(time.time())
-        self.model = gw.served_model_name
+    def __init__(self, gen: "Generation", index: int, request: GenerateRequest, stream: RequestStream):
+        self.gen, self.index, self.request, self._stream = gen, index, request, stream
         self.token_ids: list[int] = []
         self.logprobs: list[Logprob | None] = []
+        self.prompt_logprobs: list[Logprob | None] | None = None
         self.text = ""
         self.finish_reason: str | None = None
         self.num_cached_tokens = 0
-        self._detok = IncrementalDetokenizer(gw.tokenizer, stop=prepared.stop)
-        self._want_logprobs = prepared.sampling.logprobs is not None
+        self._detok = IncrementalDetokenizer(gen.gw.tokenizer, stop=gen.prepared.stop)
         self._last_token_time: float | None = None
-        self.first_token_time: float | None = None  # for the request log
+        self.first_token_time: float | None = None
         self.finish_time: float | None = None
-        self.error: Exception | None = None  # what ended it, when it failed
-        self._closed = False
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
 
-    def close(self) -> None:
-        """Stops listening; aborts the request unless it finished (client gone, error, timeout)."""
-        if self._closed:
-            return
-        self._closed = True
-        self.span.end()
-        self.gw.streams.close(self.request.request_id)
-        if not self.done:
-            self.gw.abort(self.request.request_id)
-        self.gw.settle(self.request, len(self.token_ids))
-        if self.gw.request_log:
-            self.gw.request_log.log_generation(self)
-
     async def deltas(self) -> AsyncIterator[Delta]:
-        """The response as in-order deltas; the last one has a finish_reason. Raises OpenAIError."""
-        try:
-            while not self.done:
-                try:
-                    chunk = await self._stream.next(self.gw.stream_timeout)
-                except asyncio.TimeoutError:
-                    raise OpenAIError(f"no tokens arrived for {self.gw.stream_timeout:g} s; the request was "
-                                      "aborted", 504, type="server_error", code="timeout") from None
-                yield await self._apply(chunk)
-        except Exception as e:
-            self.error = e
-            raise
+        """This choice as in-order deltas; the last one has a finish_reason. Raises OpenAIError."""
+        gw = self.gen.gw
+        while not self.done:
+            try:
+                chunk = await self._stream.next(gw.stream_timeout)
+            except asyncio.TimeoutError:
+                raise OpenAIError(f"no tokens arrived for {gw.stream_timeout:g} s; the request was "
+                                  "aborted", 504, type="server_error", code="timeout") from None
+            yield self._apply(chunk)
 
-    async def _apply(self, chunk: TokenChunk) -> Delta:
+    def _apply(self, chunk: TokenChunk) -> Delta:
         now = time.time()
         if chunk.num_cached_tokens:
             self.num_cached_tokens = chunk.num_cached_tokens
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = chunk.prompt_logprobs
         seen = len(self._detok.token_ids)
         text = self._detok.add(chunk.token_ids)
         n = len(self._detok.token_ids) - seen  # fewer than sent when a stop string ended the output
@@ -337,37 +354,139 @@ class Generation:
         if self._detok.stopped:
             finish = "stop"
             if not chunk.finished:
-                self.gw.abort(self.request.request_id, reason="stop")
+                self.gen.gw.abort(self.request.request_id, reason="stop")
         elif chunk.finished:
             text += self._detok.flush()
             finish = chunk.finish_reason or "stop"
         self.token_ids += token_ids
-        if self._want_logprobs:
+        if self.gen.want_logprobs:
             self.logprobs += logprobs if logprobs is not None else [None] * len(token_ids)
         self.text += text
-        m = self.gw.metrics
+        m = self.gen.gw.metrics
         if token_ids:
             if self._last_token_time is None:
                 self.first_token_time = now
-                m.ttft.observe(now - self.request.arrival_time)
+                if self.gen.first_token_time == now:  # the request's first token, of any choice
+                    m.ttft.observe(now - self.request.arrival_time)
             else:
                 m.observe_itl(now - self._last_token_time, len(token_ids))
             self._last_token_time = now
             m.generation_tokens.inc(len(token_ids))
-            m.tenant_generated(self.prepared.tenant, len(token_ids))
+            m.tenant_generated(self.gen.prepared.tenant, len(token_ids))
         if finish:
             self.finish_reason = finish
             self.finish_time = now
-            m.e2e.observe(now - self.request.arrival_time)
-            m.finished(finish)
-        return Delta(text, token_ids, logprobs, finish)
+            if self.gen.done:
+                m.e2e.observe(now - self.request.arrival_time)
+                m.finished(self.gen.finish_reason)
+        return Delta(text, token_ids, logprobs, finish, self.index)
+
+
+class Generation:
+    """One submitted request, its n choices: reads their token streams and builds the response."""
+
+    def __init__(self, gw: Gateway, prepared: Prepared, requests: list[GenerateRequest],
+                 streams: list[RequestStream]):
+        self.gw, self.prepared = gw, prepared
+        self.request = requests[0]
+        self.span = telemetry.NOOP_SPAN  # the gateway.request span, ended by close()
+        self.kind = prepared.kind
+        self.stream = prepared.request.stream
+        prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
+        self.id = f"{prefix}-{self.request.request_id}"
+        self.created = int(time.time())
+        self.model = gw.served_model_name
+        self.want_logprobs = prepared.sampling.logprobs is not None
+        self.echo = isinstance(prepared.request, CompletionRequest) and prepared.request.echo
+        self.tool_mode = prepared.request.tool_mode() if self.kind == "chat" else "none"
+        self.choices = [Choice(self, i, r, s) for i, (r, s) in enumerate(zip(requests, streams))]
+        self.error: Exception | None = None  # what ended it, when it failed
+        self._closed = False
+
+    # what the request log and single-choice callers read
+    @property
+    def done(self) -> bool:
+        return all(c.done for c in self.choices)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.choices[0].finish_reason if self.done else None
+
+    @property
+    def text(self) -> str:
+        return self.choices[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for c in self.choices for t in c.token_ids]
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.choices[0].num_cached_tokens
+
+    @property
+    def first_token_time(self) -> float | None:
+        return min((c.first_token_time for c in self.choices if c.first_token_time is not None), default=None)
+
+    @property
+    def finish_time(self) -> float | None:
+        return max((c.finish_time for c in self.choices), default=None) if self.done else None
+
+    def close(self) -> None:
+        """Stops listening; aborts the choices that did not finish (client gone, error, timeout)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.span.end()
+        for c in self.choices:
+            self.gw.streams.close(c.request.request_id)
+            if not c.done:
+                self.gw.abort(c.request.request_id)
+            self.gw.settle(c.request, len(c.token_ids))
+        if self.gw.request_log:
+            self.gw.request_log.log_generation(self)
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Every choice's deltas as they come (each in order); raises OpenAIError."""
+        try:
+            if len(self.choices) == 1:
+                async for d in self.choices[0].deltas():
+                    yield d
+                return
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def pump(c: Choice):
+                try:
+                    async for d in c.deltas():
+                        queue.put_nowait(d)
+                except Exception as e:  # noqa: BLE001 - handed to the reader
+                    queue.put_nowait(e)
+                queue.put_nowait(None)
+
+            tasks = [asyncio.ensure_future(pump(c)) for c in self.choices]
+            try:
+                left = len(tasks)
+                while left:
+                    item = await queue.get()
+                    if item is None:
+                        left -= 1
+                    elif isinstance(item, Exception):
+                        raise item
+                    else:
+                        yield item
+            finally:
+                for t in tasks:
+                    t.cancel()
+        except Exception as e:
+            self.error = e
+            raise
 
     def usage(self) -> dict:
         return usage(len(self.request.prompt_token_ids), len(self.token_ids), self.num_cached_tokens)
 
     def _logprobs(self, token_ids: list[int], logprobs: list[Logprob | None] | None,
                   text_offset: int) -> dict | None:
-        if not self._want_logprobs:
+        if not self.want_logprobs:
             return None
         lps = logprobs if logprobs is not None else [None] * len(token_ids)
         decode = self.gw.tokenizer.decode
@@ -375,34 +494,123 @@ class Generation:
             return chat_logprobs(token_ids, lps, decode)
         return completion_logprobs(token_ids, lps, decode, text_offset)
 
+    def _echo(self, c: Choice) -> tuple[str, dict | None]:
+        """The prompt as echo returns it: its text, and its tokens' logprobs (the first null)."""
+        if not self.want_logprobs:
+            return self.prepared.prompt_text, None
+        ids = self.prepared.prompt_token_ids
+        lps = c.prompt_logprobs or [None] * len(ids)
+        return self.prepared.prompt_text, completion_logprobs(ids, lps, self.gw.tokenizer.decode)
+
+    def _tool_output(self, c: Choice) -> tuple[str | None, list[tool_calls.ToolCall]]:
+        """(content, calls) of a chat choice under the request's tool_choice."""
+        named = self.prepared.request.tool_choice.function["name"] if self.tool_mode == "named" else None
+        return tool_calls.read_calls(self.tool_mode, c.text, named)
+
     async def body(self) -> dict:
         """The whole (non-streaming) response."""
         async for _ in self.deltas():
             pass
-        lp = self._logprobs(self.token_ids, self.logprobs, 0)
+        choices = []
+        for c in self.choices:
+            lp = self._logprobs(c.token_ids, c.logprobs, 0)
+            if self.kind == "chat":
+                content, calls = self._tool_output(c)
+                finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+                choices.append(chat_choice(c.index, content, finish, lp, [t.openai() for t in calls] or None))
+            elif self.echo:
+                text, plp = self._echo(c)
+                if plp is not None:
+                    plp = join_logprobs(plp, self._logprobs(c.token_ids, c.logprobs, len(text)))
+                choices.append(completion_choice(c.index, text + c.text, c.finish_reason, plp))
+            else:
+                choices.append(completion_choice(c.index, c.text, c.finish_reason, lp))
         build = chat_response if self.kind == "chat" else completion_response
-        return build(self.id, self.model, self.text, self.finish_reason, self.usage(), lp)
+        return build(self.id, self.model, "", None, self.usage(), choices=choices)
 
     async def chunks(self) -> AsyncIterator[dict]:
-        """The streaming response, chunk by chunk (OpenAI's JSON); raises OpenAIError mid-stream."""
+        """The streaming response, chunk by chunk (OpenAI's JSON); raises OpenAIError mid-stream.
+        Each chunk carries one choice's delta, with its index."""
         include_usage = bool(self.prepared.request.stream_options and
                              self.prepared.request.stream_options.include_usage)
-        first, offset = True, 0
+        state = {c.index: _ChunkState(self, c) for c in self.choices}
         async for d in self.deltas():
-            if not (d.text or d.finish_reason or (self._want_logprobs and d.token_ids)):
-                continue  # nothing to say yet (a held-back stop-string prefix, half a character)
-            lp = self._logprobs(d.token_ids, d.logprobs, offset)
-            offset += len(d.text)
-            if self.kind == "chat":
-                delta = {"role": "assistant", "content": d.text} if first else (
-                    {"content": d.text} if d.text else {})
-                chunk = chat_chunk(self.id, self.model, self.created, delta, d.finish_reason, lp)
-            else:
-                chunk = completion_chunk(self.id, self.model, self.created, d.text, d.finish_reason, lp)
-            if include_usage:
-                chunk["usage"] = None  # as OpenAI: every chunk has the key, only the last one a value
-            first = False
-            yield chunk
+            for chunk in state[d.index].chunks(d):
+                if include_usage:
+                    chunk["usage"] = None  # as OpenAI: every chunk has the key, only the last one a value
+                yield chunk
         if include_usage:
             obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
             yield usage_chunk(self.id, obj, self.model, self.created, self.usage())
+
+
+class _ChunkState:
+    """One choice's part of a streamed response: role first, echo, content or tool-call deltas."""
+
+    def __init__(self, gen: Generation, choice: Choice):
+        self.gen, self.choice = gen, choice
+        self.first, self.offset = True, 0
+        self.auto = tool_calls.AutoParser() if gen.tool_mode == "auto" else None
+        self.named_call = (tool_calls.ToolCall(gen.prepared.request.tool_choice.function["name"], "")
+                           if gen.tool_mode == "named" else None)
+
+    def _chunk(self, delta_or_text, finish: str | None = None, logprobs: dict | None = None) -> dict:
+        g = self.gen
+        if g.kind == "chat":
+            return chat_chunk(g.id, g.model, g.created, delta_or_text, finish, logprobs, self.choice.index)
+        return completion_chunk(g.id, g.model, g.created, delta_or_text, finish, logprobs, self.choice.index)
+
+    def chunks(self, d: Delta) -> list[dict]:
+        g, out = self.gen, []
+        if g.kind != "chat":
+            if self.first and g.echo:
+                text, plp = g._echo(self.choice)
+                out.append(self._chunk(text, None, plp))
+                self.offset = len(text)
+            self.first = False
+            if d.text or d.finish_reason or (g.want_logprobs and d.token_ids):
+                out.append(self._chunk(d.text, d.finish_reason, g._logprobs(d.token_ids, d.logprobs, self.offset)))
+                self.offset += len(d.text)
+            return out
+        lp = g._logprobs(d.token_ids, d.logprobs, 0)
+        role = {"role": "assistant"} if self.first else {}
+        finish = d.finish_reason
+        if g.tool_mode == "none":
+            if d.text or d.finish_reason or (g.want_logprobs and d.token_ids):
+                delta = {**role, "content": d.text} if (d.text or self.first) else {}
+                out.append(self._chunk(delta, finish, lp))
+                self.first = False
+            return out
+        if self.named_call is not None:  # the output is the arguments: stream them as they come
+            call = self.named_call
+            if self.first:
+                out.append(self._chunk({**role, "content": None, "tool_calls": [
+                    {"index": 0, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}]}))
+                self.first = False
+            if d.text:
+                out.append(self._chunk({"tool_calls": [{"index": 0, "function": {"arguments": d.text}}]}, None, lp))
+            if finish:
+                out.append(self._chunk({}, "tool_calls" if finish == "stop" else finish))
+            return out
+        # auto: content as it comes until a call opens; required: all at the end
+        content = self.auto.feed(d.text) if self.auto is not None else ""
+        if content or (self.first and self.auto is not None and d.text):
+            out.append(self._chunk({**role, "content": content}, None, lp))
+            self.first, role = False, {}
+        if finish:
+            if self.auto is not None:
+                rest, calls = self.auto.finish()
+            else:
+                rest, calls = "", tool_calls.parse_required(self.choice.text)
+                if not calls:
+                    rest = self.choice.text
+            if rest:
+                out.append(self._chunk({**role, "content": rest}))
+                self.first, role = False, {}
+            for k, call in enumerate(calls):
+                out.append(self._chunk({**role, "tool_calls": [call.openai(k)]}))
+                self.first, role = False, {}
+            if self.first:
+                out.append(self._chunk({**role, "content": ""}))
+            out.append(self._chunk({}, "tool_calls" if calls and finish == "stop" else finish))
+        return out

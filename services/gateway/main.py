@@ -15,7 +15,7 @@ import signal
 import sys
 
 # Only light imports here: the CLI imports this module to build its parser.
-from meshserve.shared.models_repo import DEFAULT_MODEL, load_tokenizer
+from meshserve.shared.models_repo import DEFAULT_MODEL, generation_defaults, load_tokenizer
 from meshserve.shared.subjects import DEFAULT_NAMESPACE
 
 from .request_log import DEFAULT_BACKUPS as REQUEST_LOG_BACKUPS
@@ -125,7 +125,7 @@ async def run(args) -> int:
         log.info("request log: %s", request_log.path)
     gw = Gateway(bus, tokenizer, served, streams, GatewayMetrics(served), max_model_len=args.max_model_len,
                  stream_timeout=args.stream_timeout, request_log=request_log, auth=auth,
-                 ready_timeout=args.ready_timeout)
+                 ready_timeout=args.ready_timeout, generation_defaults=generation_defaults(args.model))
     nats_api = NatsAPI(gw)
     await nats_api.start()
 

@@ -149,7 +149,8 @@ class Scheduler:
         block_size = cands[0].hb.block_size
         hashes = prompt_block_hashes(req.prompt_token_ids + req.output_token_ids, block_size, req.model)
         n_prompt = len(req.prompt_token_ids) + len(req.output_token_ids)
-        w = (pick_idle_for_short_prompt(self.alive(req.model, ("decode",)), n_prompt, self.args.short_prefill,
+        w = (self._first_choice_worker(req, cands) or
+             pick_idle_for_short_prompt(self.alive(req.model, ("decode",)), n_prompt, self.args.short_prefill,
                                         hashes) or pick_prefill(cands, hashes))
         with span("scheduler.route", req.trace, request_id=req.request_id, worker=w.hb.worker_id):
             self.requests[req.request_id] = Tracked(req, w.hb.worker_id)
@@ -157,6 +158,15 @@ class Scheduler:
             self.aborted.discard(req.request_id)
             await self.bus.publish(self.bus.subjects.worker(w.hb.worker_id, "prefill"), req)
         return SubmitReply(ok=True, scheduler_id=self.id)
+
+    def _first_choice_worker(self, req: GenerateRequest, cands: list[WorkerView]) -> WorkerView | None:
+        """A later choice (n > 1) goes where its first choice is being prefilled: that worker's
+        engine holds it until the shared prompt is cached. Once the first moved on (handed off),
+        the cache-aware routing finds the prompt where it was computed."""
+        first = self.requests.get(req.after) if req.after else None
+        if first is None or first.worker is None:
+            return None
+        return next((w for w in cands if w.hb.worker_id == first.worker), None)
 
     async def handoff(self, h: Handoff) -> None:
         rid, src = h.request.request_id, h.from_worker

@@ -98,11 +98,14 @@ class Worker:
         arena = await pool.arena()
         node_memory.check_backend("KV arena", arena.backend, device)
         kv = shm.view(node_memory.open_buffer(arena.backend, arena.path, arena.ipc), 0, arena.dtype, arena.shape)
+        from meshserve.shared.models_repo import load_tokenizer
+
+        tokenizer = load_tokenizer(w.tokenizer_path)  # for structured output's grammars
         sched = SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
                                 prefill_chunk_size=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs)
         self.engine = await run_on_stepper(
             LLMEngine, model, EngineConfig(block_size=arena.block_size, max_model_len=a.max_model_len, scheduler=sched),
-            model_name=a.served_model_name or a.model, kv_cache=kv)
+            model_name=a.served_model_name or a.model, kv_cache=kv, tokenizer=tokenizer)
         self.served = a.served_model_name or a.model
         if kv.is_cuda:  # what tests/test_cuda_mesh.py reads: one copy of the weights, opened by handle
             import torch
@@ -210,7 +213,7 @@ class Worker:
         try:
             self.engine.add_request(req.request_id, req.prompt_token_ids, wire.sampling_params(req.sampling),
                                     arrival_time=time.monotonic(), output_token_ids=req.output_token_ids,
-                                    priority=req.priority)
+                                    priority=req.priority, after=req.after)
         except RequestError as e:
             await self.bus.publish(req.stream_subject, TokenChunk(
                 request_id=req.request_id, seq=0, index=len(req.output_token_ids), token_ids=[], finished=True,
@@ -322,11 +325,12 @@ class Worker:
             self.tokens_streamed += len(out.new_token_ids)
             self._trace(req, out)
             lps = None if req.sampling.logprobs is None else [wire.logprob(lp) for lp in out.new_logprobs]
+            prompt_lps = None if out.prompt_logprobs is None else [wire.logprob(lp) for lp in out.prompt_logprobs]
             await self.bus.publish(req.stream_subject, TokenChunk(
                 request_id=out.request_id, seq=seq_no, index=out.num_output_tokens - len(out.new_token_ids),
                 token_ids=out.new_token_ids, logprobs=lps, finished=out.finished, finish_reason=out.finish_reason,
                 num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
-                worker_id=self.id, attempt=req.attempt))
+                worker_id=self.id, attempt=req.attempt, prompt_logprobs=prompt_lps))
             if out.finished:
                 del self.streams[out.request_id]
                 self.to_hand_off.discard(out.request_id)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..models_repo import DEFAULT_MODEL, load_model_files
+from ..models_repo import DEFAULT_MODEL, generation_defaults, load_model_files
 from ..model.llama import LlamaModel
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from .llm_engine import EngineConfig, LLMEngine, RequestOutput
@@ -30,6 +30,7 @@ class Completion:
     text: str = ""
     finish_reason: str | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with params.prompt_logprobs (echo)
     arrival_time: float = 0.0
     token_times: list[float] = field(default_factory=list)  # when each step's tokens came out
 
@@ -53,6 +54,8 @@ class OutputProcessor:
             c.logprobs += out.new_logprobs
             c.token_times.append(now)
             c.num_cached_tokens = out.num_cached_tokens
+            if out.prompt_logprobs is not None:
+                c.prompt_logprobs = out.prompt_logprobs
             detok.add(out.new_token_ids)
             finished, reason = out.finished, out.finish_reason
             if detok.stopped and not finished:
@@ -75,16 +78,18 @@ class LLM:
         del state_dict
         eos = sorted(set(cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids))
         self.model_name = model
-        self.engine = LLMEngine(net, config, eos_token_ids=eos, model_name=str(model))
+        self.generation_defaults = generation_defaults(model)  # generation_config.json's sampling fields
+        self.engine = LLMEngine(net, config, eos_token_ids=eos, model_name=str(model), tokenizer=self.tokenizer)
         self.outputs = OutputProcessor(self.engine, self.tokenizer)
         self._next_id = 0
 
     def add(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-            priority: int | str = "normal") -> Completion:
+            priority: int | str = "normal", after: str | None = None) -> Completion:
+        """after: the request id of an earlier choice of the same prompt (n > 1; LLMEngine.add_request)."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if request_id is None:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
-        seq = self.engine.add_request(request_id, ids, params, priority=priority)
+        seq = self.engine.add_request(request_id, ids, params, priority=priority, after=after)
         c = Completion(request_id, ids, arrival_time=seq.arrival_time)
         self.outputs.add(c, params)
         return c

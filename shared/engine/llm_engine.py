@@ -18,6 +18,7 @@ from meshserve.shared.kv_layout import kv_arena_shape, kv_bytes_per_block
 from meshserve.shared.limits import LimitError, check_context_length, check_token_ids
 
 from .block_pool import BlockPool
+from .constraints import ConstraintError, Grammars
 from .kv_cache_manager import KVCacheManager
 from .model_runner import ModelRunner
 from .sampler import TokenLogprobs
@@ -47,6 +48,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    # The prompt tokens' logprobs (the first None), in the request's first output, when asked for.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class RequestError(ValueError):
@@ -55,10 +58,12 @@ class RequestError(ValueError):
 
 class LLMEngine:
     def __init__(self, model, config: EngineConfig | None = None, eos_token_ids: list[int] | None = None,
-                 model_name: str = "", kv_cache: torch.Tensor | None = None):
+                 model_name: str = "", kv_cache: torch.Tensor | None = None, tokenizer=None):
         """kv_cache: an arena mapped from the kv-pool (the mesh); then the engine starts holding no
         blocks and its owner leases them (block_pool.add_free). The engine runs on the model's
-        device (LlamaModel.from_hf(..., device="cuda")); its own arena is allocated there."""
+        device (LlamaModel.from_hf(..., device="cuda")); its own arena is allocated there.
+        tokenizer: the model's (shared/tokenizer.py), for structured output; without it a request
+        with a constraint is refused."""
         self.model = model
         self.config = config = config or EngineConfig()
         cfg = model.cfg
@@ -77,27 +82,40 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(self.block_pool, config.block_size, config.enable_prefix_caching,
                                                model_name)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
-        self.runner = ModelRunner(model, self.kv_cache, config.block_size)
         self.eos_token_ids = set(eos_token_ids if eos_token_ids is not None else cfg.eos_token_ids)
+        self.grammars = None if tokenizer is None else Grammars(tokenizer, cfg.vocab_size, sorted(self.eos_token_ids))
+        self.runner = ModelRunner(model, self.kv_cache, config.block_size, sorted(self.eos_token_ids), self.grammars)
         self.requests: dict[str, Sequence] = {}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, output_token_ids: list[int] | None = None,
-                    priority: int | str = NORMAL) -> Sequence:
+                    priority: int | str = NORMAL, after: str | None = None) -> Sequence:
         """output_token_ids: tokens already generated elsewhere (a re-dispatch): recomputed, then continued.
-        priority: "interactive" (0), "normal" (1) or "background" (2); see scheduler.py."""
+        priority: "interactive" (0), "normal" (1) or "background" (2); see scheduler.py.
+        after: the request id of a sibling with the same prompt (the first choice of n): this one
+        waits until that one's prompt is in the prefix cache, so the prompt is computed once."""
         try:
             params.validate()
             priority = priority_level(priority)
         except ValueError as e:
             raise RequestError(str(e)) from None
+        vocab = self.model.cfg.vocab_size
+        if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
+            raise RequestError(f"logit_bias token ids must be in [0, {vocab})")
+        if params.constraint is not None:
+            if self.grammars is None:
+                raise RequestError("structured output needs the model's tokenizer, which this engine lacks")
+            try:
+                self.grammars.matcher(*params.constraint)  # compiled now (and cached): errors surface here
+            except ConstraintError as e:
+                raise RequestError(f"invalid {params.constraint[0]} constraint: {e}") from None
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already running")
         n = len(prompt_token_ids)
         if n == 0:
             raise RequestError("the prompt is empty")
         try:
-            check_token_ids(prompt_token_ids, self.model.cfg.vocab_size)
+            check_token_ids(prompt_token_ids, vocab)
             check_context_length(n, params.max_tokens, self.max_model_len)
         except LimitError as e:
             raise RequestError(str(e)) from None
@@ -106,7 +124,7 @@ class LLMEngine:
                                f"the pool holds {self.block_pool.num_blocks * self.config.block_size}")
         seq = self.new_sequence(request_id, prompt_token_ids, params, arrival_time, output_token_ids, priority)
         self.requests[request_id] = seq
-        self.scheduler.add(seq)
+        self.scheduler.add(seq, self.requests.get(after) if after is not None else None)
         return seq
 
     def new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -116,6 +134,7 @@ class LLMEngine:
         seq = Sequence(request_id, prompt_token_ids, params, arrival_time, priority_level(priority))
         if output_token_ids:
             seq.token_ids += output_token_ids
+            seq.prompt_logprobs = None  # they went out with the first token
             if seq.generator is not None:  # one draw per generated token, as the sampler does
                 for _ in output_token_ids:
                     torch.empty(self.model.cfg.vocab_size).exponential_(generator=seq.generator)
@@ -131,7 +150,9 @@ class LLMEngine:
     def adopt(self, seq: Sequence, block_ids: list[int], shared_ids: list[int], num_computed_tokens: int,
               num_cached_tokens: int = 0) -> None:
         """Continues a sequence whose first num_computed_tokens are already in block_ids (shared_ids:
-        those the engine it comes from keeps in its prefix cache)."""
+        those the engine it comes from keeps in its prefix cache). Its grammar, if any, is rebuilt
+        from its output tokens at its first step; its prompt logprobs went out from where it was prefilled."""
+        seq.prompt_logprobs = None
         self.kv_cache_manager.adopt(seq, block_ids, shared_ids, num_computed_tokens, num_cached_tokens)
         self.requests[seq.request_id] = seq
         self.scheduler.adopt(seq)
@@ -152,11 +173,21 @@ class LLMEngine:
         now = time.monotonic()
         outputs = []
         for seq, n, res in zip(batch.seqs, batch.num_tokens, results):
+            if res.prompt_logprobs:  # a recompute (preemption) may cover positions it has already
+                have = len(seq.prompt_logprobs) - (seq.num_computed_tokens + 1)
+                seq.prompt_logprobs += res.prompt_logprobs[have:] if have >= 0 else []
             seq.num_computed_tokens += n
             self.kv_cache_manager.cache_computed_blocks(seq)
-            if res is None:
+            if res.token is None:
                 continue
-            token, logprobs = res
+            prompt_lps, seq.prompt_logprobs = seq.prompt_logprobs, None
+            if seq.params.max_tokens == 0:  # echo only: the prompt is computed, nothing generated
+                self.scheduler.finish(seq, "length")
+                del self.requests[seq.request_id]
+                outputs.append(RequestOutput(seq.request_id, [], [], True, "length", seq.num_prompt_tokens, 0,
+                                             seq.num_cached_tokens, prompt_lps))
+                continue
+            token = res.token
             seq.token_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -164,14 +195,19 @@ class LLMEngine:
             if reason:
                 self.scheduler.finish(seq, reason)
                 del self.requests[seq.request_id]
-            outputs.append(RequestOutput(seq.request_id, [token], [logprobs], reason is not None, reason,
-                                         seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens))
+            outputs.append(RequestOutput(seq.request_id, [token], [res.logprobs], reason is not None, reason,
+                                         seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens,
+                                         prompt_lps))
         return outputs
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        if (token in self.eos_token_ids and (not p.ignore_eos or p.constraint)) or token in p.stop_token_ids:
             return "stop"
+        if p.constraint is not None:
+            g = self.grammars.advance(seq)
+            if g.is_stopped() or g.is_error():  # complete: nothing but EOS could follow
+                return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None

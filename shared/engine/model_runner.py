@@ -1,14 +1,34 @@
-"""Turns a scheduled batch into tensors, runs the model, samples the next tokens."""
+"""Turns a scheduled batch into tensors, runs the model, samples the next tokens.
+
+Structured-output masks are computed while the model runs (llguidance's pool, without the GIL);
+a prompt chunk whose request wants its prompt's logprobs has logits for every position.
+"""
 
 from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass, field
 
 import torch
 
 from meshserve.kernels.paged_attention import (AttentionMetadata, PrefillChunk, decode_slots_and_mask,
                                                use_decode_kernel)
 
-from .sampler import TokenLogprobs, sample
+from .sampler import TokenLogprobs, logprobs_of, sample
 from .scheduler import ScheduledBatch
+
+PROMPT_LOGITS_ROWS = 256  # prompt positions turned into logits at a time (vocab-wide rows are large)
+
+
+@dataclass
+class StepResult:
+    """What the step computed for one sequence of the batch."""
+
+    token: int | None = None  # None: a chunk that ends mid-prompt
+    logprobs: TokenLogprobs | None = None
+    # Logprobs of the prompt tokens after this chunk's positions (the token at position c + 1 ...),
+    # when the request asked for them.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -17,8 +37,12 @@ def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) 
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache: torch.Tensor, block_size: int):
+    def __init__(self, model, kv_cache: torch.Tensor, block_size: int, eos_token_ids: list[int] = (),
+                 grammars=None):
         self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.grammars = grammars  # constraints.Grammars, when the engine has a tokenizer
+        self._masker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
@@ -63,17 +87,45 @@ class ModelRunner:
                     p.slots = to(p.slots)
         return ids_t, pos_t, meta, sample_rows
 
-    def run(self, batch: ScheduledBatch) -> list[tuple[int, TokenLogprobs | None] | None]:
-        """The next token of each sequence of the batch (None for a chunk that ends mid-prompt)."""
+    def run(self, batch: ScheduledBatch) -> list[StepResult]:
+        """What the step computes for each sequence of the batch, in its order."""
         ids, pos, meta, rows = self.prepare(batch)
-        hidden = self.model(ids, pos, meta, self.kv_cache)
         which = [i for i, r in enumerate(rows) if r >= 0]
-        out: list[tuple[int, TokenLogprobs | None] | None] = [None] * len(rows)
+        constrained = [i for i in which if batch.seqs[i].params.constraint is not None]
+        masks = None
+        if constrained:  # masks depend only on the tokens so far: compute them while the model runs
+            matchers = [self.grammars.advance(batch.seqs[i]) for i in constrained]
+            masks = self._masker.submit(self.grammars.fill, matchers)
+        hidden = self.model(ids, pos, meta, self.kv_cache)
+        out = [StepResult() for _ in rows]
+        start = 0
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            if seq.wants_prompt_logprobs:
+                out[i].prompt_logprobs = self._prompt_logprobs(hidden, start, n, seq)
+            start += n
         if not which:
             return out
         logits = self.model.logits(hidden[[rows[i] for i in which]])
         seqs = [batch.seqs[i] for i in which]
-        tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        row_masks = None
+        if masks is not None:  # rows of the logits (which) that are constrained, and their masks
+            row_masks = ([which.index(i) for i in constrained], masks.result())
+        tokens, logprobs = sample(logits, seqs, self.eos_token_ids, row_masks)
         for i, t, lp in zip(which, tokens, logprobs):
-            out[i] = (t, lp)
+            out[i].token, out[i].logprobs = t, lp
+        return out
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, start: int, n: int, seq) -> list[TokenLogprobs]:
+        """Logprobs of the prompt tokens that this step's positions of seq predict (position p:
+        token p + 1); its tokens are hidden[start:start + n], from position num_computed_tokens."""
+        first = seq.num_computed_tokens
+        end = min(first + n, seq.num_prompt_tokens - 1)  # the last prompt position predicts the output
+        out: list[TokenLogprobs] = []
+        k = seq.params.prompt_logprobs
+        for lo in range(first, end, PROMPT_LOGITS_ROWS):
+            hi = min(end, lo + PROMPT_LOGITS_ROWS)
+            rows = torch.arange(start + lo - first, start + hi - first, device=hidden.device)
+            logits = self.model.logits(hidden[rows])
+            targets = seq.token_ids[lo + 1:hi + 1]
+            out += logprobs_of(logits, targets, [k] * len(targets))
         return out

@@ -1,17 +1,25 @@
 """Turns one step's logits into tokens, each row under its own request's sampling parameters.
 
-A seeded request draws its noise from its own generator, one draw per step, so its tokens do not
-depend on what else is in the batch. Sampling uses the exponential-race form of the categorical
-draw (argmax of p / Exp(1) noise), which needs no cumulative sums.
+Logits processors first, each vectorized over the rows that use it (a row that uses none costs
+nothing), in Transformers' order: logit bias, repetition penalty, then OpenAI's presence and
+frequency penalties, min_tokens (EOS and stop tokens masked), and last the structured-output
+mask. Then greedy rows take the argmax; the others get temperature, top-k, top-p, min-p and an
+exponential race (argmax of p / Exp(1) noise, no cumulative sums). A seeded request draws its
+noise from its own generator, one draw per step, so its tokens do not depend on the batch.
+Logprobs are those of the raw distribution (before any processor, as vLLM reports them).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .sequence import SamplingParams
+
+if TYPE_CHECKING:
+    from .sequence import Sequence
 
 
 @dataclass
@@ -37,28 +45,99 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """logits: [rows, vocab] float32."""
-    tokens = logits.argmax(-1).tolist()  # greedy rows are done
+def _padded(rows: list[list[int]], pad: int, device) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+
+
+def _token_table(rows: list[list[int]], vocab: int, device, counts: bool) -> torch.Tensor:
+    """[len(rows), vocab]: how often each token occurs in each row (counts) or whether it does."""
+    ids = _padded(rows, vocab, device)  # the pad id lands in an extra column, dropped below
+    out = torch.zeros(len(rows), vocab + 1, device=device)
+    if counts:
+        out.scatter_add_(1, ids, torch.ones_like(ids, dtype=out.dtype))
+    else:
+        out.scatter_(1, ids, 1.0)
+    return out[:, :vocab]
+
+
+def process_logits(logits: torch.Tensor, seqs: list["Sequence"], eos_token_ids: list[int],
+                   masks: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
+    """The logits every row samples from: a copy with the processors applied, or `logits` itself
+    when no row uses any. masks: (rows, their constraints' allowed tokens, bool [len(rows), >= vocab])."""
+    vocab, dev = logits.shape[-1], logits.device
+    params = [s.params for s in seqs]
+    bias = [i for i, p in enumerate(params) if p.logit_bias]
+    rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    pf = [i for i, p in enumerate(params) if p.presence_penalty or p.frequency_penalty]
+    short = [i for i, (s, p) in enumerate(zip(seqs, params))
+             if s.num_output_tokens < p.min_tokens and not (s.grammar is not None and s.grammar.is_stopped())]
+    if not (bias or rep or pf or short or masks):
+        return logits
+    logits = logits.clone()
+    if bias:
+        r = [i for i in bias for _ in params[i].logit_bias]
+        t = [tok for i in bias for tok in params[i].logit_bias]
+        v = [b for i in bias for b in params[i].logit_bias.values()]
+        logits.index_put_((torch.tensor(r, device=dev), torch.tensor(t, device=dev)),
+                          torch.tensor(v, dtype=logits.dtype, device=dev), accumulate=True)
+    if rep:  # Transformers' RepetitionPenaltyLogitsProcessor, over prompt and output
+        seen = _token_table([seqs[i].token_ids for i in rep], vocab, dev, counts=False).bool()
+        pen = torch.tensor([params[i].repetition_penalty for i in rep], device=dev).unsqueeze(1)
+        sub = logits[rep]
+        logits[rep] = torch.where(seen, torch.where(sub < 0, sub * pen, sub / pen), sub)
+    if pf:  # OpenAI's: logit - frequency * count - presence * (count > 0), over the output
+        outs = [seqs[i].output_token_ids for i in pf]
+        if any(outs):
+            count = _token_table(outs, vocab, dev, counts=True)
+            freq = torch.tensor([params[i].frequency_penalty for i in pf], device=dev).unsqueeze(1)
+            pres = torch.tensor([params[i].presence_penalty for i in pf], device=dev).unsqueeze(1)
+            logits[pf] -= freq * count + pres * (count > 0)
+    if short:
+        r = [i for i in short for _ in range(len(eos_token_ids) + len(params[i].stop_token_ids))]
+        t = [tok for i in short for tok in [*eos_token_ids, *params[i].stop_token_ids]]
+        if t:
+            logits[torch.tensor(r, device=dev), torch.tensor(t, device=dev)] = float("-inf")
+    if masks:
+        rows, allowed = masks
+        banned = ~allowed[:, :vocab].to(dev)
+        if rows == list(range(len(seqs))):  # every row constrained: in place, no gather
+            logits.masked_fill_(banned, float("-inf"))
+        else:
+            logits[rows] = logits[rows].masked_fill_(banned, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, seqs: list["Sequence"], eos_token_ids: list[int] = (),
+           masks: tuple[list[int], torch.Tensor] | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits: [rows, vocab] float32, a row per sequence."""
+    params = [s.params for s in seqs]
+    processed = process_logits(logits, seqs, list(eos_token_ids), masks)
+    tokens = processed.argmax(-1).tolist()  # greedy rows are done
     for i, p in enumerate(params):
         if p.greedy:
             continue
-        g = generators[i]
+        g = seqs[i].generator
         # A seeded request's generator lives on the CPU (Sequence): its row is sampled there, so its
         # noise stream is the same on every backend and in every batch.
-        row = logits[i] if g is None else logits[i].to(g.device)
+        row = processed[i] if g is None else processed[i].to(g.device)
         probs = _filter(row, p).softmax(-1)
         noise = torch.empty_like(probs).exponential_(generator=g)
         tokens[i] = int((probs / noise).argmax())
-    want = [i for i, p in enumerate(params) if p.logprobs is not None]
-    out: list[TokenLogprobs | None] = [None] * len(params)
+    return tokens, logprobs_of(logits, tokens, [p.logprobs for p in params])
+
+
+def logprobs_of(logits: torch.Tensor, tokens: list[int], top: list[int | None]) -> list[TokenLogprobs | None]:
+    """Each row's logprob of its token and its `top[row]` best alternatives (None: not wanted)."""
+    want = [i for i, k in enumerate(top) if k is not None]
+    out: list[TokenLogprobs | None] = [None] * len(tokens)
     if want:
-        lp = torch.log_softmax(logits[want], dim=-1)
-        k = max(params[i].logprobs for i in want)
+        lp = torch.log_softmax(logits[want].float(), dim=-1)
+        k = max(top[i] for i in want)
         top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (None, None)
+        picked = lp[torch.arange(len(want)), torch.tensor([tokens[i] for i in want])].tolist()
         for r, i in enumerate(want):
-            n = params[i].logprobs
-            top = list(zip(top_i[r, :n].tolist(), top_v[r, :n].tolist())) if n else []
-            out[i] = TokenLogprobs(float(lp[r, tokens[i]]), top)
-    return tokens, out
+            n = top[i]
+            alts = list(zip(top_i[r, :n].tolist(), top_v[r, :n].tolist())) if n else []
+            out[i] = TokenLogprobs(picked[r], alts)
+    return out

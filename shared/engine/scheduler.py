@@ -13,6 +13,12 @@ preempts running sequences of strictly lower priority, lowest and newest first; 
 preempted so `max_priority_preemptions` times is not preempted for priority again. With one
 priority in use all this is first-come-first-served, as before.
 
+Siblings (the choices of a request with n > 1, `add(seq, after=first)`) wait outside the queue
+until the first one's prompt blocks are computed, then join the head of their level: the prefix
+cache gives them those blocks, so the shared prompt is computed once and each sibling computes only
+its partial last block. A sequence that wants its prompt's logprobs is admitted without prefix-cache
+hits: every position it needs is computed.
+
 Preemption is by recompute: the blocks are freed (their prefix-cache keys survive, so the
 sequence often gets them back) and the sequence returns to the head of its level. When blocks
 run out for running sequences, the lowest-priority newest one is preempted, and nothing new is
@@ -21,6 +27,7 @@ admitted in that step (no thrashing).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -135,11 +142,31 @@ class Scheduler:
         self.config, self.kv = config, kv
         self.waiting = WaitingQueue(config.priority_aging_s, clock)
         self.running: list[Sequence] = []
+        self.held: list[Sequence] = []  # siblings waiting for their first one's prompt (add(after=...))
         self.num_preemptions = 0
         self.num_priority_preemptions = 0
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+    def add(self, seq: Sequence, after: Sequence | None = None) -> None:
+        """after: a sequence with the same prompt, added before: seq waits until its prompt is cached."""
+        if after is not None and self.kv.enable_prefix_caching and not after.is_finished:
+            seq.after = after
+            self.held.append(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _release_held(self) -> None:
+        """Queues the siblings whose first one has its prompt's full blocks computed (or left)."""
+        ready = []
+        for seq in self.held:
+            first = seq.after
+            gone = first.is_finished or (first.status is SequenceStatus.RUNNING and first not in self.running)
+            full = first.num_prompt_tokens // self.kv.block_size * self.kv.block_size
+            if gone or first.num_computed_tokens >= full:
+                ready.append(seq)
+        for seq in reversed(ready):
+            self.held.remove(seq)
+            seq.after = None
+            self.waiting.appendleft(seq)
 
     def adopt(self, seq: Sequence) -> None:
         """A sequence that arrives with its KV computed elsewhere joins the running set directly."""
@@ -153,7 +180,7 @@ class Scheduler:
         return self.kv.detach(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.held)
 
     @property
     def num_running(self) -> int:
@@ -161,7 +188,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.held)
 
     def blocks_next_step(self, new_prompts: int = 0) -> int:
         """At most how many free blocks the next schedule() takes, if `new_prompts` more prompts are
@@ -192,6 +219,8 @@ class Scheduler:
         return min(seq.num_tokens - seq.num_computed_tokens, budget, self.config.prefill_chunk_size)
 
     def schedule(self) -> ScheduledBatch:
+        if self.held:
+            self._release_held()
         step = _Step(self.config.max_num_batched_tokens)
         present = [s.priority for s in self.running] + [p for p, q in enumerate(self.waiting.levels) if q]
         self.waiting.floor = min(present, default=0)  # aging never passes the best priority present
@@ -230,9 +259,10 @@ class Scheduler:
             if id(seq) in step.evicted or (outranking is not None and seq.priority >= outranking):
                 return
             n = self._chunk(seq, step.budget)
-            if len(self.running) >= self.config.max_num_seqs or not self.kv.allocate(seq, n):
-                if not self._make_room(seq, n, step):
-                    return
+            with self._prefix_hits(seq):
+                if len(self.running) >= self.config.max_num_seqs or not self.kv.allocate(seq, n):
+                    if not self._make_room(seq, n, step):
+                        return
             n = min(n, self._chunk(seq, step.budget))  # allocate() may have found a cached prefix
             self.waiting.pop(seq)
             if seq.first_scheduled_time is None:
@@ -241,6 +271,19 @@ class Scheduler:
             seq.level = self.waiting.effective_level(seq, self.waiting.clock())
             self.running.append(seq)
             step.add(seq, n)
+
+    @contextlib.contextmanager
+    def _prefix_hits(self, seq: Sequence):
+        """Admission without prefix-cache hits for a sequence that still needs its prompt's logprobs
+        (they come from computing the positions); the cache itself is untouched."""
+        if not (seq.wants_prompt_logprobs and self.kv.enable_prefix_caching):
+            yield
+            return
+        self.kv.enable_prefix_caching = False
+        try:
+            yield
+        finally:
+            self.kv.enable_prefix_caching = True
 
     def _make_room(self, seq: Sequence, n: int, step: _Step) -> bool:
         """Preempts running sequences of a lower priority than seq (lowest level, newest first) until
@@ -267,6 +310,8 @@ class Scheduler:
         seq.finish_reason = reason
         if seq in self.running:
             self.running.remove(seq)
+        elif seq in self.held:
+            self.held.remove(seq)
         else:
             try:
                 self.waiting.remove(seq)

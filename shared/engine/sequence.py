@@ -23,10 +23,26 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; 0: the sampled token's; k: plus the top k
+    # Logits processors (sampler.py), applied in this order before temperature and the filters:
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI, -100..100)
+    repetition_penalty: float = 1.0  # Transformers': over prompt + output, >0 divides, <0 multiplies
+    presence_penalty: float = 0.0  # OpenAI's: over the output, minus this once a token appeared ...
+    frequency_penalty: float = 0.0  # ... and minus this times its count
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are out
+    # Structured output: (kind, spec), kind one of constraints.KINDS; the grammar's token mask is
+    # applied last, so every output is in its language.
+    constraint: tuple[str, str] | None = None
+    # The prompt's own logprobs (echo): None: off; k: each prompt token's (the first has none) plus
+    # its top k. Such a prompt is computed in full, never taken from the prefix cache.
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty or self.frequency_penalty)
 
     def validate(self) -> None:
         """Raises ValueError (limits.LimitError) for a parameter out of its range."""
@@ -64,6 +80,12 @@ class Sequence:
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
+        # The prompt's logprobs, the first token's None (filled as its chunks are computed), until
+        # they are handed out with the first output; None when not asked for (or already given).
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
+        self.grammar = None  # the constraint's matcher (constraints.py), built on first use ...
+        self.grammar_tokens = 0  # ... and how many output tokens it has consumed
+        self.after: "Sequence | None" = None  # a sibling (n > 1): admitted once this one's prompt is cached
 
     @property
     def num_tokens(self) -> int:
@@ -80,6 +102,11 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt logprobs are not all computed: its prompt must not come from the prefix cache."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

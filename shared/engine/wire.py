@@ -14,7 +14,11 @@ def sampling_params(s: Sampling, stop: list[str] | None = None) -> SamplingParam
     travel (the gateway, or the in-process OutputProcessor, matches them on the text)."""
     return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                           min_p=s.min_p, seed=s.seed, stop=list(stop or []), stop_token_ids=list(s.stop_token_ids),
-                          ignore_eos=s.ignore_eos, logprobs=s.logprobs)
+                          ignore_eos=s.ignore_eos, logprobs=s.logprobs, logit_bias=s.logit_bias,
+                          repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+                          frequency_penalty=s.frequency_penalty, min_tokens=s.min_tokens,
+                          constraint=None if s.constraint is None else tuple(s.constraint),
+                          prompt_logprobs=s.prompt_logprobs)
 
 
 def logprob(lp: TokenLogprobs | None) -> Logprob | None:

@@ -1,0 +1,141 @@
+"""Structured output: a request's grammar, compiled by llguidance, as a token mask per step.
+
+Why llguidance (measured on the default model's 49,152-token vocabulary, this machine's CPU):
+it installs from PyPI with no other dependency (xgrammar pulls triton and a TVM runtime;
+outlines-core is also dependency-free), it compiles a JSON schema in about a millisecond
+(outlines-core builds a regex index first: 0.45 s for a 4-property schema), and it computes a
+mask in 22 us at the median and 80 us on average per token (outlines-core: 5 us once its index is
+built), 2.2 ms for 32 sequences with its parallel executor. It takes JSON schemas, regexes, choices
+and Lark/GBNF context-free grammars; outlines-core has no context-free grammars, so no
+`guided_grammar`.
+
+A sequence's matcher is rebuilt from its output tokens whenever it is missing (the engine keeps
+none across a handoff or a re-dispatch: `advance` replays the tokens), so the grammar state
+travels with the tokens; a preempted sequence keeps its matcher (its tokens do not change).
+Torch-free at import: the gateway checks constraints with `check`.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+
+# kind -> what its spec is
+KINDS = {
+    "json_schema": "a JSON schema (JSON text)",
+    "json_object": "ignored: any JSON object",
+    "regex": "a regular expression (Rust regex syntax) the whole output matches",
+    "choice": "a JSON list of strings; the output is one of them",
+    "grammar": "a context-free grammar, Lark (llguidance's dialect) or GBNF",
+}
+# JSON as json.dumps writes it: models have seen it the most, and without free whitespace a model
+# cannot wander off into blank space forever.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class ConstraintError(ValueError):
+    """A constraint that does not compile (an invalid schema, regex or grammar)."""
+
+
+def grammar_text(kind: str, spec: str) -> str:
+    """The llguidance grammar of a constraint; raises ConstraintError for an unknown kind or a
+    spec that is not even of the right type (the grammar itself is checked by `check`)."""
+    import llguidance
+
+    m = llguidance.LLMatcher
+    try:
+        if kind == "json_schema":
+            schema = json.loads(spec)
+            if not isinstance(schema, dict):
+                raise ConstraintError("a JSON schema must be a JSON object")
+            return m.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        if kind == "json_object":
+            return m.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        if kind == "regex":
+            return m.grammar_from_regex(spec)
+        if kind == "choice":
+            choices = json.loads(spec)
+            if not (isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices)):
+                raise ConstraintError("choice must be a non-empty list of strings")
+            return m.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+        if kind == "grammar":
+            return llguidance.grammar_from("grammar", spec)
+    except ConstraintError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise ConstraintError(str(e)) from None
+    raise ConstraintError(f"unknown constraint kind {kind!r}; one of {', '.join(KINDS)}")
+
+
+def check(kind: str, spec: str) -> None:
+    """Raises ConstraintError saying what is wrong with the constraint (no tokenizer needed)."""
+    import llguidance
+
+    err = llguidance.LLMatcher.validate_grammar(grammar_text(kind, spec), None)
+    if err:
+        raise ConstraintError(err.strip())
+
+
+class Grammars:
+    """Compiles constraints against one tokenizer and fills token masks. Compiled matchers are
+    cached per (kind, spec), least recently used out; each sequence gets a copy."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], cache_size: int = 128,
+                 threads: int = 2):
+        self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, sorted(eos_token_ids)
+        self.cache_size, self.threads = cache_size, threads
+        self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._ll = None
+        self._executor = None
+        self._lock = threading.Lock()  # the cache and the lazy tokenizer: workers compile on their event loop
+
+    def _lltokenizer(self):
+        if self._ll is None:  # 0.45 s for a 49k vocabulary: only once a constraint is used
+            import llguidance
+
+            self._ll = llguidance.LLTokenizer(self.tokenizer.tk.to_str(), n_vocab=self.vocab_size,
+                                              eos_token=self.eos_token_ids)
+            self._executor = llguidance.LLExecutor(self.threads)
+        return self._ll
+
+    def matcher(self, kind: str, spec: str):
+        """A fresh matcher for the constraint; raises ConstraintError when it does not compile."""
+        import llguidance
+
+        key = (kind, spec)
+        with self._lock:
+            proto = self._cache.get(key)
+            if proto is not None:
+                self._cache.move_to_end(key)
+            else:
+                proto = llguidance.LLMatcher(self._lltokenizer(), grammar_text(kind, spec), log_level=0)
+                if proto.is_error():
+                    raise ConstraintError(proto.get_error().strip())
+                self._cache[key] = proto
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+            return proto.deep_copy()
+
+    def advance(self, seq) -> object:
+        """The sequence's matcher, built if it has none and caught up with its output tokens."""
+        if seq.grammar is None:
+            seq.grammar, seq.grammar_tokens = self.matcher(*seq.params.constraint), 0
+        out = seq.token_ids[seq.num_prompt_tokens + seq.grammar_tokens:]
+        if out:
+            seq.grammar.consume_tokens(out)
+            seq.grammar_tokens += len(out)
+        return seq.grammar
+
+    def fill(self, matchers: list):
+        """The allowed tokens of each matcher (already advanced), as a bool tensor [rows, >= vocab].
+        Runs in llguidance's thread pool without the GIL, so it can overlap the model's forward."""
+        import llguidance.torch as lt
+        import numpy as np
+        import torch
+
+        words = -(-self.vocab_size // 32)
+        bitmask = torch.empty(len(matchers), words, dtype=torch.int32)
+        lt.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")  # >= vocab columns
+        return torch.from_numpy(bits.view(np.bool_))

@@ -1,0 +1,242 @@
+"""Issue 10's request options through a real mesh (`meshserve up`, one prefill and one decode worker,
+so prompts over 32 tokens are prefilled on one worker and decoded on the other), with the official
+openai client: structured outputs (many schemas at once, greedy and sampled, streamed and not,
+beside unconstrained requests, across the handoff, and over the NATS API), tool calls, n choices,
+logit_bias, the model's own generation defaults, echo with prompt logprobs against Transformers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+import jsonschema
+import nats
+import orjson
+import pytest
+import torch
+from json_schemas import SCHEMAS
+from openai import AsyncOpenAI, OpenAI
+
+from mesh_util import Mesh
+from meshserve.shared.tokenizer import Tokenizer
+from tiny_model import make_tiny_llama
+
+# Over 32 tokens: the prefill worker computes it, then hands it to the decode worker.
+LONG = "Answer in JSON: the weather in Paris today, with numbers."  # 35 tokens, 74 as a chat
+TOOL = {"type": "function", "function": {"name": "weather", "description": "The weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1,
+                                                                                   "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+OTHER = {"type": "function", "function": {"name": "time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+DEFAULTS = {"repetition_penalty": 1.2, "top_p": 0.95}  # the model's generation_config.json
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = make_tiny_llama(tmp_path_factory.mktemp("tiny-defaults"))
+    cfg = json.loads((d / "generation_config.json").read_text())
+    (d / "generation_config.json").write_text(json.dumps({**cfg, **DEFAULTS}))
+    return d
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def mesh(model_dir, tmp_path_factory):
+    with Mesh(model_dir, tmp_path_factory.mktemp("mesh-options"), prefill=1, decode=1) as m:
+        m.client = OpenAI(base_url=m.url + "/v1", api_key="unused")
+        m.tokenizer = Tokenizer.from_hf_dir(model_dir)
+        yield m
+
+
+def chat(content: str = LONG) -> list[dict]:
+    return [{"role": "user", "content": content}]
+
+
+async def _one_schema(client: AsyncOpenAI, model: str, i: int, schema: dict):
+    kw = dict(model=model, messages=chat(), max_tokens=120, temperature=0 if i % 2 else 1.0, seed=i,
+              response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema,
+                                                                      "strict": True}})
+    if i % 3:  # streamed
+        text, finish = "", None
+        async for c in await client.chat.completions.create(stream=True, **kw):
+            if c.choices:
+                text += c.choices[0].delta.content or ""
+                finish = c.choices[0].finish_reason or finish
+        return text, finish
+    r = await client.chat.completions.create(**kw)
+    return r.choices[0].message.content, r.choices[0].finish_reason
+
+
+async def _all_schemas(mesh):
+    client = AsyncOpenAI(base_url=mesh.url + "/v1", api_key="unused")
+    free = [client.chat.completions.create(model=mesh.model, messages=chat(), max_tokens=16, temperature=0)
+            for _ in range(4)]
+    out = await asyncio.gather(*(_one_schema(client, mesh.model, i, s) for i, s in enumerate(SCHEMAS)), *free)
+    await client.close()
+    return out[:len(SCHEMAS)], out[len(SCHEMAS):]
+
+
+def test_json_schemas_all_at_once_across_the_handoff(mesh):
+    replies, free = asyncio.run(_all_schemas(mesh))
+    for (text, finish), schema in zip(replies, SCHEMAS):
+        assert finish == "stop", text
+        jsonschema.validate(json.loads(text), schema)
+    assert all(r.usage.completion_tokens == 16 for r in free)
+    status = mesh.ask("scheduler.status")
+    assert {w["role"]: w["tokens_streamed"] > 0 for w in status["workers"]} == {"prefill": True, "decode": True}
+
+
+def test_structured_output_over_nats_and_vllm_fields(mesh):
+    async def ask(body):
+        nc = await nats.connect(mesh.nats_url)
+        try:
+            return orjson.loads((await nc.request(f"{mesh.namespace}.v1.completions", orjson.dumps(body),
+                                                  timeout=120)).data)
+        finally:
+            await nc.close()
+
+    schema = SCHEMAS[7]
+    r = asyncio.run(ask({"prompt": LONG, "max_tokens": 100, "guided_json": schema, "seed": 1}))
+    jsonschema.validate(json.loads(r["choices"][0]["text"]), schema)
+    c = mesh.client
+    r = c.completions.create(model=mesh.model, prompt=LONG, max_tokens=20, extra_body={"guided_choice": ["yes", "no"]})
+    assert r.choices[0].text in ("yes", "no")
+    r = c.completions.create(model=mesh.model, prompt=LONG, max_tokens=20, temperature=0,
+                             extra_body={"structured_outputs": {"regex": "[A-Z]{2}-[0-9]{3}"}})
+    assert re.fullmatch("[A-Z]{2}-[0-9]{3}", r.choices[0].text)
+    r = c.completions.create(model=mesh.model, prompt=LONG, max_tokens=30, temperature=0,
+                             extra_body={"guided_grammar": 'start: "(" d ("+" d)* ")"\nd: /[0-9]/'})
+    assert re.fullmatch(r"\([0-9](\+[0-9])*\)", r.choices[0].text)
+
+
+def _reassemble(stream) -> tuple[dict[int, dict], str, str | None]:
+    calls: dict[int, dict] = {}
+    content, finish = "", None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        d = chunk.choices[0].delta
+        content += d.content or ""
+        for tc in d.tool_calls or []:
+            call = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+            call["id"] = tc.id or call["id"]
+            if tc.function:
+                call["name"] += tc.function.name or ""
+                call["arguments"] += tc.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return calls, content, finish
+
+
+def test_tool_calls(mesh):
+    c = mesh.client
+    tools = [TOOL, OTHER]
+    by_name = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    # required: always valid calls of declared functions, arguments matching
+    for seed in range(3):
+        r = c.chat.completions.create(model=mesh.model, messages=chat(), tools=tools, tool_choice="required",
+                                      max_tokens=80, seed=seed)
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls" and ch.message.content is None and ch.message.tool_calls
+        for call in ch.message.tool_calls:
+            assert call.id.startswith("call_") and call.type == "function"
+            jsonschema.validate(json.loads(call.function.arguments), by_name[call.function.name])
+    # a named function, streamed and not: the deltas reassemble to the same call
+    kw = dict(model=mesh.model, messages=chat(), tools=tools, max_tokens=80, temperature=0,
+              tool_choice={"type": "function", "function": {"name": "weather"}})
+    call = c.chat.completions.create(**kw).choices[0].message.tool_calls[0]
+    assert call.function.name == "weather"
+    jsonschema.validate(json.loads(call.function.arguments), TOOL["function"]["parameters"])
+    calls, content, finish = _reassemble(c.chat.completions.create(stream=True, **kw))
+    assert finish == "tool_calls" and content == "" and len(calls) == 1
+    assert (calls[0]["name"], calls[0]["arguments"]) == ("weather", call.function.arguments) and calls[0]["id"]
+    # auto: the model's own Hermes-style call is read back. A random model would not write one, so
+    # the regex makes it write exactly that format (a call with a free choice of city).
+    hermes = r'Sure\. <tool_call>\n\{"name": "weather", "arguments": \{"city": "(Paris|Rome)", "days": [1-7]\}\}\n</tool_call>'
+    kw = dict(model=mesh.model, messages=chat(), tools=tools, tool_choice="auto", max_tokens=80, seed=4,
+              extra_body={"guided_regex": hermes})
+    ch = c.chat.completions.create(**kw).choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content == "Sure."
+    args = json.loads(ch.message.tool_calls[0].function.arguments)
+    jsonschema.validate(args, TOOL["function"]["parameters"])
+    calls, content, finish = _reassemble(c.chat.completions.create(stream=True, **kw))
+    assert finish == "tool_calls" and content.strip() == "Sure." and json.loads(calls[0]["arguments"]) == args
+    # the history with an assistant call and the tool's answer is accepted
+    history = chat() + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Rome", "days": 2}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    r = c.chat.completions.create(model=mesh.model, messages=history, tools=tools, max_tokens=5)
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_n_choices_logit_bias_and_generation_defaults(mesh, hf):
+    c = mesh.client
+    # n: each choice is the seeded stream seed + index; streamed chunks carry their choice's index
+    r = c.completions.create(model=mesh.model, prompt=LONG, max_tokens=8, n=3, seed=11, temperature=1.0)
+    assert [ch.index for ch in r.choices] == [0, 1, 2] and r.usage.completion_tokens == 24
+    alone = [c.completions.create(model=mesh.model, prompt=LONG, max_tokens=8, seed=11 + i, temperature=1.0)
+             .choices[0].text for i in range(3)]
+    assert [ch.text for ch in r.choices] == alone and len(set(alone)) > 1
+    texts = {0: "", 1: "", 2: ""}
+    for chunk in c.completions.create(model=mesh.model, prompt=LONG, max_tokens=8, n=3, seed=11, stream=True):
+        for ch in chunk.choices:
+            texts[ch.index] += ch.text
+    assert list(texts.values()) == alone
+    # prefill once: a fresh 38-token prompt, three choices; the second and third find its full blocks
+    before = mesh.ask("scheduler.status")["prefix_hits"]
+    fresh = "Tomorrow, " + LONG  # shifted: none of its blocks is cached yet
+    n_prompt = len(mesh.tokenizer.encode(fresh))
+    c.completions.create(model=mesh.model, prompt=fresh, max_tokens=2, n=3)
+    full = n_prompt // 16 * 16
+    deadline = time.monotonic() + 10  # the workers' counters reach the scheduler with their heartbeats
+    while mesh.ask("scheduler.status")["prefix_hits"] - before < 2 * full and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert mesh.ask("scheduler.status")["prefix_hits"] - before >= 2 * full > 0
+    # chat with n
+    r = c.chat.completions.create(model=mesh.model, messages=chat(), max_tokens=4, n=2, seed=3)
+    assert [ch.index for ch in r.choices] == [0, 1]
+    # logit_bias: +100 on one token makes it the whole output
+    tok = mesh.tokenizer.encode(" the")[0]
+    r = c.completions.create(model=mesh.model, prompt=LONG, max_tokens=5, logit_bias={str(tok): 100})
+    assert r.choices[0].text == mesh.tokenizer.decode([tok] * 5)
+    # the model's generation defaults: shown, and applied (repetition_penalty 1.2 here) when unset
+    model = c.models.list().data[0]
+    assert model.model_extra["generation_defaults"] == DEFAULTS
+    ids = mesh.tokenizer.encode(LONG)
+    with torch.inference_mode():
+        ref = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          max_new_tokens=12, min_new_tokens=12, do_sample=False, repetition_penalty=1.2,
+                          eos_token_id=[2],
+                          pad_token_id=0)[0, len(ids):].tolist()
+    r = c.completions.create(model=mesh.model, prompt=ids, max_tokens=12, temperature=0,
+                             extra_body={"min_tokens": 12})
+    assert r.choices[0].text == mesh.tokenizer.decode(ref)
+
+
+def test_echo_logprobs_equal_transformers(mesh, hf):
+    """The prompt tokens' logprobs (lm-eval's local-completions: echo, logprobs, max_tokens 0), first
+    null, equal Transformers' in fp32, also when the prompt is already in the prefix cache."""
+    c = mesh.client
+    ids = mesh.tokenizer.encode(LONG)
+    with torch.inference_mode():
+        lp = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+    want = lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    c.completions.create(model=mesh.model, prompt=LONG, max_tokens=2, temperature=0)  # now it is cached
+    for max_tokens in (0, 3):
+        r = c.completions.create(model=mesh.model, prompt=LONG, max_tokens=max_tokens, echo=True, logprobs=1,
+                                 temperature=0)
+        ch = r.choices[0]
+        assert ch.text.startswith(LONG) and ch.logprobs.token_logprobs[0] is None
+        got = torch.tensor(ch.logprobs.token_logprobs[1:len(ids)])
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+        assert len(ch.logprobs.tokens) == len(ids) + max_tokens == len(ch.logprobs.text_offset)
+        assert r.usage.completion_tokens == max_tokens

@@ -1,0 +1,52 @@
+"""Reading tool calls back (shared/tool_calls.py): Hermes-style blocks in a whole or streamed output,
+and the forced formats' schemas; the model-driven paths are in test_request_options_mesh.py."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+
+from meshserve.shared import tool_calls
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}},
+         {"type": "function", "function": {"name": "g"}}]
+
+
+def test_auto_reads_hermes_calls_whole_and_streamed():
+    text = ('Let me check. <tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n'
+            '<tool_call>{"name": "g", "arguments": {}}</tool_call>')
+    content, calls = tool_calls.parse_auto(text)
+    assert content == "Let me check." and [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"x": 1}),
+                                                                                               ("g", {})]
+    # streamed in pieces that split the opening tag: content never shows a piece of it
+    p, shown = tool_calls.AutoParser(), ""
+    for i in range(0, len(text), 3):
+        shown += p.feed(text[i:i + 3])
+        assert "<" not in shown
+    rest, streamed = p.finish()
+    assert (shown + rest).strip() == "Let me check." and [c.name for c in streamed] == ["f", "g"]
+
+
+def test_auto_leaves_text_without_valid_calls_alone():
+    for text in ("no calls here < not a tag", "<tool_call>{not json}</tool_call> tail", "<tool_"):
+        content, calls = tool_calls.parse_auto(text)
+        assert calls == [] and content == text
+
+
+def test_forced_formats():
+    schema = tool_calls.required_schema(TOOLS, parallel=False)
+    out = '[{"name": "f", "parameters": {"x": 3}}]'
+    jsonschema.validate(json.loads(out), schema)
+    assert [(c.name, c.arguments) for c in tool_calls.parse_required(out)] == [("f", '{"x": 3}')]
+    bad = json.loads('[{"name": "f", "parameters": {"x": 3}}, {"name": "g", "parameters": {}}]')
+    try:
+        jsonschema.validate(bad, schema)
+        raise AssertionError("two calls without parallel_tool_calls")
+    except jsonschema.ValidationError:
+        pass
+    jsonschema.validate(bad, tool_calls.required_schema(TOOLS, parallel=True))
+    assert tool_calls.named_schema(TOOLS, "f") == TOOLS[0]["function"]["parameters"]
+    content, calls = tool_calls.read_calls("named", '{"x": 5}', "f")
+    assert content is None and calls[0].openai(0)["function"] == {"name": "f", "arguments": '{"x": 5}'}
