@@ -101,11 +101,16 @@ def _schema_text(value: dict | str, param: str) -> str:
     return json.dumps(value)
 
 
+# Request fields OpenAI defines that change nothing in the output: accepted and ignored.
+INERT_FIELDS = frozenset({"metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
+
+
 class _SamplingFields(BaseModel):
     """Fields both endpoints share. A field that would change the output is honoured or refused
-    with a 400 naming it (`check`); unknown fields that change nothing (`user`, ...) are ignored."""
+    with a 400 naming it (`check`); of the fields not declared here, only those known to change
+    nothing (`INERT_FIELDS`) are accepted, every other one is refused by name."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -151,6 +156,9 @@ class _SamplingFields(BaseModel):
 
     def check(self, vocab_size: int | None = None) -> None:
         """What pydantic cannot say: raises OpenAIError(400) naming the field."""
+        for name in sorted(self.model_extra or {}):
+            if name not in INERT_FIELDS:
+                raise _refuse("not supported by this server (it would be ignored, so it is refused)", name)
         if self.best_of is not None and self.best_of != self.n:
             raise _refuse("best_of is not supported (only best_of == n, which returns every choice)", "best_of")
         if self.guided_whitespace_pattern is not None:

@@ -169,6 +169,10 @@ BAD = [
      "tools[0].function.parameters", None),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]}',
      "functions", None),
+    # a field the server does not know is refused by name, never silently ignored
+    ("/v1/completions", b'{"prompt": "hi", "bogus_option": 1}', "bogus_option", None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "modalities": ["audio"]}',
+     "modalities", None),
 ]
 
 
