@@ -31,8 +31,8 @@ QUICK_FAILURE_S = 30.0  # a process that dies sooner than this after its start c
 BACKOFF_S = (0.2, 1.0, 2.0, 4.0, 8.0)  # delay before the n-th restart in a row
 
 DEVICE_ROLES = ("model-loader", "kv-pool", "prefill", "decode")  # the services that take --device
-HEALTH_POLL_S = 0.1  # how often start-up asks the gateway's /health: the mesh is announced within this
 MODEL_ROLES = ("model-loader", "kv-pool", "prefill", "decode")  # they ask the loader for the model: --quantization
+HEALTH_POLL_S = 0.1  # how often start-up asks the gateway's /health: the mesh is announced within this
 
 NATS_CONF = """\
 listen: 127.0.0.1:{port}

@@ -121,3 +121,43 @@ def test_default_model_int8_perplexity_within_2_percent_of_bf16(default_model_fi
     assert p16 < 40  # the model reads this text as text
     assert abs(p8 / p16 - 1) < 0.02, (p16, p8)
     assert weight_bytes_per_token(int8) < 0.52 * weight_bytes_per_token(bf16)
+
+
+def test_meshserve_up_quantization_int8_serves(tiny_llama, tmp_path):
+    """`meshserve up --quantization int8`: the loader writes the int8 layout into shared memory, the
+    workers run it, and the text equals the in-process int8 engine's; the same loader also serves
+    the model's bf16 variant to whoever asks for it (one source, both formats)."""
+    import asyncio
+
+    import nats
+    from mesh_util import Mesh
+    from openai import OpenAI
+
+    from meshserve.shared.engine.llm import LLM
+    from meshserve.shared.schemas import LoadRequest, WeightsDescriptor
+
+    prompt = "The quick brown fox"
+    want = LLM(str(tiny_llama), "bfloat16", quantization="int8").generate(
+        [prompt], SamplingParams(max_tokens=12, temperature=0))[0].text
+    with Mesh(tiny_llama, tmp_path, prefill=1, decode=1, extra=["--dtype", "bfloat16", "--quantization", "int8"]) as m:
+        r = OpenAI(base_url=m.url + "/v1", api_key="unused").completions.create(
+            model=m.model, prompt=prompt, max_tokens=12, temperature=0)
+        assert r.choices[0].text == want
+        assert m.ask("models.node0.list") == [{"model": m.model, "dtype": "bfloat16", "quantization": "int8",
+                                               "ready": True}]
+
+        async def load(quantization):
+            nc = await nats.connect(m.nats_url)
+            try:
+                req = LoadRequest(model=m.model, dtype="bfloat16", quantization=quantization).encode()
+                return WeightsDescriptor.decode((await nc.request(f"{m.namespace}.models.node0.load", req,
+                                                                  timeout=60)).data)
+            finally:
+                await nc.close()
+
+        int8, bf16 = asyncio.run(load("int8")), asyncio.run(load(None))
+        assert int8.quantization == "int8" and bf16.quantization is None and int8.path != bf16.path
+        dtypes = {t.name: t.dtype for t in int8.tensors}
+        assert dtypes["layers.0.qkv@scale"] == "float32" and "layers.0.qkv" not in dtypes
+        assert dtypes.get("layers.0.qkv" + (il.BLOCKED if il.kernel() else il.INT8)) == "int8"
+        assert {t.name: t.dtype for t in bf16.tensors}["norm"] == "bfloat16"
