@@ -4,7 +4,7 @@ in one run of the in-process engine on the same model.
     python -m meshserve.bench.quant_bench [--model M] [--prompt-tokens 128] [--tokens 128] [--json OUT]
 
 Per variant (--variants, default "bfloat16,bfloat16+int8"): milliseconds per token of one stream
-decoding --tokens tokens after a --prompt-tokens prompt, the weight bytes a decode step reads, the
+decoding --tokens tokens after a --prompt-tokens prompt (wall, and CPU time of the process), the weight bytes a decode step reads, the
 read bandwidth that implies, and the perplexity of TEXT (a fixed text of a few hundred tokens).
 Also the machine's read bandwidth (a large tensor summed), so each variant's distance from its
 memory bound (weight bytes / bandwidth) can be read off.
@@ -92,13 +92,21 @@ def read_bandwidth_gbs(mib: int = 512, reps: int = 5) -> float:
 
 
 def batch1(llm, prompt: list[int], n: int) -> dict:
+    """One stream: wall milliseconds per token after the first, and the process's CPU milliseconds
+    per token over the same steps (on a busy machine the CPU time is closer to a quiet run's wall
+    time; with more than one thread it also counts OpenMP's spin-waiting)."""
     from meshserve.shared.engine.sequence import SamplingParams
 
     llm.generate([prompt[:8]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm up
-    c = llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0]
+    c = llm.add(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    cpu = []
+    while llm.engine.has_unfinished():
+        llm.outputs.process(llm.engine.step())
+        cpu.append(time.process_time())
     t = c.token_times
-    return {"ms_per_token": 1000 * (t[-1] - t[0]) / (len(t) - 1), "ttft_s": t[0] - c.arrival_time,
-            "tokens": len(c.token_ids)}
+    return {"ms_per_token": 1000 * (t[-1] - t[0]) / (len(t) - 1),
+            "cpu_ms_per_token": 1000 * (cpu[-1] - cpu[0]) / (len(cpu) - 1),
+            "ttft_s": t[0] - c.arrival_time, "tokens": len(c.token_ids)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,8 +117,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated dtype[+quantization] (float32, bfloat16, bfloat16+int8, float32+int8)")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=128, help="tokens decoded after the prompt")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, all cores)")
     ap.add_argument("--json", default=None, help="also write the result here")
     a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
 
     from meshserve.shared.engine.llm import LLM
 
@@ -134,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
               "memory_bound_ms_per_token": 1000 * wbytes / 1e9 / bandwidth,
               "perplexity": perplexity(llm.engine.model, text_ids), "perplexity_tokens": len(text_ids)}
         res["variants"][variant] = r
-        print(f"{variant}: {r['ms_per_token']:.2f} ms/token ({r['weight_mb_per_token']:.0f} MB of weights, "
+        print(f"{variant}: {r['ms_per_token']:.2f} ms/token (CPU {r['cpu_ms_per_token']:.2f}; "
+              f"{r['weight_mb_per_token']:.0f} MB of weights, "
               f"bound {r['memory_bound_ms_per_token']:.2f} ms at {bandwidth:.1f} GB/s), perplexity "
               f"{r['perplexity']:.3f}", file=sys.stderr)
         del llm
