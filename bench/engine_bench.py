@@ -25,6 +25,7 @@ from meshserve.bench.report import emit_json
 from meshserve.cli.errors import ArgumentParser
 from meshserve.shared.engine.llm import DTYPES, LLM
 from meshserve.shared.engine.sequence import SamplingParams
+from meshserve.shared.model.config import QUANTIZATIONS
 from meshserve.shared.models_repo import DEFAULT_MODEL, resolve
 
 
@@ -128,6 +129,8 @@ def add_workload_arguments(ap: argparse.ArgumentParser) -> None:
     """Model and mixed workload, the same for every benchmark that compares against this one."""
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                    help="meshserve's weights (Transformers always runs the source weights)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-requests", type=int, default=64)
 
@@ -153,12 +156,12 @@ def main(argv: list[str] | None = None) -> int:
         sched.max_num_batched_tokens = sched.prefill_chunk_size = a.max_num_batched_tokens
     if a.max_prefill_tokens_with_decodes:
         sched.max_prefill_tokens_with_decodes = a.max_prefill_tokens_with_decodes
-    llm = LLM(a.model, a.dtype, EngineConfig(scheduler=sched))
+    llm = LLM(a.model, a.dtype, EngineConfig(scheduler=sched), quantization=a.quantization)
     special = set(llm.tokenizer.eos_token_ids) | {llm.tokenizer.bos_token_id or 0}
     work = mixed_workload(a.num_requests, a.seed, llm.engine.model.cfg.vocab_size, special)
     prompt1 = work[0][0][:100]
     res: dict = {"command": "meshserve bench-engine " + " ".join(argv or sys.argv[1:]),
-                 "model": a.model, "dtype": a.dtype, "machine": {"cpus": torch.get_num_threads(),
+                 "model": a.model, "dtype": a.dtype, "quantization": a.quantization, "machine": {"cpus": torch.get_num_threads(),
                                                                  "processor": platform.processor()},
                  "workload": {"requests": len(work), "prompt_tokens": sum(len(p) for p, _ in work),
                               "output_tokens": sum(o for _, o in work), "seed": a.seed}}

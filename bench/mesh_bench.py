@@ -117,11 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     from meshserve.shared.engine.llm import LLM
 
     res: dict = {"command": "meshserve bench-mesh " + " ".join(argv if argv is not None else sys.argv[1:]),
-                 "model": a.model, "dtype": a.dtype,
+                 "model": a.model, "dtype": a.dtype, "quantization": a.quantization,
                  "mesh": {"prefill": a.prefill, "decode": a.decode}}
     port, nats_port = _port(), _port()
     cmd = [sys.executable, "-m", "meshserve.cli.main", "up", "--model", a.model, "--dtype", a.dtype,
            "--port", str(port), "--nats-port", str(nats_port), "--prefill", str(a.prefill), "--decode", str(a.decode)] + a.up_args.split()
+    if a.quantization:
+        cmd += ["--quantization", a.quantization]
     env = dict(os.environ)
     if a.threads:
         env["MESHSERVE_WORKER_THREADS"] = str(a.threads)
@@ -168,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         except subprocess.TimeoutExpired:  # never hide the error that brought us here
             up.kill()
     if not a.skip_engine:
-        llm = LLM(a.model, a.dtype)
+        llm = LLM(a.model, a.dtype, quantization=a.quantization)
         t_cpu = time.process_time()
         res["meshserve_engine"] = engine_mixed(llm, work)
         res["meshserve_engine"]["cpu_ms_per_token"] = (1000 * (time.process_time() - t_cpu)

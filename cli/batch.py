@@ -162,7 +162,7 @@ def main(args) -> int:
     inp = sys.stdin.buffer if args.input == "-" else open(args.input, "rb")
     out = sys.stdout.buffer if args.output == "-" else open(args.output, "wb")
     with inp, out:
-        llm = LLM(args.model, args.dtype, EngineConfig())
+        llm = LLM(args.model, args.dtype, EngineConfig(), quantization=args.quantization)
         served = args.served_model_name or args.model
         ok, failed = run_batch(llm, inp, out, served)
     print(f"{ok} succeeded, {failed} failed", file=sys.stderr)

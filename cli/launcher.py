@@ -31,6 +31,7 @@ QUICK_FAILURE_S = 30.0  # a process that dies sooner than this after its start c
 BACKOFF_S = (0.2, 1.0, 2.0, 4.0, 8.0)  # delay before the n-th restart in a row
 
 DEVICE_ROLES = ("model-loader", "kv-pool", "prefill", "decode")  # the services that take --device
+MODEL_ROLES = ("model-loader", "kv-pool", "prefill", "decode")  # they ask the loader for the model: --quantization
 HEALTH_POLL_S = 0.1  # how often start-up asks the gateway's /health: the mesh is announced within this
 
 NATS_CONF = """\
@@ -141,6 +142,8 @@ class Launcher:
                "--namespace", a.namespace, "--model", a.model, "--dtype", a.dtype, "--node-id", a.node_id]
         if role in DEVICE_ROLES:  # one backend for the node: weights, arena and workers together
             cmd += ["--device", getattr(a, "device", "cpu")]
+        if role in MODEL_ROLES and getattr(a, "quantization", None):  # the loader preloads, workers ask for it
+            cmd += ["--quantization", a.quantization]
         return cmd + list(extra)
 
     def start(self) -> None:
@@ -282,8 +285,17 @@ def add_device_argument(p) -> None:
                         "(GPU memory shared by CUDA IPC handles; needs a GPU and CuPy)")
 
 
+def add_quantization_argument(p) -> None:
+    from meshserve.shared.model.config import QUANTIZATIONS
+
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                   help="int8: weight-only int8 projections with per-channel scales, quantized at load "
+                        "(half the bytes of bf16 per token; docs/quantization.md)")
+
+
 def add_arguments(p) -> None:
     add_device_argument(p)
+    add_quantization_argument(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--nats-port", type=int, default=4222, help="port of the embedded nats-server")

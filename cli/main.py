@@ -110,6 +110,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     b.add_argument("--model", default=DEFAULT_MODEL, help="model name, HF directory or .gguf file")
     b.add_argument("--served-model-name", default=None, help="name in the responses (default: --model)")
     b.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    from meshserve.cli.launcher import DEVICE_ROLES, MODEL_ROLES, add_device_argument, add_quantization_argument
+    add_quantization_argument(b)
     b.set_defaults(func=lambda a: __import__("meshserve.cli.batch", fromlist=["main"]).main(a))
 
     up = sub.add_parser("up", help="start the whole mesh on this machine (its own nats-server too)")
@@ -120,12 +122,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run one service of the mesh")
     roles = serve.add_subparsers(dest="role", required=True)
-    from meshserve.cli.launcher import DEVICE_ROLES, add_device_argument
     for role in ROLES:
         rp = roles.add_parser(role, help=f"the {role} service", conflict_handler="resolve")
         _common(rp)
         if role in DEVICE_ROLES:
             add_device_argument(rp)
+        if role in MODEL_ROLES:
+            add_quantization_argument(rp)
         if role in with_options:
             _add_role_arguments(role, rp)
         rp.set_defaults(func=_serve)

@@ -4,7 +4,8 @@ bf16 on a CPU with AVX-512 BF16: kernels/cpu/linear.cpp, from the weight in a bl
 ("n32k2", `to_blocked`) that whoever loads the model makes once: the mesh's model loader writes it
 into the node's shared memory, so every worker runs the fast kernel on one copy of the weights.
 Everything else (fp32, other devices, shapes the layout does not fit, the kernels disabled):
-F.linear on the plain weight, which is also the kernel's oracle.
+F.linear on the plain weight, which is also the kernel's oracle. int8 weights: kernels/int8_linear.py;
+`projection` picks the class for the form a weights dict holds.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_build
+from .int8_linear import Int8Linear, is_quantized
 
 BLOCK_N = 32  # output columns per block of the layout
 BLOCKED = "@n32k2"  # a weights dict holds a projection's blocked form under its name + this suffix
@@ -79,3 +81,10 @@ class Linear:
             return out
         w = self.weight if self.weight is not None else from_blocked(self.blocked)
         return F.linear(x, w, self.bias)
+
+
+def projection(weights: dict[str, torch.Tensor], name: str, bias: str | None = None) -> Linear | Int8Linear:
+    """The projection stored under `name`, in whichever form the loader wrote it (plain, blocked, int8)."""
+    if is_quantized(weights, name):
+        return Int8Linear.of(weights, name, bias)
+    return Linear.of(weights, name, bias)

@@ -13,6 +13,7 @@ import orjson
 from pydantic import BaseModel, Field
 
 from .limits import Priority, check_sampling
+from .model.config import Quantization
 
 Role = Literal["prefill", "decode", "mixed"]
 
@@ -283,11 +284,16 @@ class WeightsDescriptor(Message):
     config: dict
     tensors: list[TensorSpec]
     tokenizer_path: str
+    quantization: Quantization | None = None
 
 
 class LoadRequest(Message):
+    """A model in one format: the loader keeps each (model, dtype, quantization) it is asked for, so
+    one source can be served as bf16 and int8 side by side (a model manifest sets these per model)."""
+
     model: str
     dtype: str = "bfloat16"
+    quantization: Quantization | None = None  # "int8": weight-only int8 projections (kernels/int8_linear.py)
 
 
 class SwapRequest(Message):

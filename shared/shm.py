@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 ALIGN = 64
-DTYPE_NAMES = ("float32", "bfloat16", "float16", "uint8")  # uint8: a whole buffer (shared/cuda_ipc.py exports one)
+DTYPE_NAMES = ("float32", "bfloat16", "float16", "uint8",  # uint8: a whole buffer (shared/cuda_ipc.py exports one)
+               "int8")  # int8: quantized weights (kernels/int8_linear.py)
 
 
 def torch_dtype(name: str):

@@ -299,9 +299,9 @@ def add_arguments(p) -> None:
 async def make_arena(bus: Bus, args) -> tuple[ArenaDescriptor, object]:
     """Sizes the arena from the model's shape (asked of the model loader) and creates it, in shared
     memory or on the GPU (--device). Returns its descriptor and its memory (keep it alive)."""
-    w = await bus.request(bus.subjects.models("load", args.node_id), LoadRequest(model=args.model,
-                                                                                 dtype=args.dtype),
-                          WeightsDescriptor, timeout=600)
+    # The variant the workers run (the loader keeps each one it is asked for: asking another would load it).
+    load = LoadRequest(model=args.model, dtype=args.dtype, quantization=args.quantization)
+    w = await bus.request(bus.subjects.models("load", args.node_id), load, WeightsDescriptor, timeout=600)
     cfg = ModelConfig(**w.config)
     block_bytes = kv_bytes_per_block(cfg, args.block_size, args.dtype)
     num_blocks = max(1, int(args.kv_cache_gb * (1 << 30)) // block_bytes)

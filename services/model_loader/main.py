@@ -6,6 +6,10 @@ With `--device cpu` (the default) that memory is a shared-memory file; with `--d
 one allocation on the GPU whose CUDA IPC handle travels in the descriptor (shared/node_memory.py):
 the workers open it and run on the GPU without copying the weights.
 
+A model is loaded in the format asked for: dtype and, with `quantization: "int8"`, int8 projections
+quantized at load (kernels/int8_linear.py; on a CPU in the int8 kernel's blocked layout). Each
+(model, dtype, quantization) is its own entry, so one source can be served both ways at once.
+
 Tiers: disk (the model cache, and the prepared weights of a GGUF: prepared.py) -> host memory (the
 shared file) or GPU memory. Torch is imported only to prepare weights: a start that finds them
 prepared copies a file. Models stay loaded
@@ -56,46 +60,48 @@ def write_weights(name: str, weights: dict, device: str = "cpu") -> tuple["torch
 class ModelLoader:
     def __init__(self, bus: Bus, node_id: str, max_models: int, device: str = "cpu"):
         self.bus, self.node_id, self.max_models, self.device = bus, node_id, max_models, device
-        self.loaded: OrderedDict[tuple[str, str], asyncio.Future] = OrderedDict()
-        self.gpu_buffers: dict[tuple[str, str], torch.Tensor] = {}  # cuda: kept alive for the workers
+        self.loaded: OrderedDict[tuple[str, str, str | None], asyncio.Future] = OrderedDict()
+        self.gpu_buffers: dict[tuple[str, str, str | None], torch.Tensor] = {}  # cuda: kept alive for the workers
         self.retired: list[torch.Tensor] = []  # cuda: unloaded, still kept (workers may hold handles)
 
-    def _load(self, model: str, dtype: str) -> WeightsDescriptor:
+    def _load(self, model: str, dtype: str, quantization: str | None) -> WeightsDescriptor:
         t0 = time.monotonic()
-        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{model}-{dtype}")[-120:]
+        variant = f"{dtype}-{quantization}" if quantization else dtype
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{model}-{variant}")[-120:]
         name = f"meshserve-{self.bus.subjects.ns}-{self.node_id}-weights-{safe}"
-        kept = prepared.entry(resolve(model), dtype, self.device)
+        kept = prepared.entry(resolve(model), variant, self.device)
         found = prepared.load(kept, name) if kept is not None else None
         if found is not None:
             path, specs, config = found
             ipc, how = None, f"from {kept}"
         else:
-            path, ipc, specs, config = self._prepare(model, dtype, name)
+            path, ipc, specs, config = self._prepare(model, dtype, quantization, name)
             if kept is not None:
                 prepared.keep(kept, path, specs, config)
             how = "prepared"
-        log.info("loaded %s (%s) into %s in %.1fs (%s)", model, dtype, path, time.monotonic() - t0, how)
+        log.info("loaded %s (%s) into %s in %.1fs (%s)", model, variant, path, time.monotonic() - t0, how)
         return WeightsDescriptor(model=model, path=path, backend=self.device, ipc=ipc, config=config,
-                                 tensors=specs, tokenizer_path=str(resolve(model)))
+                                 tensors=specs, tokenizer_path=str(resolve(model)), quantization=quantization)
 
-    def _prepare(self, model: str, dtype: str, name: str) -> tuple[str, dict | None, list[TensorSpec], dict]:
-        """Reads, dequantizes and fuses the weights and writes them into the shared buffer `name`."""
+    def _prepare(self, model: str, dtype: str, quantization: str | None, name: str
+                 ) -> tuple[str, dict | None, list[TensorSpec], dict]:
+        """Reads, dequantizes, fuses (and quantizes) the weights and writes them into the shared buffer `name`."""
         from meshserve.shared.engine.llm import DTYPES
         from meshserve.shared.model.llama import fuse_hf_weights
 
         cfg, sd, _ = load_model_files(model)
-        weights = fuse_hf_weights(cfg, sd, DTYPES[dtype], self.device)
+        weights = fuse_hf_weights(cfg, sd, DTYPES[dtype], self.device, quantization)
         del sd
         buf, path, ipc, specs = write_weights(name, weights, self.device)
         if buf.is_cuda:
-            self.gpu_buffers[(model, dtype)] = buf
+            self.gpu_buffers[(model, dtype, quantization)] = buf
         return path, ipc, specs, dataclasses.asdict(cfg)
 
     async def get(self, req: LoadRequest) -> WeightsDescriptor:
-        key = (req.model, req.dtype)
+        key = (req.model, req.dtype, req.quantization)
         fut = self.loaded.get(key)
         if fut is None:
-            fut = asyncio.ensure_future(asyncio.to_thread(self._load, req.model, req.dtype))
+            fut = asyncio.ensure_future(asyncio.to_thread(self._load, req.model, req.dtype, req.quantization))
             self.loaded[key] = fut
             while len(self.loaded) > self.max_models:
                 old, old_fut = self.loaded.popitem(last=False)
@@ -121,8 +127,8 @@ class ModelLoader:
 
         async def on_list(msg):
             import orjson
-            await msg.respond(orjson.dumps([{"model": m, "dtype": d, "ready": f.done()}
-                                            for (m, d), f in self.loaded.items()]))
+            await msg.respond(orjson.dumps([{"model": m, "dtype": d, "quantization": q, "ready": f.done()}
+                                            for (m, d, q), f in self.loaded.items()]))
 
         await self.bus.nc.subscribe(self.bus.subjects.models("load", self.node_id), cb=on_load)
         await self.bus.nc.subscribe(self.bus.subjects.models("list", self.node_id), cb=on_list)
@@ -143,7 +149,7 @@ async def main(args) -> None:
         loader = ModelLoader(bus, args.node_id, args.max_models, getattr(args, "device", "cpu"))
         await loader.serve()
         if args.preload:
-            await loader.get(LoadRequest(model=args.model, dtype=args.dtype))
+            await loader.get(LoadRequest(model=args.model, dtype=args.dtype, quantization=args.quantization))
         return loader.close
 
     await run_service("model-loader", args, start)

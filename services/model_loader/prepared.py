@@ -1,11 +1,12 @@
 """The model-loader's disk tier: a model's weights exactly as the loader puts them in shared memory
-(dequantized, q|k|v and gate|up fused, projections in the CPU kernel's blocked layout), kept on
+(dequantized, q|k|v and gate|up fused, projections in the CPU kernel's blocked layout, or int8 in
+the int8 kernel's), kept on
 disk once prepared, so a later start copies one file into shared memory instead of dequantizing
 the GGUF again (seconds of Python on every start, against a file copy).
 
 Kept for GGUF files on the CPU backend: an HF directory's safetensors load fast as they are, and
 the CUDA backend prepares its own layout on the GPU. An entry is named by the model file's identity
-(models_repo.prepared_dir), the dtype, and the recipe: the source of the modules that prepare
+(models_repo.prepared_dir), the dtype and quantization, and the recipe: the source of the modules that prepare
 weights and the gguf and torch versions, so changing any of them makes a new entry, never a stale hit.
 """
 
@@ -27,7 +28,8 @@ from meshserve.shared.schemas import TensorSpec
 
 log = logging.getLogger("meshserve.model_loader")
 
-RECIPE_MODULES = ("meshserve.shared.model.weights", "meshserve.shared.model.llama", "meshserve.kernels.linear")
+RECIPE_MODULES = ("meshserve.shared.model.weights", "meshserve.shared.model.llama", "meshserve.kernels.linear",
+                  "meshserve.kernels.int8_linear")
 RECIPE_DISTRIBUTIONS = ("gguf", "torch")
 
 
@@ -42,11 +44,12 @@ def recipe() -> str:
     return h.hexdigest()[:16]
 
 
-def entry(model_file: Path, dtype: str, device: str) -> Path | None:
-    """Where this model's prepared weights are kept, or None where none are kept."""
+def entry(model_file: Path, variant: str, device: str) -> Path | None:
+    """Where this model's prepared weights are kept, or None where none are kept. variant: the dtype,
+    and "-int8" after it for int8 weights."""
     if device != "cpu" or not model_file.is_file() or model_file.suffix.lower() != ".gguf":
         return None
-    return prepared_dir(model_file, "weights", dtype, device, recipe())
+    return prepared_dir(model_file, "weights", variant, device, recipe())
 
 
 def load(kept: Path, shm_name: str) -> tuple[str, list[TensorSpec], dict] | None:

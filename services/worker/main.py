@@ -81,8 +81,8 @@ class Worker:
     async def start(self) -> None:
         a, s = self.args, self.bus.subjects
         device = getattr(a, "device", "cpu")
-        w = await self.bus.request(s.models("load", a.node_id), LoadRequest(model=a.model, dtype=a.dtype),
-                                   WeightsDescriptor, timeout=900)
+        load = LoadRequest(model=a.model, dtype=a.dtype, quantization=a.quantization)
+        w = await self.bus.request(s.models("load", a.node_id), load, WeightsDescriptor, timeout=900)
         node_memory.check_backend("weights", w.backend, device)
         buf = node_memory.open_buffer(w.backend, w.path, w.ipc)  # the loader's memory: no copy
         weights = {t.name: shm.view(buf, t.offset, t.dtype, t.shape) for t in w.tensors}

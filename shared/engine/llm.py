@@ -71,10 +71,11 @@ class OutputProcessor:
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "bfloat16", config: EngineConfig | None = None,
-                 device: str = "cpu"):
-        """device: "cpu", or "cuda" / "cuda:N" (weights and KV arena there, kernels/cuda_ops.py)."""
+                 device: str = "cpu", quantization: str | None = None):
+        """device: "cpu", or "cuda" / "cuda:N" (weights and KV arena there, kernels/cuda_ops.py).
+        quantization: None, or "int8" (weight-only int8 projections, kernels/int8_linear.py)."""
         cfg, state_dict, self.tokenizer = load_model_files(model)
-        net = LlamaModel.from_hf(cfg, state_dict, DTYPES[dtype], device=device)
+        net = LlamaModel.from_hf(cfg, state_dict, DTYPES[dtype], device=device, quantization=quantization)
         del state_dict
         eos = sorted(set(cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids))
         self.model_name = model

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
+
+# Weight formats a model can be loaded in besides its dtype (--quantization; kernels/int8_linear.py).
+Quantization = Literal["int8"]
+QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 
 
 @dataclass

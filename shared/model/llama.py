@@ -11,20 +11,26 @@ import torch
 import torch.nn.functional as F
 
 from meshserve.kernels.layer_ops import LayerOps
-from meshserve.kernels.linear import Linear, block_weights
+from meshserve.kernels.int8_linear import quantize_weights
+from meshserve.kernels.linear import block_weights, projection
 from meshserve.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 
-from .config import ModelConfig
+from .config import QUANTIZATIONS, ModelConfig
 from .rope import rope_cos_sin
 
 
 def fuse_hf_weights(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype,
-                    device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+                    device: str | torch.device = "cpu", quantization: str | None = None) -> dict[str, torch.Tensor]:
     """Hugging Face names -> this model's names, with q|k|v and gate|up fused, in `dtype`; for a
     CPU, the projections in the blocked layout of kernels/cpu/linear.cpp where it applies.
+    quantization "int8": the projections (and a tied embedding, which is also the lm_head) as int8
+    weights with per-channel scales (kernels/int8_linear.py), quantized from the source's precision.
 
     The result is the model's whole state: the model loader writes it into shared memory as is."""
-    t = lambda x: x.to(dtype).contiguous()  # noqa: E731
+    if quantization not in (None, *QUANTIZATIONS):
+        raise ValueError(f"unknown quantization {quantization!r} (one of {', '.join(QUANTIZATIONS)})")
+    # Fused in the source's precision when quantizing (each tensor is cast or quantized at the end).
+    t = (lambda x: x.contiguous()) if quantization else (lambda x: x.to(dtype).contiguous())  # noqa: E731
     w = {"embed": t(sd["model.embed_tokens.weight"]), "norm": t(sd["model.norm.weight"])}
     if not cfg.tie_word_embeddings:
         w["lm_head"] = t(sd.get("lm_head.weight", sd["model.embed_tokens.weight"]))
@@ -38,6 +44,8 @@ def fuse_hf_weights(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.
         w[f"layers.{i}.down"] = t(sd[p + "mlp.down_proj.weight"])
         w[f"layers.{i}.attn_norm"] = t(sd[p + "input_layernorm.weight"])
         w[f"layers.{i}.mlp_norm"] = t(sd[p + "post_attention_layernorm.weight"])
+    if quantization == "int8":  # a tied embedding is looked up from the int8 head: one copy
+        return quantize_weights(w, projection_names(cfg), dtype, device)
     if torch.device(device).type == "cpu":
         w = block_weights(w, projection_names(cfg), keep={"embed"})  # the embedding is also read by row
     return w
@@ -53,25 +61,26 @@ class LlamaModel:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int | None = None):
         self.cfg, self.weights = cfg, weights
-        self.dtype = weights["embed"].dtype
-        self.embed, self.norm = weights["embed"], weights["norm"]
+        self.dtype = weights["norm"].dtype
+        self.norm = weights["norm"]
         L = range(cfg.num_hidden_layers)
         self.attn_norm = [weights[f"layers.{i}.attn_norm"] for i in L]
         self.mlp_norm = [weights[f"layers.{i}.mlp_norm"] for i in L]
-        self.proj = [dict(qkv=Linear.of(weights, f"layers.{i}.qkv", f"layers.{i}.qkv_bias"),
-                          o=Linear.of(weights, f"layers.{i}.o"), gate_up=Linear.of(weights, f"layers.{i}.gate_up"),
-                          down=Linear.of(weights, f"layers.{i}.down")) for i in L]
-        self.head = Linear.of(weights, "embed" if cfg.tie_word_embeddings else "lm_head")
+        self.proj = [dict(qkv=projection(weights, f"layers.{i}.qkv", f"layers.{i}.qkv_bias"),
+                          o=projection(weights, f"layers.{i}.o"), gate_up=projection(weights, f"layers.{i}.gate_up"),
+                          down=projection(weights, f"layers.{i}.down")) for i in L]
+        self.head = projection(weights, "embed" if cfg.tie_word_embeddings else "lm_head")
+        self.embed = weights.get("embed")  # None: a tied int8 embedding, looked up through the head
         cos, sin = rope_cos_sin(cfg, max_positions or cfg.max_position_embeddings)
-        self.device = self.embed.device  # the weights' device; rope tables and the KV arena go there too
+        self.device = self.norm.device  # the weights' device; rope tables and the KV arena go there too
         self.cos, self.sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
         self.scale = cfg.head_dim ** -0.5
-        self.ops = LayerOps(self.dtype, self.embed.device, cfg.rms_norm_eps)
+        self.ops = LayerOps(self.dtype, self.device, cfg.rms_norm_eps)
 
     @classmethod
     def from_hf(cls, cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-                device: str | torch.device = "cpu") -> "LlamaModel":
-        weights = fuse_hf_weights(cfg, sd, dtype, device)
+                device: str | torch.device = "cpu", quantization: str | None = None) -> "LlamaModel":
+        weights = fuse_hf_weights(cfg, sd, dtype, device, quantization)
         if torch.device(device).type != "cpu":
             weights = {name: w.to(device) for name, w in weights.items()}
         return cls(cfg, weights)
@@ -83,7 +92,8 @@ class LlamaModel:
         Returns the final hidden states [N, hidden]."""
         cfg, ops = self.cfg, self.ops
         n, hq, hkv, d = input_ids.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        x = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
+        # the residual stream, updated in place
+        x = F.embedding(input_ids, self.embed) if self.embed is not None else self.head.rows(input_ids, self.dtype)
         h = ops.rms_norm(x, self.attn_norm[0])
         next_norm = self.attn_norm[1:] + [self.norm]
         for i, proj in enumerate(self.proj):

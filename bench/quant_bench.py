@@ -1,0 +1,163 @@
+"""The quantization benchmark: batch-1 decode and perplexity, bf16 against int8 weights, side by side
+in one run of the in-process engine on the same model.
+
+    python -m meshserve.bench.quant_bench [--model M] [--prompt-tokens 128] [--tokens 128] [--json OUT]
+
+Per variant (--variants, default "bfloat16,bfloat16+int8"): milliseconds per token of one stream
+decoding --tokens tokens after a --prompt-tokens prompt (wall, and CPU time of the process), the weight bytes a decode step reads, the
+read bandwidth that implies, and the perplexity of TEXT (a fixed text of a few hundred tokens).
+Also the machine's read bandwidth (a large tensor summed), so each variant's distance from its
+memory bound (weight bytes / bandwidth) can be read off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from meshserve.bench.report import emit_json
+from meshserve.kernels import int8_linear, linear
+from meshserve.kernels.paged_attention import AttentionMetadata, PrefillChunk
+from meshserve.shared.models_repo import DEFAULT_MODEL
+
+TEXT = """\
+The lighthouse keeper on the northern island kept a notebook of every ship that passed. In the spring of the \
+year the harbour froze late, he wrote that three fishing boats had come back with empty nets, and that the baker \
+in the village had started selling bread a day old at half the price. Nobody complained. The children walked to \
+school along the cliff path, counting the gulls, and the teacher asked them to write down how many they saw and \
+why they thought the number changed from one week to the next.
+
+To make a simple vegetable soup, wash and chop two carrots, one onion, three potatoes and a stick of celery. Warm \
+a spoon of olive oil in a large pot, add the onion and cook it slowly until it is soft. Add the other vegetables, \
+cover them with water or stock, season with salt and pepper, and let the soup simmer for about twenty minutes, \
+until the potatoes break when you press them with a fork.
+
+A function that returns the largest element of a list can be written in a few lines of Python:
+
+def largest(values):
+    best = values[0]
+    for v in values[1:]:
+        if v > best:
+            best = v
+    return best
+
+The program reads the list once, so its running time grows linearly with the length of the input. An empty list \
+raises an error, which the caller should handle.
+
+Water covers about seventy percent of the surface of the Earth. Most of it is salt water in the oceans; only a \
+small part is fresh water, and much of that is frozen in glaciers and ice caps. Rivers carry rain from the \
+mountains to the sea, and along the way they shape valleys, feed farms and supply the cities that grew up on \
+their banks.
+"""
+
+
+@torch.inference_mode()
+def perplexity(model, ids: list[int]) -> float:
+    """exp(mean negative log-likelihood) of each token after its prefix, in one forward pass."""
+    cfg, n = model.cfg, len(ids)
+    kv = torch.zeros(cfg.num_hidden_layers, 2, n, cfg.num_key_value_heads, cfg.head_dim, dtype=model.dtype,
+                     device=model.device)
+    meta = AttentionMetadata(slot_mapping=torch.arange(n, device=model.device), prefills=[PrefillChunk(0, n, n, None)])
+    tokens = torch.tensor(ids, device=model.device)
+    logits = model.logits(model(tokens, torch.arange(n, device=model.device), meta, kv))
+    return float(torch.exp(F.cross_entropy(logits[:-1].float(), tokens[1:])))
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights one decode step reads: every projection and the lm_head (the embedding
+    lookup and the norms are a few rows)."""
+    total = 0
+    for lin in [p for layer in model.proj for p in layer.values()] + [model.head]:
+        for t in (getattr(lin, a, None) for a in lin.__slots__):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def read_bandwidth_gbs(mib: int = 512, reps: int = 5) -> float:
+    """The machine's read bandwidth as torch sees it: the best of `reps` sums over a tensor far
+    larger than the caches."""
+    big = torch.ones((mib << 20) // 4)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        big.sum()
+        best = min(best, time.perf_counter() - t0)
+    return big.nbytes / best / 1e9
+
+
+def batch1(llm, prompt: list[int], n: int) -> dict:
+    """One stream: wall milliseconds per token after the first, and the process's CPU milliseconds
+    per token over the same steps (on a busy machine the CPU time is closer to a quiet run's wall
+    time; with more than one thread it also counts OpenMP's spin-waiting)."""
+    from meshserve.shared.engine.sequence import SamplingParams
+
+    llm.generate([prompt[:8]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm up
+    c = llm.add(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    cpu = []
+    while llm.engine.has_unfinished():
+        llm.outputs.process(llm.engine.step())
+        cpu.append(time.process_time())
+    t = c.token_times
+    return {"ms_per_token": 1000 * (t[-1] - t[0]) / (len(t) - 1),
+            "cpu_ms_per_token": 1000 * (cpu[-1] - cpu[0]) / (len(cpu) - 1),
+            "ttft_s": t[0] - c.arrival_time, "tokens": len(c.token_ids)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m meshserve.bench.quant_bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--variants", default="bfloat16,bfloat16+int8",
+                    help="comma-separated dtype[+quantization] (float32, bfloat16, bfloat16+int8, float32+int8)")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=128, help="tokens decoded after the prompt")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, all cores)")
+    ap.add_argument("--json", default=None, help="also write the result here")
+    a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+
+    from meshserve.shared.engine.llm import LLM
+
+    bandwidth = read_bandwidth_gbs()
+    res: dict = {"command": "python -m meshserve.bench.quant_bench " + " ".join(argv or sys.argv[1:]),
+                 "model": a.model,
+                 "machine": {"threads": torch.get_num_threads(), "processor": platform.processor(),
+                             "read_bandwidth_gbs": bandwidth,
+                             "bf16_projection_kernel": linear.kernel() is not None,
+                             "int8_projection_kernel": int8_linear.kernel() is not None},
+                 "variants": {}}
+    for variant in a.variants.split(","):
+        dtype, _, quantization = variant.partition("+")
+        llm = LLM(a.model, dtype, quantization=quantization or None)
+        text_ids = llm.tokenizer.encode(TEXT)
+        prompt = (text_ids * (a.prompt_tokens // len(text_ids) + 1))[:a.prompt_tokens]
+        r = batch1(llm, prompt, a.tokens)
+        wbytes = weight_bytes_per_token(llm.engine.model)
+        r |= {"weight_mb_per_token": wbytes / 1e6,
+              "implied_read_gbs": wbytes / 1e9 / (r["ms_per_token"] / 1000),
+              "memory_bound_ms_per_token": 1000 * wbytes / 1e9 / bandwidth,
+              "perplexity": perplexity(llm.engine.model, text_ids), "perplexity_tokens": len(text_ids)}
+        res["variants"][variant] = r
+        print(f"{variant}: {r['ms_per_token']:.2f} ms/token (CPU {r['cpu_ms_per_token']:.2f}; "
+              f"{r['weight_mb_per_token']:.0f} MB of weights, "
+              f"bound {r['memory_bound_ms_per_token']:.2f} ms at {bandwidth:.1f} GB/s), perplexity "
+              f"{r['perplexity']:.3f}", file=sys.stderr)
+        del llm
+    base = res["variants"].get("bfloat16")
+    if base:
+        res["vs_bfloat16"] = {v: {"speedup": base["ms_per_token"] / r["ms_per_token"],
+                                  "perplexity_change": r["perplexity"] / base["perplexity"] - 1}
+                              for v, r in res["variants"].items() if v != "bfloat16"}
+    emit_json(res, a.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Weight-only int8 projections: y = x @ (q * scale).T (+ b), q int8 [N, K] with one fp32 scale
+per output channel (symmetric, round to nearest, |q| <= 127).
+
+Quantized once at load (`quantize_weights`, from the source's own precision: bf16, fp32 or a
+dequantized GGUF), half the bytes of bf16 per token. bf16 on a CPU with AVX2: kernels/cpu/
+int8_linear.cpp, from the weight in its blocked layout (`to_blocked`) that the model loader writes
+into the node's shared memory (one copy per node). Everything else (fp32 models, CUDA, other
+CPUs, the kernels disabled): the reference, F.linear on the dequantized weight, which is also the
+kernel's oracle and what Transformers runs when given the dequantized weights. Per-group scales
+were measured and not kept: on SmolLM2-135M groups of 32 or 64 were no closer to bf16 than
+per-channel scales (docs/quantization.md).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import cpu_build
+
+BLOCK_N = 16  # output columns per block of the layout
+INT8 = "@int8"  # a weights dict holds a projection's int8 weight [N, K] under its name + this suffix,
+BLOCKED = "@int8n16k2"  # or its blocked form [N/16, K/2, 16, 2] (the CPU kernel's) under this one,
+SCALE = "@scale"  # and its fp32 scales [N] under this one
+
+
+def kernel():
+    """The compiled int8 projection kernel, or None (not built, or no AVX2 on this CPU)."""
+    mod = cpu_build.load("meshserve_int8_linear_cpu", "int8_linear.cpp")
+    return mod if mod is not None and mod.available() else None
+
+
+def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (q int8 [N, K], scale fp32 [N]), w ~= q * scale[:, None]."""
+    w = w.float()
+    scale = w.abs().amax(dim=1) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row stays zero
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight the int8 model computes with: q * scale in fp32, then `dtype`."""
+    return (q.float() * scale[:, None]).to(dtype)
+
+
+def can_block(q: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a bf16 model on this machine runs this weight through the CPU kernel."""
+    return (dtype == torch.bfloat16 and q.device.type == "cpu" and q.shape[0] % BLOCK_N == 0 and q.shape[1] % 2 == 0
+            and kernel() is not None)
+
+
+def to_blocked(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N/16, K/2, 16, 2]: per block of 16 output columns, each pair of inputs side by side."""
+    n, k = q.shape
+    return q.reshape(n // BLOCK_N, BLOCK_N, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def from_blocked(b: torch.Tensor) -> torch.Tensor:
+    nb, k2, _, _ = b.shape
+    return b.permute(0, 2, 1, 3).reshape(nb * BLOCK_N, k2 * 2)
+
+
+def quantize_weights(weights: dict[str, torch.Tensor], names: list[str], dtype: torch.dtype,
+                     device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """`weights` with each named projection replaced by its int8 weight (blocked where the CPU
+    kernel will run it) and scales; every other tensor in `dtype`."""
+    out = {}
+    for name, w in weights.items():
+        if name not in names:
+            out[name] = w.to(dtype).contiguous()
+            continue
+        q, out[name + SCALE] = quantize(w)
+        if torch.device(device).type == "cpu" and can_block(q, dtype):
+            out[name + BLOCKED] = to_blocked(q)
+        else:
+            out[name + INT8] = q
+    return out
+
+
+def is_quantized(weights: dict[str, torch.Tensor], name: str) -> bool:
+    return name + SCALE in weights
+
+
+class Int8Linear:
+    __slots__ = ("q", "blocked", "scale", "bias", "kernel", "out_features")
+
+    def __init__(self, scale: torch.Tensor, q: torch.Tensor | None = None, blocked: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None):
+        """From the int8 weight [N, K] or its blocked form, and its scales [N]."""
+        self.kernel = kernel() if blocked is not None else None
+        if blocked is not None and self.kernel is None:  # blocked by a loader, but no kernel here
+            q, blocked = from_blocked(blocked).contiguous(), None
+        self.q, self.blocked, self.scale, self.bias = q, blocked, scale, bias
+        self.out_features = scale.shape[0]
+
+    @classmethod
+    def of(cls, weights: dict[str, torch.Tensor], name: str, bias: str | None = None) -> "Int8Linear":
+        return cls(weights[name + SCALE], weights.get(name + INT8), weights.get(name + BLOCKED),
+                   weights.get(bias) if bias else None)
+
+    def weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dequantized weight [N, K] (the reference computes with it)."""
+        return dequantize(self.q if self.q is not None else from_blocked(self.blocked), self.scale, dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of the dequantized weight: the embedding lookup of a tied int8 embedding."""
+        if self.q is not None:
+            q = F.embedding(ids, self.q)
+        else:  # gathered straight from the blocked layout: row n is block n // 16, column n % 16
+            q = self.blocked[ids // BLOCK_N, :, ids % BLOCK_N, :].reshape(ids.shape[0], -1)
+        return (q.float() * self.scale[ids, None]).to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocked is not None and x.dtype == torch.bfloat16:
+            x = x.contiguous()
+            out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+            self.kernel.linear_int8(out, x, self.blocked, self.scale, self.bias)
+            return out
+        return F.linear(x, self.weight(x.dtype), self.bias)

@@ -1,0 +1,163 @@
+"""Weight-only int8: the CPU kernel against its reference (F.linear on the dequantized weight), the
+int8 model against Transformers run on the same dequantized weights (the oracle still holds), and
+perplexity on the real default model within 2% of bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from oracle import hf_greedy
+
+from meshserve.kernels import int8_linear as il
+from meshserve.shared.engine.llm_engine import EngineConfig, LLMEngine
+from meshserve.shared.engine.scheduler import SchedulerConfig
+from meshserve.shared.engine.sequence import SamplingParams
+from meshserve.shared.model.llama import LlamaModel, fuse_hf_weights
+from meshserve.shared.model.weights import load_hf_dir
+
+needs_kernel = pytest.mark.skipif(il.kernel() is None, reason="int8 CPU kernel not available (no AVX2 or no compiler)")
+
+
+def test_quantize_is_within_half_a_step():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 40, generator=g) * torch.rand(48, 1, generator=g)
+    w[3] = 0
+    q, s = il.quantize(w)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and q.abs().max() == 127
+    err = (il.dequantize(q, s) - w).abs()
+    assert (err <= s[:, None] / 2 * (1 + 1e-6)).all()
+    assert (il.dequantize(q, s)[3] == 0).all()
+    assert torch.equal(il.from_blocked(il.to_blocked(q)), q)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (48, 34), (32, 2)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_matches_dequantized_reference(n, k, bias):
+    g = torch.Generator().manual_seed(n + k)
+    q, s = il.quantize(torch.randn(n, k, generator=g) * 0.05)
+    b = (torch.randn(n, generator=g) * 0.1).bfloat16() if bias else None
+    fast, ref = il.Int8Linear(s, blocked=il.to_blocked(q), bias=b), il.Int8Linear(s, q=q, bias=b)
+    assert fast.blocked is not None and ref.blocked is None
+    levels = il.kernel().levels_for(k)
+    for m in (1, 3, 4, 6, 7, 16, 64):
+        x = torch.randn(m, k, generator=g).bfloat16()
+        x[0, 0] = 8.0  # one large input: the row's scale is set by it
+        got = fast(x).float()
+        want = F.linear(x.float(), ref.weight(), None if b is None else b.float())
+        # The input row's int16 rounding (half a level each) and the bf16 output's rounding, no more.
+        bound = (ref.weight().abs().sum(1) * x.float().abs().amax(1, keepdim=True) / (2 * levels)
+                 + want.abs() * 2 ** -8 + 1e-6)
+        assert ((got - want).abs() <= bound).all(), (m, (got - want).abs().max())
+        assert torch.equal(fast(x[-1:]), fast(x)[-1:])  # a row's result does not depend on the batch
+
+
+def test_tied_embedding_rows_from_either_layout():
+    q, s = il.quantize(torch.randn(64, 24))
+    ids = torch.tensor([0, 17, 63, 17, 5])
+    want = il.dequantize(q, s)[ids]
+    assert torch.equal(il.Int8Linear(s, q=q).rows(ids, torch.float32), want)
+    # The loader's blocked layout: read in place where the kernel runs, unblocked once where it does not.
+    assert torch.equal(il.Int8Linear(s, blocked=il.to_blocked(q)).rows(ids, torch.float32), want)
+
+
+def dequantized_hf(path, tied: bool):
+    """Transformers on the weights the int8 model computes with: each projection (and the lm_head,
+    which a tied embedding shares) replaced by its dequantized int8 form."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, mod in hf.named_modules():
+            if isinstance(mod, torch.nn.Linear) and (name.endswith("_proj") or name == "lm_head"):
+                mod.weight.copy_(il.dequantize(*il.quantize(mod.weight)))
+    assert (hf.lm_head.weight is hf.model.embed_tokens.weight) == tied
+    return hf
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_int8_greedy_matches_transformers_on_dequantized_weights(tiny_llama, tiny_llama_tied, tied):
+    from test_engine import make_prompts
+
+    path = tiny_llama_tied if tied else tiny_llama
+    cfg, sd = load_hf_dir(path)
+    weights = fuse_hf_weights(cfg, sd, torch.float32, quantization="int8")
+    assert ("embed" in weights) == (not tied)  # a tied embedding is one int8 copy, also the lm_head
+    assert weights["layers.0.qkv@int8"].dtype == torch.int8
+    model = LlamaModel(cfg, weights)
+    prompts = make_prompts(cfg.vocab_size, n=8)
+    ref = hf_greedy(dequantized_hf(path, tied), prompts, 16, cfg.eos_token_ids)
+    eng = LLMEngine(model, EngineConfig(block_size=8, num_kv_blocks=256,
+                                        scheduler=SchedulerConfig(max_num_batched_tokens=64, prefill_chunk_size=7)))
+    assert eng.generate(prompts, SamplingParams(max_tokens=16, temperature=0)) == ref
+
+    # bf16: the CPU kernel on the blocked layout, rounding as bf16 does; the first tokens mostly agree.
+    bf = LlamaModel.from_hf(cfg, sd, torch.bfloat16, quantization="int8")
+    if il.kernel() is not None:
+        assert bf.proj[0]["qkv"].blocked is not None and bf.head.blocked is not None
+    got = LLMEngine(bf, EngineConfig(block_size=8, num_kv_blocks=256)).generate(
+        prompts, SamplingParams(max_tokens=4, temperature=0))
+    assert sum(g[0] == r[0] for g, r in zip(got, ref)) >= len(ref) * 0.75
+
+
+def test_unknown_quantization_is_refused(tiny_llama):
+    cfg, sd = load_hf_dir(tiny_llama)
+    with pytest.raises(ValueError, match="unknown quantization 'int4'"):
+        fuse_hf_weights(cfg, sd, torch.bfloat16, quantization="int4")
+
+
+def test_default_model_int8_perplexity_within_2_percent_of_bf16(default_model_file):
+    from meshserve.bench.quant_bench import TEXT, perplexity, weight_bytes_per_token
+    from meshserve.shared.model.weights import load_gguf
+    from meshserve.shared.tokenizer import Tokenizer
+
+    cfg, sd = load_gguf(default_model_file)
+    ids = Tokenizer.from_gguf(default_model_file).encode(TEXT)
+    assert len(ids) > 300
+    bf16 = LlamaModel.from_hf(cfg, sd, torch.bfloat16)
+    int8 = LlamaModel.from_hf(cfg, sd, torch.bfloat16, quantization="int8")
+    p16, p8 = perplexity(bf16, ids), perplexity(int8, ids)
+    assert p16 < 40  # the model reads this text as text
+    assert abs(p8 / p16 - 1) < 0.02, (p16, p8)
+    assert weight_bytes_per_token(int8) < 0.52 * weight_bytes_per_token(bf16)
+
+
+def test_meshserve_up_quantization_int8_serves(tiny_llama, tmp_path):
+    """`meshserve up --quantization int8`: the loader writes the int8 layout into shared memory, the
+    workers run it, and the text equals the in-process int8 engine's; the same loader also serves
+    the model's bf16 variant to whoever asks for it (one source, both formats)."""
+    import asyncio
+
+    import nats
+    from mesh_util import Mesh
+    from openai import OpenAI
+
+    from meshserve.shared.engine.llm import LLM
+    from meshserve.shared.schemas import LoadRequest, WeightsDescriptor
+
+    prompt = "The quick brown fox"
+    want = LLM(str(tiny_llama), "bfloat16", quantization="int8").generate(
+        [prompt], SamplingParams(max_tokens=12, temperature=0))[0].text
+    with Mesh(tiny_llama, tmp_path, prefill=1, decode=1, extra=["--dtype", "bfloat16", "--quantization", "int8"]) as m:
+        r = OpenAI(base_url=m.url + "/v1", api_key="unused").completions.create(
+            model=m.model, prompt=prompt, max_tokens=12, temperature=0)
+        assert r.choices[0].text == want
+        assert m.ask("models.node0.list") == [{"model": m.model, "dtype": "bfloat16", "quantization": "int8",
+                                               "ready": True}]
+
+        async def load(quantization):
+            nc = await nats.connect(m.nats_url)
+            try:
+                req = LoadRequest(model=m.model, dtype="bfloat16", quantization=quantization).encode()
+                return WeightsDescriptor.decode((await nc.request(f"{m.namespace}.models.node0.load", req,
+                                                                  timeout=60)).data)
+            finally:
+                await nc.close()
+
+        int8, bf16 = asyncio.run(load("int8")), asyncio.run(load(None))
+        assert int8.quantization == "int8" and bf16.quantization is None and int8.path != bf16.path
+        dtypes = {t.name: t.dtype for t in int8.tensors}
+        assert dtypes["layers.0.qkv@scale"] == "float32" and "layers.0.qkv" not in dtypes
+        assert dtypes.get("layers.0.qkv" + (il.BLOCKED if il.kernel() else il.INT8)) == "int8"
+        assert {t.name: t.dtype for t in bf16.tensors}["norm"] == "bfloat16"
