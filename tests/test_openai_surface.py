@@ -194,7 +194,7 @@ def test_responses_streamed(client, mesh, tokenizer):  # noqa: F811
     ("max_tokens", 5),
     ("messages", [{"role": "user", "content": "hi"}]),
     ("n", 2),
-    ("presence_penalty", 0.5),  # a chat option, refused by the chat path itself
+    ("presence_penalty", 3),  # a chat option out of its range, refused by the chat path itself
     ("temperature", 5),
 ])
 def test_responses_refuses_what_it_does_not_honour(client, field, value):
