@@ -4,6 +4,8 @@ perplexity on the real default model within 2% of bf16."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -161,3 +163,30 @@ def test_meshserve_up_quantization_int8_serves(tiny_llama, tmp_path):
         assert dtypes["layers.0.qkv@scale"] == "float32" and "layers.0.qkv" not in dtypes
         assert dtypes.get("layers.0.qkv" + (il.BLOCKED if il.kernel() else il.INT8)) == "int8"
         assert {t.name: t.dtype for t in bf16.tensors}["norm"] == "bfloat16"
+
+
+def test_loader_keeps_int8_weights_apart_from_bf16(tiny_llama, tmp_path, monkeypatch):
+    """The loader's disk tier (prepared GGUF weights) keeps the int8 variant as its own entry and
+    reloads the same bytes."""
+    import hashlib
+    import types
+
+    from tiny_model import write_tiny_gguf
+
+    from meshserve.services.model_loader import prepared
+    from meshserve.services.model_loader.main import ModelLoader
+    from meshserve.shared.subjects import Subjects
+
+    monkeypatch.setenv("MESHSERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("MESHSERVE_SHM_DIR", str(tmp_path / "shm"))
+    gguf = write_tiny_gguf(tiny_llama, tmp_path / "t.gguf")
+    loader = ModelLoader(types.SimpleNamespace(subjects=Subjects("t")), "n0", max_models=4)
+    bf16, int8 = loader._load(str(gguf), "bfloat16"), loader._load(str(gguf), "bfloat16", "int8")
+    assert int8.quantization == "int8" and int8.path != bf16.path
+    assert prepared.entry(gguf, "bfloat16-int8", "cpu") != prepared.entry(gguf, "bfloat16", "cpu")
+    digest = hashlib.sha256(open(int8.path, "rb").read()).hexdigest()
+    assert os.path.getsize(int8.path) < 0.7 * os.path.getsize(bf16.path)  # the untied embedding stays bf16
+    assert {t.dtype for t in int8.tensors} == {"int8", "float32", "bfloat16"}
+    os.unlink(int8.path)
+    again = loader._load(str(gguf), "bfloat16", "int8")  # from the kept copy
+    assert hashlib.sha256(open(again.path, "rb").read()).hexdigest() == digest and again.tensors == int8.tensors

@@ -64,7 +64,7 @@ class ModelLoader:
         self.gpu_buffers: dict[tuple[str, str, str | None], torch.Tensor] = {}  # cuda: kept alive for the workers
         self.retired: list[torch.Tensor] = []  # cuda: unloaded, still kept (workers may hold handles)
 
-    def _load(self, model: str, dtype: str, quantization: str | None) -> WeightsDescriptor:
+    def _load(self, model: str, dtype: str, quantization: str | None = None) -> WeightsDescriptor:
         t0 = time.monotonic()
         variant = f"{dtype}-{quantization}" if quantization else dtype
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{model}-{variant}")[-120:]
