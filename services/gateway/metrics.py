@@ -1,7 +1,8 @@
 """Prometheus metrics under vLLM's names (prefix `meshserve:`), so vLLM dashboards work unchanged.
 
 Latencies are measured here, where the client's experience is. Scheduler-wide numbers (running,
-waiting, KV usage, prefix cache, preemptions) are asked of the scheduler at scrape time.
+waiting, KV usage, prefix cache, preemptions, preemptions by mode) are asked of the scheduler at
+scrape time; the scheduler sums what the workers' heartbeats say.
 
 `request_queue_time_seconds` is an approximation: the time from arrival until the scheduler
 accepted the submission. The gateway cannot see when a worker actually starts the request.
@@ -10,6 +11,7 @@ accepted the submission. The gateway cannot see when a worker actually starts th
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 # vLLM's buckets.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -28,6 +30,28 @@ STATUS_GAUGES = {
     "prefix_hits": ("meshserve:prefix_cache_hits", "Prefix-cache hits (tokens), all workers."),
     "num_preemptions": ("meshserve:num_preemptions", "Preemptions, all workers."),
 }
+
+
+class _StatusCounters:
+    """Counters the workers keep and the scheduler sums (from their heartbeats), exposed as
+    Prometheus counters with labels: `meshserve:preemptions_total{mode="swap"|"recompute"}`."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.by_mode: dict[str, float] = {"swap": 0, "recompute": 0}
+
+    def update(self, status: dict) -> None:
+        for mode, n in (status.get("preemptions_by_mode") or {}).items():
+            if isinstance(n, (int, float)):
+                self.by_mode[mode] = max(self.by_mode.get(mode, 0), n)  # a worker gone must not make it drop
+
+    def collect(self):
+        c = CounterMetricFamily("meshserve:preemptions", "Preemptions on the workers, by how the KV was kept "
+                                "(swap: to host memory and back; recompute: prefilled again).",
+                                labels=["model_name", "mode"])
+        for mode, n in self.by_mode.items():
+            c.add_metric([self.model_name, mode], n)
+        yield c
 
 
 class GatewayMetrics:
@@ -70,6 +94,8 @@ class GatewayMetrics:
                                        registry=r)
         self._status = {key: Gauge(name, doc, labels, registry=r).labels(model_name)
                         for key, (name, doc) in STATUS_GAUGES.items()}
+        self._counters = _StatusCounters(model_name)
+        r.register(self._counters)
 
     def observe_itl(self, seconds: float, num_tokens: int) -> None:
         """A chunk of several tokens counts as that many tokens, evenly spaced."""
@@ -108,6 +134,7 @@ class GatewayMetrics:
         for name, t in ((status.get("admission") or {}).get("tenants") or {}).items():
             if isinstance(t, dict) and isinstance(t.get("in_flight"), int):
                 self._tenant_in_flight.labels(self._model, name).set(t["in_flight"])
+        self._counters.update(status)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -26,6 +26,7 @@ from meshserve.shared import node_memory, shm
 from meshserve.shared.bus import Bus
 from meshserve.shared.engine import wire
 from meshserve.shared.engine.llm_engine import EngineConfig, LLMEngine, RequestError, RequestOutput
+from meshserve.shared.engine.policy import PRIORITIES, add_scheduling_arguments
 from meshserve.shared.engine.scheduler import SchedulerConfig
 from meshserve.shared.model.config import ModelConfig
 from meshserve.shared.model.llama import LlamaModel
@@ -66,6 +67,7 @@ class Worker:
         self.received: dict[str, float] = {}  # wall clock, for the queue and prefill spans
         self.decode_start: dict[str, float] = {}
         self.tokens_streamed = 0
+        self.received_by_priority = dict.fromkeys(PRIORITIES, 0)  # requests the scheduler sent to prefill
 
     # -- start-up: map the weights and the KV arena, lease blocks
 
@@ -90,7 +92,8 @@ class Worker:
         node_memory.check_backend("KV arena", arena.backend, device)
         kv = shm.view(node_memory.open_buffer(arena.backend, arena.path, arena.ipc), 0, arena.dtype, arena.shape)
         sched = SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
-                                prefill_chunk_size=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs)
+                                prefill_chunk_size=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
+                                policy=a.scheduling, preemption_mode=a.preemption_mode)
         self.engine = await run_on_stepper(
             LLMEngine, model, EngineConfig(block_size=arena.block_size, max_model_len=a.max_model_len, scheduler=sched),
             model_name=a.served_model_name or a.model, kv_cache=kv)
@@ -123,7 +126,9 @@ class Worker:
         self.wake.set()
 
     async def _on_request(self, msg) -> None:
-        self._post("request", GenerateRequest.decode(msg.data))
+        req = GenerateRequest.decode(msg.data)
+        self.received_by_priority[req.priority] += 1
+        self._post("request", req)
 
     async def _on_adopt(self, msg) -> None:
         h = Handoff.decode(msg.data)
@@ -270,6 +275,14 @@ class Worker:
         await self.bus.publish(self.bus.subjects.done, Done(request_id=request_id, worker_id=self.id,
                                                             finish_reason=reason))
 
+    def _waiting_by_priority(self, stats: dict) -> dict[str, int]:
+        """The engine's waiting requests and those in the inbox, not yet given to it."""
+        out = dict(stats["waiting_by_priority"])
+        for kind, m in list(self.inbox):
+            if kind == "request":
+                out[m.priority] = out.get(m.priority, 0) + 1
+        return out
+
     async def _heartbeats(self) -> None:
         e, pool = self.engine, self.engine.block_pool
         while True:
@@ -282,7 +295,8 @@ class Worker:
                 max_num_seqs=e.config.scheduler.max_num_seqs,
                 prefix_queries=stats["prefix_queries"], prefix_hits=stats["prefix_hits"],
                 num_preemptions=stats["num_preemptions"], num_priority_preemptions=stats["num_priority_preemptions"],
-                running_by_priority=stats["running_by_priority"], waiting_by_priority=stats["waiting_by_priority"],
+                running_by_priority=stats["running_by_priority"], waiting_by_priority=self._waiting_by_priority(stats),
+                received_by_priority=dict(self.received_by_priority), preemptions_by_mode=stats["preemptions_by_mode"],
                 io_cpu_s=time.thread_time(), tokens_streamed=self.tokens_streamed, time=time.time()))
             await asyncio.sleep(self.args.heartbeat_interval)
 
@@ -293,6 +307,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--lease-blocks", type=int, default=256, help="blocks leased from the kv-pool at a time")
     p.add_argument("--heartbeat-interval", type=float, default=0.5)
+    add_scheduling_arguments(p, preemption=True)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores, or "
                    "$MESHSERVE_WORKER_THREADS)")
 
