@@ -130,6 +130,7 @@ def preemption_costs(a: argparse.Namespace, contexts: list[int], log) -> dict:
             t0 = time.perf_counter()
             assert sw.swap_out(blocks, keys) and sw.swap_in(blocks, keys) == len(blocks)
             rows["swap_s"].append(time.perf_counter() - t0)
+            costs.observe_copy(2 * len(blocks) * sw.block_bytes, rows["swap_s"][-1])  # as the engine measures it
             eng.abort(seq.request_id)
         swap_s, rec_s = min(rows["swap_s"]), min(rows["recompute_s"])
         nbytes = eng.kv_cache_manager.blocks_needed(n + 1) * sw.block_bytes

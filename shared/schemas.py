@@ -148,6 +148,7 @@ class Heartbeat(Message):
     prefix_hits: int = 0
     num_preemptions: int = 0
     max_num_seqs: int = 0  # sequences it runs at most (0: unknown); the scheduler's "full"
+    max_num_batched_tokens: int = 0  # tokens of one step (0: unknown); the scheduler's queue depth unit
     num_priority_preemptions: int = 0  # of num_preemptions, those that made room for a higher priority
     running_by_priority: dict[str, int] = Field(default_factory=dict)  # {"interactive": n, ...}
     waiting_by_priority: dict[str, int] = Field(default_factory=dict)  # its engine's queue and inbox

@@ -188,6 +188,38 @@ def test_shorter_prompts_first_within_a_class_and_overtaking_is_bounded(tiny):
     assert order == ["s0", "long", "s1"]
 
 
+def test_batch_prompts_take_small_chunks_while_interactive_requests_come(tiny):
+    """No decodes running (a prefill worker): a long background prompt takes the whole step budget,
+    unless an interactive request came in the last interactive_guard_s; then it takes at most
+    max_prefill_tokens_with_decodes a step, and the interactive prompt all it needs."""
+    model, prompts = tiny
+    long_prompt = (prompts[3] * 6)[:200]
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+
+    def chunks(with_interactive: bool) -> list[list[tuple[str, int]]]:
+        clock = Clock()
+        eng = engine(model, clock, max_prefill_tokens_with_decodes=64, interactive_guard_s=5)
+        batches, schedule = [], eng.scheduler.schedule
+
+        def recorded():
+            batch = schedule()
+            batches.append([(s.request_id, n) for s, n in zip(batch.seqs, batch.num_tokens)])
+            clock.t += 2
+            return batch
+
+        eng.scheduler.schedule = recorded
+        if with_interactive:
+            eng.add_request("i", prompts[0], one, priority="interactive")
+        eng.add_request("bg", long_prompt, one, priority="background")
+        while eng.has_unfinished():
+            eng.step()
+        return batches
+
+    assert chunks(False) == [[("bg", 200)]]
+    # 64 a step while the interactive request is 0, 2 and 4 s old, then the rest at once
+    assert chunks(True) == [[("i", 7), ("bg", 64)], [("bg", 64)], [("bg", 64)], [("bg", 8)]]
+
+
 def test_fcfs_ignores_priorities(tiny):
     """--scheduling fcfs: an interactive request waits its turn behind running and waiting
     background ones, and nothing is preempted for it."""

@@ -194,7 +194,7 @@ class Scheduler:
                   queued_s=round(queued_s, 4)):
             self.requests[req.request_id].worker = w.hb.worker_id
             w.assigned.add(req.request_id)
-            w.admitted[req.request_id] = req.priority
+            w.admitted[req.request_id] = (req.priority, len(req.prompt_token_ids) + len(req.output_token_ids))
             w.sent[req.priority] = w.sent.get(req.priority, 0) + 1
             await self.bus.publish(self.bus.subjects.worker(w.hb.worker_id, "prefill"), req)
 
@@ -347,8 +347,9 @@ def add_arguments(p) -> None:
     p.add_argument("--short-prefill", type=int, default=32,
                    help="prompts up to this many tokens may be prefilled by an idle decode worker (0: never)")
     add_scheduling_arguments(p)
-    p.add_argument("--queue-depth", type=int, default=2,
-                   help="requests of a class a worker may have waiting before the rest wait here")
+    p.add_argument("--queue-depth", type=float, default=2.0,
+                   help="steps of prompt tokens (a worker's --max-num-batched-tokens each) of a class a worker may "
+                        "have waiting before the rest of the class waits here")
     p.add_argument("--normal-max-queue-s", type=float, default=1.0,
                    help="a normal request waiting here this long goes to a worker with none waiting, room or not")
     p.add_argument("--tenants", default=None, metavar="FILE",

@@ -207,12 +207,15 @@ class Worker:
                     await self.wake.wait()
                 continue
             await self.blocks.before_step()
+            waited = self.engine.scheduler.num_waiting
             step = asyncio.get_running_loop().run_in_executor(self.stepper, self.engine.step)
             if pending:
                 await self._publish(pending)
                 pending = []
             outputs = await step
             await self.blocks.publish_changes()
+            if waited and not self.engine.scheduler.num_waiting:  # room now: the scheduler hears it at once
+                await self._heartbeat()
             if self.role == "prefill":
                 await self._publish(outputs)
             else:
@@ -284,21 +287,26 @@ class Worker:
         return out
 
     async def _heartbeats(self) -> None:
-        e, pool = self.engine, self.engine.block_pool
         while True:
-            stats = e.stats
-            await self.bus.publish(self.bus.subjects.heartbeat, Heartbeat(
-                worker_id=self.id, role=self.role, model=self.served, node_id=self.args.node_id,
-                num_running=stats["num_running"], num_waiting=stats["num_waiting"] + len(self.inbox),
-                free_blocks=pool.num_free, held_blocks=pool.num_held, total_blocks=pool.num_blocks,
-                block_size=e.config.block_size, max_model_len=e.max_model_len,
-                max_num_seqs=e.config.scheduler.max_num_seqs,
-                prefix_queries=stats["prefix_queries"], prefix_hits=stats["prefix_hits"],
-                num_preemptions=stats["num_preemptions"], num_priority_preemptions=stats["num_priority_preemptions"],
-                running_by_priority=stats["running_by_priority"], waiting_by_priority=self._waiting_by_priority(stats),
-                received_by_priority=dict(self.received_by_priority), preemptions_by_mode=stats["preemptions_by_mode"],
-                io_cpu_s=time.thread_time(), tokens_streamed=self.tokens_streamed, time=time.time()))
+            await self._heartbeat()
             await asyncio.sleep(self.args.heartbeat_interval)
+
+    async def _heartbeat(self) -> None:
+        """What this worker runs and can take (the scheduler admits from it), and its counters."""
+        e, pool = self.engine, self.engine.block_pool
+        stats = e.stats
+        await self.bus.publish(self.bus.subjects.heartbeat, Heartbeat(
+            worker_id=self.id, role=self.role, model=self.served, node_id=self.args.node_id,
+            num_running=stats["num_running"], num_waiting=stats["num_waiting"] + len(self.inbox),
+            free_blocks=pool.num_free, held_blocks=pool.num_held, total_blocks=pool.num_blocks,
+            block_size=e.config.block_size, max_model_len=e.max_model_len,
+            max_num_seqs=e.config.scheduler.max_num_seqs,
+            max_num_batched_tokens=e.config.scheduler.max_num_batched_tokens,
+            prefix_queries=stats["prefix_queries"], prefix_hits=stats["prefix_hits"],
+            num_preemptions=stats["num_preemptions"], num_priority_preemptions=stats["num_priority_preemptions"],
+            running_by_priority=stats["running_by_priority"], waiting_by_priority=self._waiting_by_priority(stats),
+            received_by_priority=dict(self.received_by_priority), preemptions_by_mode=stats["preemptions_by_mode"],
+            io_cpu_s=time.thread_time(), tokens_streamed=self.tokens_streamed, time=time.time()))
 
 
 def add_arguments(p) -> None:

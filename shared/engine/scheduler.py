@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .kv_cache_manager import KVCacheManager
-from .policy import NORMAL, PRIORITIES, Policy, PreemptionCosts
+from .policy import INTERACTIVE, NORMAL, PRIORITIES, Policy, PreemptionCosts
 from .sequence import Sequence, SequenceStatus
 from .swap import swap_keys
 
@@ -46,6 +46,10 @@ class SchedulerConfig:
     short_first: bool = True  # within a class, shorter remaining prompts first
     max_overtakes: int = 16  # ... until a request was overtaken this many times
     preemption_mode: str = "auto"  # "swap", "recompute", or "auto": the cheaper by measured costs
+    # While an interactive request is here or came less than this long ago, other prompts get at
+    # most max_prefill_tokens_with_decodes of a step: the next interactive prompt never waits
+    # behind a long chunk of a batch prompt (the step in progress bounds its wait).
+    interactive_guard_s: float = 5.0
 
 
 class SwapOp(NamedTuple):
@@ -120,10 +124,17 @@ class _Step:
     evicted: set[int] = field(default_factory=set)  # ids preempted in this step: not re-admitted in it
     swap_out: list = field(default_factory=list)
     swap_in: list = field(default_factory=list)
+    guard: int | None = None  # what is left for prompts that are not interactive (None: no cap)
+
+    def room(self, seq: Sequence) -> int:
+        """Tokens seq may still take in this step."""
+        return self.budget if self.guard is None or seq.priority == INTERACTIVE else min(self.budget, self.guard)
 
     def add(self, seq: Sequence, n: int) -> None:
         self.scheduled[id(seq)] = (seq, n)
         self.budget -= n
+        if self.guard is not None and seq.priority != INTERACTIVE:
+            self.guard -= n
 
     def drop(self, seq: Sequence) -> None:
         _, n = self.scheduled.pop(id(seq), (seq, 0))
@@ -152,8 +163,11 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_priority_preemptions = 0
         self.preemptions_by_mode = {"swap": 0, "recompute": 0}
+        self.last_interactive = float("-inf")  # when an interactive request last came (the clock's time)
 
     def add(self, seq: Sequence) -> None:
+        if seq.priority == INTERACTIVE:
+            self.last_interactive = self.clock()
         self.waiting.append(seq)
 
     def adopt(self, seq: Sequence) -> None:
@@ -241,8 +255,11 @@ class Scheduler:
         # smaller budget while decodes run (it bounds the step, hence the inter-token latency).
         for seq in [s for s in by_rank if s.num_tokens - s.num_computed_tokens <= 1]:
             self._run(step, seq)
+        cap = self.config.max_prefill_tokens_with_decodes
         if step.scheduled:
-            step.budget = min(step.budget, self.config.max_prefill_tokens_with_decodes)
+            step.budget = min(step.budget, cap)
+        elif not pol.fcfs and self._interactive_near():
+            step.guard = cap
         for seq in [s for s in by_rank if s.num_tokens - s.num_computed_tokens > 1]:
             self._admit(step, before=seq)  # waiting prompts that outrank it go first
             self._run(step, seq)
@@ -254,6 +271,10 @@ class Scheduler:
         pol.shares.record(produced)
         return step.batch()
 
+    def _interactive_near(self) -> bool:
+        return (self.clock() - self.last_interactive < self.config.interactive_guard_s
+                or any(s.priority == INTERACTIVE for s in self.running))
+
     def _victim(self, others: list[Sequence]) -> Sequence:
         """Out of blocks: fcfs preempts the newest; priority the best-scored, unprotected if it can."""
         if self.policy.fcfs:
@@ -263,9 +284,9 @@ class Scheduler:
 
     def _run(self, step: _Step, seq: Sequence) -> None:
         """Schedules a running sequence, preempting others while blocks are short."""
-        if step.budget <= 0 or seq.status is not SequenceStatus.RUNNING or id(seq) in step.scheduled:
+        if step.room(seq) <= 0 or seq.status is not SequenceStatus.RUNNING or id(seq) in step.scheduled:
             return
-        n = self._chunk(seq, step.budget)
+        n = self._chunk(seq, step.room(seq))
         while not self.kv.allocate(seq, n):
             victim = self._victim([s for s in self.running if id(s) not in step.scheduled])
             self._preempt(victim, step)
@@ -279,17 +300,18 @@ class Scheduler:
         running prompt, only those that outrank it), making room by priority preemption."""
         while not step.preempted and step.budget > 0 and self.waiting:
             seq = self.waiting.peek()
-            if id(seq) in step.evicted or (before is not None and not self.policy.outranks(seq, before)):
+            if (id(seq) in step.evicted or step.room(seq) <= 0
+                    or (before is not None and not self.policy.outranks(seq, before))):
                 return
             k = seq.swapped_tokens  # swapped out: k computed tokens wait in host memory
-            n, cached = min(seq.num_tokens - k, step.budget, self.config.prefill_chunk_size), seq.num_cached_tokens
+            n, cached = min(seq.num_tokens - k, step.room(seq), self.config.prefill_chunk_size), seq.num_cached_tokens
             if len(self.running) >= self.config.max_num_seqs or not self.kv.allocate(seq, k + n):
                 if not self._make_room(seq, k + n, step):
                     return
             if k:
                 seq.num_cached_tokens = cached  # what its prompt found cached the first time
                 self._plan_swap_in(seq, step)
-            n = min(n, self._chunk(seq, step.budget))  # allocate() may have found a cached prefix
+            n = min(n, self._chunk(seq, step.room(seq)))  # allocate() may have found a cached prefix
             self.waiting.pop(seq)
             self.policy.overtook(seq, list(self.waiting) + ([before] if before is not None else []))
             if seq.first_scheduled_time is None:
