@@ -191,14 +191,14 @@ def test_shorter_prompts_first_within_a_class_and_overtaking_is_bounded(tiny):
 def test_batch_prompts_take_small_chunks_while_interactive_requests_come(tiny):
     """No decodes running (a prefill worker): a long background prompt takes the whole step budget,
     unless an interactive request came in the last interactive_guard_s; then it takes at most
-    max_prefill_tokens_with_decodes a step, and the interactive prompt all it needs."""
+    max_prefill_tokens_near_interactive a step, and the interactive prompt all it needs."""
     model, prompts = tiny
     long_prompt = (prompts[3] * 6)[:200]
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
     def chunks(with_interactive: bool) -> list[list[tuple[str, int]]]:
         clock = Clock()
-        eng = engine(model, clock, max_prefill_tokens_with_decodes=64, interactive_guard_s=5)
+        eng = engine(model, clock, max_prefill_tokens_near_interactive=64, interactive_guard_s=5)
         batches, schedule = [], eng.scheduler.schedule
 
         def recorded():

@@ -46,9 +46,10 @@ class SchedulerConfig:
     short_first: bool = True  # within a class, shorter remaining prompts first
     max_overtakes: int = 16  # ... until a request was overtaken this many times
     preemption_mode: str = "auto"  # "swap", "recompute", or "auto": the cheaper by measured costs
-    # While an interactive request is here or came less than this long ago, other prompts get at
-    # most max_prefill_tokens_with_decodes of a step: the next interactive prompt never waits
-    # behind a long chunk of a batch prompt (the step in progress bounds its wait).
+    # While an interactive request is here or came less than interactive_guard_s ago, the other
+    # prompts get at most this many tokens of a step between them: the next interactive prompt
+    # never waits behind a long chunk of a batch prompt (the step in progress bounds its wait).
+    max_prefill_tokens_near_interactive: int = 32
     interactive_guard_s: float = 5.0
 
 
@@ -255,11 +256,10 @@ class Scheduler:
         # smaller budget while decodes run (it bounds the step, hence the inter-token latency).
         for seq in [s for s in by_rank if s.num_tokens - s.num_computed_tokens <= 1]:
             self._run(step, seq)
-        cap = self.config.max_prefill_tokens_with_decodes
         if step.scheduled:
-            step.budget = min(step.budget, cap)
-        elif not pol.fcfs and self._interactive_near():
-            step.guard = cap
+            step.budget = min(step.budget, self.config.max_prefill_tokens_with_decodes)
+        if not pol.fcfs and self._interactive_near():
+            step.guard = self.config.max_prefill_tokens_near_interactive
         for seq in [s for s in by_rank if s.num_tokens - s.num_computed_tokens > 1]:
             self._admit(step, before=seq)  # waiting prompts that outrank it go first
             self._run(step, seq)
