@@ -16,8 +16,8 @@ Systems, in this order, each measured alone on the same requests (same seed, sam
   every request padded on the left); with all-at-once arrivals that is batches of 32 in order;
 - llama_cpp (with --llama-cpp-url): a running llama.cpp server, driven over HTTP like the mesh.
 
-The engine schedules first-come first-served and Transformers knows no priorities, so the
-`priority` of a workload only matters to the mesh. Prints the ratios (a / b of the same metric:
+The engine applies the mesh's scheduling policy to the requests it holds (classes, shorter prompts
+first: docs/scheduling.md); Transformers knows no priorities. Prints the ratios (a / b of the same metric:
 above 1 is better for throughputs, below 1 for latencies) and writes them with every system's
 numbers as JSON.
 """
@@ -39,8 +39,8 @@ from dataclasses import fields
 from pathlib import Path
 
 from meshserve.bench.loadgen import (HTTPTarget, add_workload_arguments, build_body, new_result,
-                                              prepare_workload, progress_run, quiet_http_logs, slo_of, special_ids,
-                                              write_json)
+                                              prepare_workload, progress_run, quiet_http_logs, skipped, slo_of,
+                                              special_ids, unfinished_by_class, write_json)
 from meshserve.bench.report import RequestResult, plots, print_table, summarize
 from meshserve.bench.workload import Request, summary
 from meshserve.cli.errors import ArgumentParser
@@ -91,6 +91,7 @@ def engine_run(llm, reqs: list[Request], max_concurrency: int | None = None) -> 
     free = [0.0] * max_concurrency if max_concurrency else None  # when each slot was freed
     active: dict[str, tuple] = {}
     results: list[RequestResult] = []
+    unfinished = unfinished_by_class(reqs)
     t0 = time.monotonic()  # the engine stamps tokens with time.monotonic()
 
     def clock() -> float:
@@ -100,6 +101,9 @@ def engine_run(llm, reqs: list[Request], max_concurrency: int | None = None) -> 
         now = clock()
         while pending and pending[0].arrival <= now and (free is None or len(active) < max_concurrency):
             q = pending.popleft()
+            if skipped(q, unfinished):
+                unfinished[q.cls] -= 1
+                continue
             res = new_result(q)
             res.start = max(q.arrival, heapq.heappop(free)) if free is not None else q.arrival
             try:
@@ -107,6 +111,7 @@ def engine_run(llm, reqs: list[Request], max_concurrency: int | None = None) -> 
             except RequestError as e:
                 res.error, res.end = f"rejected: {e}", clock()
                 results.append(res)
+                unfinished[q.cls] -= 1
                 if free is not None:
                     heapq.heappush(free, res.end)
                 continue
@@ -114,6 +119,7 @@ def engine_run(llm, reqs: list[Request], max_concurrency: int | None = None) -> 
         if eng.has_unfinished():
             for c in llm.outputs.process(eng.step()):
                 _, res = active.pop(c.request_id)
+                unfinished[res.cls] -= 1
                 res.chunk_times = [t - t0 for t in c.token_times]
                 res.output_tokens, res.end = len(c.token_ids), res.chunk_times[-1] if c.token_times else clock()
                 res.cached_tokens = c.num_cached_tokens

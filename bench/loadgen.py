@@ -226,30 +226,49 @@ def new_result(req: Request) -> RequestResult:
                          arrival=req.arrival, slo=dict(req.slo))
 
 
+def unfinished_by_class(requests: list[Request]) -> dict[str, int]:
+    """Requests per class, counted down as they finish (a class's `while_running` reads it)."""
+    out: dict[str, int] = {}
+    for q in requests:
+        out[q.cls] = out.get(q.cls, 0) + 1
+    return out
+
+
+def skipped(req: Request, unfinished: dict[str, int]) -> bool:
+    """A request of a `while_running` class whose other class has all finished: not sent."""
+    return req.while_running is not None and unfinished.get(req.while_running, -1) == 0
+
+
 async def run(target, requests: list[Request], bodies: list[dict], max_concurrency: int | None = None,
               on_done: Callable[[RequestResult], None] | None = None) -> list[RequestResult]:
-    """Sends each request at its arrival time (seconds from now), at most max_concurrency in flight."""
+    """Sends each request at its arrival time (seconds from now), at most max_concurrency in flight.
+    Requests skipped by their class's `while_running` are left out of the results."""
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     t0 = time.perf_counter()
+    unfinished = unfinished_by_class(requests)
 
     def clock() -> float:
         return time.perf_counter() - t0
 
-    async def one(req: Request, body: dict) -> RequestResult:
+    async def one(req: Request, body: dict) -> RequestResult | None:
         res = new_result(req)
         delay = req.arrival - clock()
         if delay > 0:
             await asyncio.sleep(delay)
+        if skipped(req, unfinished):
+            unfinished[req.cls] -= 1
+            return None
         if sem is None:
             await measure(target, body, res, clock)
         else:
             async with sem:
                 await measure(target, body, res, clock)
+        unfinished[req.cls] -= 1
         if on_done:
             on_done(res)
         return res
 
-    return list(await asyncio.gather(*[one(q, b) for q, b in zip(requests, bodies)]))
+    return [r for r in await asyncio.gather(*[one(q, b) for q, b in zip(requests, bodies)]) if r is not None]
 
 
 # --- command line

@@ -25,7 +25,9 @@ takes optional `min` (default 1) and `max` bounds. A bare integer means `fixed`.
 Arrival patterns: `all_at_once`, `poisson` (rate requests/s), `constant` (rate), `bursts`
 (burst_size requests at once every burst_interval s); `start` delays the first arrival and
 `max_concurrency` (top level only) caps the requests in flight. A class with its own `arrival`
-gets its own arrival process (e.g. interactive requests arriving during a background batch).
+gets its own arrival process (e.g. interactive requests arriving during a background batch);
+`while_running: <class>` sends a class's requests only while that other class still has requests
+unfinished (the rest are skipped, not counted as failures).
 
 Shares (classes, prefix groups, models) become exact counts (largest remainder), assigned to
 requests in a seeded random order. The same spec, seed, vocabulary and max_model_len always give
@@ -188,6 +190,9 @@ class RequestClass(_Spec):
     arrival: Arrival | None = None  # default: the workload's arrival process, shared with other classes
     sampling: dict[str, Any] = Field(default_factory=dict)
     slo: dict[str, float] = Field(default_factory=dict)  # ttft, tpot, e2e (seconds): this class's goodput SLOs
+    # Another class's name: this class's requests are sent only while that class still has requests
+    # unfinished (arrivals "for as long as the batch runs"); the later ones are skipped, not failed.
+    while_running: str | None = None
 
     @field_validator("prompt_len", "output_len", mode="before")
     @classmethod
@@ -264,6 +269,9 @@ class WorkloadSpec(_Spec):
         names = [c.name for c in self.classes]
         if len(set(names)) != len(names):
             raise ValueError("classes: names must be unique")
+        for c in self.classes:
+            if c.while_running is not None and (c.while_running not in names or c.while_running == c.name):
+                raise ValueError(f"class {c.name!r}: while_running must name another class, not {c.while_running!r}")
         return self
 
     def generate(self, seed: int | None = None, *, vocab_size: int, special_ids: set[int] | frozenset[int] = frozenset(),
@@ -288,6 +296,7 @@ class Request:
     prefix_len: int = 0
     sampling: dict[str, Any] = field(default_factory=dict)  # body fields (temperature, ignore_eos, ...)
     slo: dict[str, float] = field(default_factory=dict)
+    while_running: str | None = None  # sent only while that class has requests unfinished
 
     @property
     def prompt_len(self) -> int:
@@ -442,7 +451,8 @@ def generate(spec: WorkloadSpec, seed: int | None = None, *, vocab_size: int,
             index=i, arrival=float(arrivals[i]), prompt=prefix + suffix, output_len=out, cls=c.name,
             priority=c.priority, model=spec.models.names[model_of[i]] if model_of[i] >= 0 else None,
             prefix_group=groups[g].name if g >= 0 else None, prefix_id=int(variant_of[i]) if g >= 0 else None,
-            prefix_len=len(prefix), sampling=base_sampling | c.sampling, slo=dict(c.slo)))
+            prefix_len=len(prefix), sampling=base_sampling | c.sampling, slo=dict(c.slo),
+            while_running=c.while_running))
     reqs.sort(key=lambda q: q.arrival)  # stable
     for i, q in enumerate(reqs):
         q.index = i

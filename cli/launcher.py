@@ -156,7 +156,8 @@ class Launcher:
         self.spawn("model-loader", self.serve_cmd("model-loader", "--preload"))
         self.spawn("kv-pool", self.serve_cmd("kv-pool", "--kv-cache-gb", str(a.kv_cache_gb),
                                              "--swap-space", str(a.swap_space)))
-        worker_opts = ["--max-num-batched-tokens", str(a.max_num_batched_tokens), "--max-num-seqs", str(a.max_num_seqs)]
+        worker_opts = ["--max-num-batched-tokens", str(a.max_num_batched_tokens), "--max-num-seqs", str(a.max_num_seqs),
+                       "--scheduling", a.scheduling, "--preemption-mode", a.preemption_mode]
         threads = worker_threads(a)
         if threads:
             worker_opts += ["--threads", str(threads)]
@@ -170,7 +171,7 @@ class Launcher:
                 self.spawn(f"decode-{i}", self.serve_cmd("decode", *worker_opts))
         tenants = ["--tenants", str(Path(a.tenants).expanduser().resolve())] if getattr(a, "tenants", None) else []
         fixed = ["--fixed-roles"] if getattr(a, "fixed_roles", False) else []
-        self.spawn("scheduler", self.serve_cmd("scheduler", *tenants, *fixed))
+        self.spawn("scheduler", self.serve_cmd("scheduler", "--scheduling", a.scheduling, *tenants, *fixed))
         self.spawn("gateway", self.serve_cmd("gateway", "--host", a.host, "--port", str(a.port),
                                              "--ready-timeout", str(a.ready_timeout), *gateway_log_options(a), *tenants))
 
@@ -306,6 +307,9 @@ def add_arguments(p) -> None:
                    "blocks (the kv-pool's swap tier; 0: none)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences a worker runs at once")
+    from meshserve.shared.engine.policy import add_scheduling_arguments
+
+    add_scheduling_arguments(p, preemption=True)
     p.add_argument("--worker-threads", type=int, default=None,
                    help="torch threads per worker (default on the CPU backend: the cores divided among the workers)")
     p.add_argument("--startup-timeout", type=float, default=600.0,

@@ -157,7 +157,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
             ("analyze", "bench.analyze", "summarize and plot a gateway request log"),
             ("plan", "bench.plan", "size prefill and decode workers for a workload, a rate and SLOs"),
             ("compare", "bench.compare", "one workload against the mesh, the engine, Transformers, llama.cpp"),
-            ("bench-roles", "bench.roles_bench", "elastic prefill/decode roles against fixed splits")):
+            ("bench-roles", "bench.roles_bench", "elastic prefill/decode roles against fixed splits"),
+            ("bench-sched", "bench.sched_bench", "scheduling: priority vs fcfs, interactive TTFT under a batch, "
+                                                 "swap vs recompute")):
         sp = sub.add_parser(name, add_help=False, help=text)
         sp.set_defaults(func=lambda a, m=module: __import__(f"meshserve.{m}", fromlist=["main"]).main(a.rest),
                         passthrough=True)

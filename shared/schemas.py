@@ -178,9 +178,14 @@ class Heartbeat(Message):
     prefix_hits: int = 0
     num_preemptions: int = 0
     max_num_seqs: int = 0  # sequences it runs at most (0: unknown); the scheduler's "full"
+    max_num_batched_tokens: int = 0  # tokens of one step (0: unknown); the scheduler's queue depth unit
     num_priority_preemptions: int = 0  # of num_preemptions, those that made room for a higher priority
     running_by_priority: dict[str, int] = Field(default_factory=dict)  # {"interactive": n, ...}
-    waiting_by_priority: dict[str, int] = Field(default_factory=dict)
+    waiting_by_priority: dict[str, int] = Field(default_factory=dict)  # its engine's queue and inbox
+    # Requests the scheduler sent it so far, by class: the scheduler counts those it sent since
+    # and has not heard of yet as waiting there (admission does not wait for a heartbeat).
+    received_by_priority: dict[str, int] = Field(default_factory=dict)
+    preemptions_by_mode: dict[str, int] = Field(default_factory=dict)  # {"swap": n, "recompute": m}
     # CPU seconds of the worker's event-loop thread so far (NATS in and out, the token messages,
     # block leases): what the mesh adds around the engine's steps; and the tokens it streamed.
     io_cpu_s: float = 0.0

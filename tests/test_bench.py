@@ -164,6 +164,24 @@ def test_arrivals_and_max_concurrency_are_honoured(fake):
     assert all(FIRST <= r.ttft < FIRST + 0.2 for r in results)
 
 
+def test_a_while_running_class_stops_arriving_when_the_other_class_is_done(fake):
+    """`while_running: batch`: the chat requests arriving after the batch's last one finished are
+    not sent (skipped, not failed); those before are."""
+    spec = load_workload_from({"name": "w", "num_requests": 12, "prompt_len": 5, "output_len": 3, "classes": [
+        {"name": "batch", "share": 2 / 12, "arrival": {"pattern": "all_at_once"}},
+        {"name": "chat", "share": 10 / 12, "while_running": "batch",
+         "arrival": {"pattern": "constant", "rate": 10.0}}]})
+    reqs = spec.generate(0, vocab_size=100)
+    results = asyncio.run(_run(loadgen.HTTPTarget(fake.url), reqs, [loadgen.build_body(q, "m") for q in reqs], None))
+    batch_end = max(r.end for r in results if r.cls == "batch")  # 3 tokens: FIRST + 2 GAP, about 0.33 s
+    chat = [r for r in results if r.cls == "chat"]
+    assert all(r.ok for r in results) and 2 <= len(chat) < 10
+    assert all(r.arrival <= batch_end + 0.05 for r in chat)
+    with pytest.raises(ValueError, match="while_running"):
+        load_workload_from({"name": "x", "num_requests": 2, "prompt_len": 1, "output_len": 1,
+                            "classes": [{"name": "a", "while_running": "nope"}]})
+
+
 def test_unreachable_server_is_a_failure_with_its_reason():
     reqs = load_workload_from({"name": "u", "num_requests": 2, "prompt_len": 4, "output_len": 2}).generate(
         0, vocab_size=50)

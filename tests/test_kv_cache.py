@@ -359,10 +359,10 @@ def test_a_step_takes_at_most_the_blocks_the_scheduler_says(reqs, arrive_per_ste
     pool = CountingPool(num_blocks)
     kv = KVCacheManager(pool, BS, model="m")
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, prefill_chunk_size=budget, max_num_seqs=max_seqs,
-                                      max_prefill_tokens_with_decodes=budget // 2, priority_aging_s=0), kv)
+                                      max_prefill_tokens_with_decodes=budget // 2), kv)
     queue = [seq([1 + (j * 7 + i) % 5 for j in range(n)], f"q{i}", max_tokens=m) for i, (n, m, _) in enumerate(reqs)]
     for s, (_, _, priority) in zip(queue, reqs):
-        s.priority = s.level = priority
+        s.priority = priority
     for _ in range(2000):
         for _ in range(arrive_per_step):
             if queue and kv.blocks_needed(queue[0].num_tokens + queue[0].params.max_tokens) <= num_blocks:

@@ -1,7 +1,8 @@
 """Priorities: multi-level queues with preemption at iteration boundaries, and no starvation.
 
-Engine level on the tiny model (steps, not seconds, measure who goes first; aging runs on a fake
-clock), then one mesh test with real processes."""
+Engine level on the tiny model (steps, not seconds, measure who goes first; the minimum run time
+runs on a fake clock), then one mesh test with real processes. test_preemption.py has the rest:
+swap and recompute, the guarantees under sustained load, and the mesh's own queues."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from oracle import hf_greedy
 
 from meshserve.shared.engine.llm_engine import EngineConfig, LLMEngine, RequestError
+from meshserve.shared.engine.policy import Policy
 from meshserve.shared.engine.scheduler import SchedulerConfig, WaitingQueue
 from meshserve.shared.engine.sequence import SamplingParams, Sequence
 from meshserve.shared.model.llama import LlamaModel
@@ -35,15 +37,20 @@ def tiny(tiny_llama):
     return model, prompts, hf_greedy(hf, prompts, GREEDY.max_tokens, cfg.eos_token_ids)
 
 
-def engine(model, max_seqs=64, blocks=4096, block_size=16, aging=0.0, chunk=512) -> LLMEngine:
-    """aging 0 (off) unless a test is about it: then it runs on a Clock, so no test depends on speed."""
+def engine(model, max_seqs=64, blocks=4096, block_size=16, chunk=512, mode="recompute", clock=None,
+           **policy) -> LLMEngine:
+    """Recompute unless a test is about swapping (the batches then do not depend on measured costs);
+    with a Clock, the scheduler's time (the minimum run time) is counted in steps, not seconds."""
     sched = SchedulerConfig(max_num_batched_tokens=max(chunk, 64), prefill_chunk_size=chunk, max_num_seqs=max_seqs,
-                            priority_aging_s=aging)
-    return LLMEngine(model, EngineConfig(block_size=block_size, num_kv_blocks=blocks, scheduler=sched))
+                            preemption_mode=mode, **policy)
+    eng = LLMEngine(model, EngineConfig(block_size=block_size, num_kv_blocks=blocks, scheduler=sched))
+    if clock is not None:
+        eng.scheduler.clock = clock
+    return eng
 
 
 class Clock:
-    """One 'second' per step: aging measured in steps, whatever the machine's speed."""
+    """One 'second' per step: time measured in steps, whatever the machine's speed."""
 
     def __init__(self):
         self.t = 0.0
@@ -72,7 +79,7 @@ def run(eng: LLMEngine, steps: int | None = None, clock: Clock | None = None, on
 
 def test_waiting_queue_orders_by_level_then_fifo_with_preempted_at_the_head():
     clock = Clock()
-    q = WaitingQueue(aging_s=10, clock=clock)
+    q = WaitingQueue(Policy(SchedulerConfig(), clock))
     seqs = {name: Sequence(name, [1], SamplingParams(), priority=p)
             for name, p in [("bg1", 2), ("n1", 1), ("bg2", 2), ("i1", 0), ("n2", 1)]}
     for s in seqs.values():
@@ -85,33 +92,25 @@ def test_waiting_queue_orders_by_level_then_fifo_with_preempted_at_the_head():
             q.pop(s)
             out.append(s.request_id)
             taken.append(s)
-        for s in taken:  # put them back as they were
-            q.levels[s.priority].append(s)
+        q.seqs.extend(taken)  # put them back as they were
         return out
 
+    q.policy.refresh(normal_has_work=True)
+    assert q.policy.normal_behind  # nothing produced yet: normal is below its guaranteed share
+    assert order() == ["n1", "n2", "i1", "bg1", "bg2"]
+    q.policy.shares.record([8, 2, 0])  # normal has had 20% of the output tokens: interactive first
+    q.policy.refresh(normal_has_work=True)
     assert order() == ["i1", "n1", "n2", "bg1", "bg2"]
-    q.remove(seqs["n1"])
-    q.appendleft(seqs["n1"])  # preempted: the head of its level again
-    q.remove(seqs["bg2"])
-    q.appendleft(seqs["bg2"])
+    for name in ("n1", "bg2"):  # preempted: the head of its class again
+        q.remove(seqs[name])
+        seqs[name].num_preemptions = 1
+        q.appendleft(seqs[name])
     assert order() == ["i1", "n1", "n2", "bg2", "bg1"]
-    # Aging: one level per 10 s waited, never better than the best priority present (`floor`).
-    q = WaitingQueue(aging_s=10, clock=clock)
-    clock.t = 0
-    q.append(seqs["bg1"])
-    clock.t = 5
-    q.append(seqs["n1"])
-    clock.t = 25
-    q.append(seqs["i1"])  # an interactive request that has just arrived
-    assert [q.effective_level(s, clock.t) for s in (seqs["bg1"], seqs["n1"], seqs["i1"])] == [0, 0, 0]
-    assert q.peek() is seqs["bg1"]  # all at level 0 now: the longest wait goes first
-    clock.t = 15
-    assert [q.effective_level(s, clock.t) for s in (seqs["bg1"], seqs["n1"])] == [1, 0]
-    assert q.peek() is seqs["n1"]
-    q.floor = 1  # no interactive request present: aging stops at normal
-    assert [q.effective_level(s, 25) for s in (seqs["bg1"], seqs["n1"], seqs["i1"])] == [1, 1, 0]
-
-
+    # No aging: however long a background request waited, a new interactive one goes first.
+    clock.t = 1e6
+    late = Sequence("late", [1], SamplingParams(), priority=0)
+    q.append(late)
+    assert order()[:2] == ["i1", "late"]
 def test_priority_names_and_bad_values(tiny):
     model, prompts, _ = tiny
     eng = engine(model)
@@ -132,8 +131,8 @@ def test_priority_names_and_bad_values(tiny):
 @pytest.mark.parametrize("late", ["interactive", "background"])
 def test_interactive_overtakes_waiting_background_and_preempts_a_running_one(tiny, late):
     """max_num_seqs full of background requests, more waiting: an interactive request submitted
-    later preempts the newest running one and gets its first token before the waiting ones.
-    The same request as one more background request waits its turn (the contrast)."""
+    later preempts a running one (the best victim: the least progress) and gets its first token
+    before the waiting ones. The same request as one more background request waits its turn."""
     model, prompts, _ = tiny
     eng = engine(model, max_seqs=3)
     bg = [eng.add_request(f"bg{i}", prompts[i], LONG, priority="background") for i in range(7)]
@@ -146,7 +145,8 @@ def test_interactive_overtakes_waiting_background_and_preempts_a_running_one(tin
         assert first["late"] == 3  # the very next step
         assert first["late"] < min(waiting_bg)
         assert eng.scheduler.num_priority_preemptions == 1
-        assert bg[2].num_priority_preemptions == 1  # the newest running one
+        # bg0's 5-token prompt and 2 tokens are the least done of its 5 + 24 (bg1: 42 of 64, bg2: 19 of 41)
+        assert bg[0].num_priority_preemptions == 1
     else:
         assert first["late"] >= max(waiting_bg)  # admitted after the last of them
         assert eng.scheduler.num_priority_preemptions == 0
@@ -172,9 +172,10 @@ def test_interactive_preempts_background_when_blocks_run_out(tiny):
 @pytest.mark.parametrize("late", ["interactive", "background"])
 def test_interactive_prompt_gets_the_budget_before_running_background_prompts(tiny, late):
     """Running background prompts still prefilling in chunks do not hold the step's token budget
-    against an interactive prompt that arrives: its chunk goes first. (As background, it waits.)"""
+    against an interactive prompt that arrives: its chunk goes first. (As background, it waits;
+    shorter prompts first within a class is off here, test_preemption.py has that on its own.)"""
     model, prompts, _ = tiny
-    eng = engine(model, chunk=8)  # 64 tokens a step, 8 per prompt chunk: the prompts take many steps
+    eng = engine(model, chunk=8, short_first=False)  # 64 tokens a step, 8 per chunk: the prompts take many steps
     for i in range(10):
         eng.add_request(f"bg{i}", prompts[i] * 3, LONG, priority="background")
     run(eng, steps=2)
@@ -184,73 +185,80 @@ def test_interactive_prompt_gets_the_budget_before_running_background_prompts(ti
     assert eng.scheduler.num_priority_preemptions == 0  # it had seats and blocks: only the budget moved
 
 
-# -- (b) no starvation
+# -- (b) no starvation: guarantees, not aging
 
 
-@pytest.mark.parametrize("aging", [5.0, 0.0])
-def test_background_is_not_starved_by_a_steady_interactive_stream(tiny, aging):
-    """One interactive request arrives every step, more than two seats can serve, so interactive
-    requests are always waiting. With aging the background request finishes in a bounded number
-    of steps; without it (aging 0), it never starts."""
+def steady_interactive(eng, prompts, clock, steps, until=None, on_step=None):
+    """One interactive request arriving every step (more than the seats can serve), for `until`
+    steps (default: all of them); returns the step at which each request got its first token."""
+    first = {}
+    short = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    for i in range(steps):
+        if until is None or i < until:
+            eng.add_request(f"i{i}", prompts[i % len(prompts)], short, priority="interactive")
+        if on_step:
+            on_step(i)
+        for out in eng.step():
+            first.setdefault(out.request_id, i)
+        clock.t += 1
+    return first
+
+
+def test_background_runs_on_idle_capacity_and_finishes_once_interactive_stops(tiny):
+    """Two seats, interactive requests always waiting: a background request does not start while
+    they keep coming (it is not aged into interactive), then finishes once they stop."""
     model, prompts, _ = tiny
     clock = Clock()
-    eng = engine(model, max_seqs=2, aging=aging)
-    eng.scheduler.waiting.clock = clock
+    eng = engine(model, max_seqs=2, clock=clock)
     for k in range(3):  # the seats are taken before the background request arrives
         eng.add_request(f"first{k}", prompts[k], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
                         priority="interactive")
     bg = eng.add_request("bg", prompts[1], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
                          priority="background")
-    short = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    steps = 80
 
-    def arrive(i):
-        if i < steps:
-            eng.add_request(f"i{i}", prompts[i % len(prompts)], short, priority="interactive")
+    def still_waiting(i):
+        assert bg.first_scheduled_time is None, i
 
-    done_at = None
-    for i in range(steps):
-        arrive(i)
-        eng.step()
-        clock.t += 1
-        assert len(eng.scheduler.waiting) > 0 or bg.is_finished
-        if bg.is_finished and done_at is None:
-            done_at = i
-    if aging:
-        # Two levels of aging (10 steps), a seat, then its prompt and 8 tokens; it is never
-        # preempted once admitted at interactive level.
-        assert done_at is not None and done_at < 30, done_at
-        assert bg.num_priority_preemptions == 0
-    else:
-        assert done_at is None and bg.num_output_tokens == 0
+    steady_interactive(eng, prompts, clock, steps=40, on_step=still_waiting)
+    run(eng, clock=clock)
+    assert bg.is_finished and bg.num_output_tokens == 8 and not eng.requests
 
 
-def test_a_sequence_preempted_for_priority_twice_is_then_left_alone(tiny):
+def test_a_resumed_sequence_runs_its_minimum_time_before_it_is_preempted_again(tiny):
+    """One seat: interactive requests arriving one after another preempt a background request,
+    but once it has resumed it runs min_run_s (here 5 steps) before the next one may preempt it."""
     model, prompts, _ = tiny
-    eng = engine(model, max_seqs=1)
-    bg = eng.add_request("bg", prompts[1], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+    clock = Clock()
+    eng = engine(model, max_seqs=1, clock=clock, min_run_s=5)
+    bg = eng.add_request("bg", prompts[1], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True),
                          priority="background")
-    seen = []
-    for k in range(3):
-        run(eng, steps=3)  # bg (re)admitted and decoding
-        assert bg in eng.scheduler.running
-        eng.add_request(f"i{k}", prompts[k], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
-                        priority="interactive")
-        first = run(eng, steps=3)
-        seen.append("i%d" % k in first)
-    assert seen == [True, True, False]  # the third waits: bg is protected now
+    two = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    run(eng, steps=3, clock=clock)
+    eng.add_request("i0", prompts[0], two, priority="interactive")
+    first = run(eng, steps=1, clock=clock)
+    assert "i0" in first and bg.num_priority_preemptions == 1  # preempted at once: it had not been before
+    run(eng, steps=2, clock=clock)  # i0 done, bg resumed
+    assert bg in eng.scheduler.running
+    eng.add_request("i1", prompts[2], two, priority="interactive")
+    waited = 0
+    while "i1" not in run(eng, steps=1, clock=clock):
+        waited += 1
     assert bg.num_priority_preemptions == 2
-    first = run(eng)
-    assert bg.is_finished and bg.num_output_tokens == 40
+    assert 3 <= waited <= 5, waited  # until bg's 5 s since it resumed were over
+    run(eng, clock=clock)
+    assert bg.is_finished and bg.num_output_tokens == 60
 
 
 # -- (c) still the oracle's tokens
 
 
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
 @pytest.mark.parametrize("pool", ["seats", "blocks"])
-def test_greedy_with_priorities_and_preemption_matches_transformers(tiny, pool):
+def test_greedy_with_priorities_and_preemption_matches_transformers(tiny, pool, mode):
+    """Preempted by swap or by recompute, any number of times: the same tokens as Transformers."""
     model, prompts, ref = tiny
-    eng = engine(model, max_seqs=3) if pool == "seats" else engine(model, blocks=20, block_size=8, chunk=16)
+    eng = (engine(model, max_seqs=3, mode=mode) if pool == "seats"
+           else engine(model, blocks=20, block_size=8, chunk=16, mode=mode))
     classes = ["background", "normal", "interactive"]
     # Six background requests, then one request of each class in turn every step while they run.
     seqs = {j: eng.add_request(f"r{j}", prompts[j], GREEDY, priority="background") for j in range(6)}
@@ -263,6 +271,7 @@ def test_greedy_with_priorities_and_preemption_matches_transformers(tiny, pool):
     run(eng, on_step=arrive)
     assert [seqs[j].output_token_ids for j in range(len(prompts))] == ref
     assert eng.scheduler.num_priority_preemptions > 0
+    assert eng.stats["preemptions_by_mode"][mode] == eng.scheduler.num_preemptions  # that path, every time
     assert eng.block_pool.num_free == eng.block_pool.num_blocks
 
 
@@ -271,14 +280,13 @@ def test_greedy_with_priorities_and_preemption_matches_transformers(tiny, pool):
 
 @pytest.mark.parametrize("priority", ["interactive", "background"])
 def test_equal_priorities_schedule_exactly_like_normal(tiny, priority):
-    """Same requests, all of one priority: the same batches step by step as all "normal" (FCFS),
-    even with a fast aging clock and a pool small enough to preempt."""
+    """Same requests, all of one priority: the same batches step by step as all "normal", even with
+    a pool small enough to preempt; prompts of one size bucket start first-come-first-served."""
     model, prompts, ref = tiny
 
     def trace(p):
         clock = Clock()
-        eng = engine(model, max_seqs=4, blocks=14, block_size=8, chunk=16, aging=1.0)
-        eng.scheduler.waiting.clock = clock
+        eng = engine(model, max_seqs=4, blocks=14, block_size=8, chunk=16, clock=clock)
         batches, schedule = [], eng.scheduler.schedule
 
         def recorded():

@@ -49,3 +49,39 @@ def test_idle_decode_worker_takes_short_prompts_only():
     assert pick_idle_for_short_prompt([busy, idle], 200, 32, []) is None  # long: a prefill worker's job
     idle.assigned = {"r1"}
     assert pick_idle_for_short_prompt([busy, idle], 20, 32, []) is None  # nobody is idle now
+
+
+def test_admission_room_counts_requests_sent_since_the_last_heartbeat():
+    """A worker's room for a class: a free seat and less than `depth` steps of prompt tokens of that
+    class waiting, where waiting counts what its heartbeat said plus what was sent since, and a
+    seat frees as soon as a request there is done (no waiting for the next heartbeat)."""
+    from meshserve.services.scheduler.routing import free_seats, has_room, pick_admission, pick_soonest, waiting_there
+
+    w = view("w", "decode")
+    w.hb.max_num_seqs, w.hb.max_num_batched_tokens = 8, 100
+    assert has_room(w, "background", depth=2)
+    for rid, n in (("a", 150), ("b", 60)):  # sent, not yet in a heartbeat
+        w.assigned.add(rid)
+        w.admitted[rid] = ("background", n)
+        w.sent["background"] = w.sent.get("background", 0) + 1
+        assert has_room(w, "background", depth=2) == (rid == "a")  # 150 < 2 steps of 100 tokens, 210 is not
+    assert waiting_there(w, "background") == 2 and has_room(w, "normal", 2)  # normal has its own room
+    w.hb.max_num_seqs = 2
+    assert free_seats(w) == 0 and not has_room(w, "normal", 2)
+    w.hb.received_by_priority = {"background": 2}  # the heartbeat: both running now
+    w.hb.num_running, w.hb.waiting_by_priority = 2, {"background": 0}
+    assert waiting_there(w) == 0 and free_seats(w) == 0
+    w.assigned.discard("a")  # "a" is done
+    del w.admitted["a"]
+    w.left_since_heartbeat = 1
+    assert free_seats(w) == 1 and has_room(w, "background", 2)
+    other = view("other", "decode")
+    other.hb.max_num_seqs = 2
+    other.hb.num_running = 2
+    assert pick_admission([other, w], "normal", [], depth=2) is w  # the one with a free seat
+    w.hb.num_running = 3
+    assert pick_admission([other, w], "normal", [], depth=2) is None  # the request waits in the scheduler
+    other.assigned.add("i0")
+    other.admitted["i0"] = ("interactive", 10)
+    other.sent["interactive"] = 1
+    assert pick_soonest([other, w], []) is w  # interactive: no seat anywhere, fewest interactive ahead

@@ -1,7 +1,8 @@
 """Prometheus metrics under vLLM's names (prefix `meshserve:`), so vLLM dashboards work unchanged.
 
 Latencies are measured here, where the client's experience is. Scheduler-wide numbers (running,
-waiting, KV usage, prefix cache, preemptions) are asked of the scheduler at scrape time.
+waiting, KV usage, prefix cache, preemptions, preemptions by mode) are asked of the scheduler at
+scrape time; the scheduler sums what the workers' heartbeats say.
 
 `request_queue_time_seconds` is an approximation: the time from arrival until the scheduler
 accepted the submission. The gateway cannot see when a worker actually starts the request.
@@ -55,6 +56,26 @@ class WorkerRoles:
                                        labels=["model_name"])
         switches.add_metric([self.model], float(self.status.get("role_switches") or 0))
         return [role, switches]
+class _StatusCounters:
+    """Counters the workers keep and the scheduler sums (from their heartbeats), exposed as
+    Prometheus counters with labels: `meshserve:preemptions_total{mode="swap"|"recompute"}`."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.by_mode: dict[str, float] = {"swap": 0, "recompute": 0}
+
+    def update(self, status: dict) -> None:
+        for mode, n in (status.get("preemptions_by_mode") or {}).items():
+            if isinstance(n, (int, float)):
+                self.by_mode[mode] = max(self.by_mode.get(mode, 0), n)  # a worker gone must not make it drop
+
+    def collect(self):
+        c = CounterMetricFamily("meshserve:preemptions", "Preemptions on the workers, by how the KV was kept "
+                                "(swap: to host memory and back; recompute: prefilled again).",
+                                labels=["model_name", "mode"])
+        for mode, n in self.by_mode.items():
+            c.add_metric([self.model_name, mode], n)
+        yield c
 
 
 class GatewayMetrics:
@@ -99,6 +120,8 @@ class GatewayMetrics:
                         for key, (name, doc) in STATUS_GAUGES.items()}
         self._roles = WorkerRoles(model_name)
         r.register(self._roles)
+        self._counters = _StatusCounters(model_name)
+        r.register(self._counters)
 
     def observe_itl(self, seconds: float, num_tokens: int) -> None:
         """A chunk of several tokens counts as that many tokens, evenly spaced."""
@@ -138,6 +161,7 @@ class GatewayMetrics:
         for name, t in ((status.get("admission") or {}).get("tenants") or {}).items():
             if isinstance(t, dict) and isinstance(t.get("in_flight"), int):
                 self._tenant_in_flight.labels(self._model, name).set(t["in_flight"])
+        self._counters.update(status)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

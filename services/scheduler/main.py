@@ -1,6 +1,14 @@
 """`meshserve serve scheduler`: admits requests, routes them to workers, moves prefilled
 sequences to decode workers, and re-dispatches the requests of workers that disappear.
 
+It owns the queues (queues.py: one per class per model) and admits from them into workers as
+they have room (routing.py), so a request is never parked behind a busy worker while another
+could start it: an interactive request goes at once to the worker that can start it soonest
+(its engine preempts normal and background sequences there); a normal one when a worker has
+room, or, after `--normal-max-queue-s` here, to a worker with no normal request waiting (its
+engine's guaranteed share then admits it); a background one only into room. With
+`--scheduling fcfs`, one first-come-first-served queue, every request only into room.
+
 A decode worker on the prefill's node gets the sequence's blocks by id (the kv-pool moves one
 reference); one on another node pulls their bytes through its own kv-pool first (cross-node).
 
@@ -33,6 +41,7 @@ from dataclasses import dataclass
 import orjson
 
 from meshserve.shared.bus import Bus
+from meshserve.shared.engine.policy import add_scheduling_arguments
 from meshserve.shared.limits import LimitError, check_context_length
 from meshserve.shared.prefix_hash import prompt_block_hashes
 from meshserve.shared.schemas import (NOT_READY, Abort, BlockRefs, BlockTransfer, Done, GenerateRequest, Handoff,
@@ -43,8 +52,10 @@ from meshserve.shared.telemetry import span
 from meshserve.shared.tenants import load_tenants
 
 from .admission import Admission, waiting_by_class
+from .queues import ClassQueues
 from .roles import ElasticRoles, Load
-from .routing import WorkerView, pick_decode, pick_idle_for_short_prompt, pick_prefill
+from .routing import (WorkerView, pick_admission, pick_decode, pick_idle_for_short_prompt, pick_soonest,
+                      waiting_there)
 
 log = logging.getLogger("meshserve.scheduler")
 
@@ -54,7 +65,7 @@ HELLO_INTERVAL = 1.0
 @dataclass
 class Tracked:
     req: GenerateRequest
-    worker: str | None  # who has it now (None: in a handoff, between workers)
+    worker: str | None  # who has it now (None: queued here, or in a handoff between workers)
 
 
 def _by_priority(counts) -> dict[str, int]:
@@ -75,6 +86,9 @@ class Scheduler:
         tenants = getattr(args, "tenants", None)
         self.admission = Admission(load_tenants(tenants) if tenants else None)
         self.roles = ElasticRoles(enabled=not getattr(args, "fixed_roles", False))
+        self.fcfs = getattr(args, "scheduling", "priority") == "fcfs"
+        self.queues: dict[str, ClassQueues] = {}  # model -> its requests waiting for a worker
+        self.queue_wait = {"count": 0, "total_s": 0.0, "max_s": 0.0}  # of the requests sent to workers
 
     # -- views
 
@@ -105,13 +119,18 @@ class Scheduler:
                              "assigned": len(w.assigned),
                              "free_blocks": w.hb.free_blocks, "io_cpu_s": w.hb.io_cpu_s,
                              "tokens_streamed": w.hb.tokens_streamed} for w in ws],
+                "scheduling": "fcfs" if self.fcfs else "priority",
+                "queue_wait": dict(self.queue_wait),
+                "queued_by_priority": {"interactive": 0, "normal": 0, "background": 0}
+                | _by_priority(q.counts() for q in self.queues.values()),
                 "num_running": sum(w.hb.num_running for w in ws),
-                "num_waiting": sum(w.hb.num_waiting for w in ws),
+                "num_waiting": sum(w.hb.num_waiting for w in ws) + sum(len(q) for q in self.queues.values()),
                 "kv_usage": sum(w.hb.held_blocks - w.hb.free_blocks for w in ws) / total,
                 "prefix_queries": sum(w.hb.prefix_queries for w in ws),
                 "prefix_hits": sum(w.hb.prefix_hits for w in ws),
                 "num_preemptions": sum(w.hb.num_preemptions for w in ws),
                 "num_priority_preemptions": sum(w.hb.num_priority_preemptions for w in ws),
+                "preemptions_by_mode": {"swap": 0, "recompute": 0} | _by_priority(w.hb.preemptions_by_mode for w in ws),
                 "running_by_priority": _by_priority(w.hb.running_by_priority for w in ws),
                 "waiting_by_priority": _by_priority(w.hb.waiting_by_priority for w in ws),
                 "elastic_roles": self.roles.enabled, "role_switches": self.roles.switches,
@@ -120,12 +139,17 @@ class Scheduler:
                    if self.admission.enabled else {})}
 
     def waiting_by_class(self) -> dict[str, int]:
-        """Requests waiting for a seat on some worker, by class (admission.waiting_by_class)."""
+        """Requests waiting for a seat, by class: on some worker (admission.waiting_by_class) and in
+        this scheduler's own queues."""
         def classes(w: WorkerView) -> list[str]:
             return [self.requests[r].req.priority for r in w.assigned if r in self.requests]
 
-        return waiting_by_class((classes(w), w.hb.max_num_seqs, w.hb.waiting_by_priority)
-                                for w in self.workers.values())
+        out = waiting_by_class((classes(w), w.hb.max_num_seqs, w.hb.waiting_by_priority)
+                               for w in self.workers.values())
+        for q in self.queues.values():
+            for c, n in q.counts().items():
+                out[c] = out.get(c, 0) + n
+        return out
 
     # -- requests
 
@@ -146,18 +170,62 @@ class Scheduler:
         refusal = self.admission.admit(req, self.waiting_by_class)
         if refusal is not None:
             return refusal
+        self.requests[req.request_id] = Tracked(req, None)
+        self.aborted.discard(req.request_id)
+        q = self.queues.setdefault(req.model, ClassQueues(self.fcfs))
+        q.remove(req.request_id)  # an earlier attempt still queued here: the new one replaces it
+        q.push(req)
+        await self.dispatch(req.model)
+        return SubmitReply(ok=True, scheduler_id=self.id)
+
+    async def dispatch(self, model: str) -> None:
+        """Sends queued requests of the model to workers while some worker may take one."""
+        q = self.queues.get(model)
+        while q:
+            for item in q.heads():
+                w = self._place(item)
+                if w is not None:
+                    q.pop(item)
+                    await self._send(item.req, w, time.monotonic() - item.since)
+                    break
+            else:
+                return
+
+    def _place(self, item) -> WorkerView | None:
+        """The worker a queued request goes to now, or None: it waits here."""
+        req = item.req
+        cands = self.prefill_candidates(req.model)
+        if not cands:
+            return None
         block_size = cands[0].hb.block_size
         hashes = prompt_block_hashes(req.prompt_token_ids + req.output_token_ids, block_size, req.model)
         n_prompt = len(req.prompt_token_ids) + len(req.output_token_ids)
-        w = (self._first_choice_worker(req, cands) or
-             pick_idle_for_short_prompt(self.alive(req.model, ("decode",)), n_prompt, self.args.short_prefill,
-                                        hashes) or pick_prefill(cands, hashes))
-        with span("scheduler.route", req.trace, request_id=req.request_id, worker=w.hb.worker_id):
-            self.requests[req.request_id] = Tracked(req, w.hb.worker_id)
+        first = self._first_choice_worker(req, cands)
+        if first is not None:
+            return first
+        idle = pick_idle_for_short_prompt(self.alive(req.model, ("decode",)), n_prompt, self.args.short_prefill,
+                                          hashes)
+        if idle is not None:
+            return idle
+        w = pick_admission(cands, req.priority, hashes, self.args.queue_depth, self.fcfs)
+        if w is not None or self.fcfs:
+            return w
+        if req.priority == "interactive":
+            return pick_soonest(cands, hashes)
+        if req.priority == "normal" and time.monotonic() - item.since >= self.args.normal_max_queue_s:
+            return pick_soonest([c for c in cands if waiting_there(c, "normal") == 0], hashes, "normal")
+        return None
+
+    async def _send(self, req: GenerateRequest, w: WorkerView, queued_s: float = 0.0) -> None:
+        qw = self.queue_wait
+        qw["count"], qw["total_s"], qw["max_s"] = qw["count"] + 1, qw["total_s"] + queued_s, max(qw["max_s"], queued_s)
+        with span("scheduler.route", req.trace, request_id=req.request_id, worker=w.hb.worker_id,
+                  queued_s=round(queued_s, 4)):
+            self.requests[req.request_id].worker = w.hb.worker_id
             w.assigned.add(req.request_id)
-            self.aborted.discard(req.request_id)
+            w.admitted[req.request_id] = (req.priority, len(req.prompt_token_ids) + len(req.output_token_ids))
+            w.sent[req.priority] = w.sent.get(req.priority, 0) + 1
             await self.bus.publish(self.bus.subjects.worker(w.hb.worker_id, "prefill"), req)
-        return SubmitReply(ok=True, scheduler_id=self.id)
 
     def _first_choice_worker(self, req: GenerateRequest, cands: list[WorkerView]) -> WorkerView | None:
         """A later choice (n > 1) goes where its first choice is being prefilled: that worker's
@@ -199,27 +267,37 @@ class Scheduler:
             self.requests[rid].worker = dst.hb.worker_id
             dst.assigned.add(rid)
             await self.bus.publish(s.worker(dst.hb.worker_id, "adopt"), h)
+        await self.dispatch(h.request.model)  # a seat on the prefill worker is free
 
-    def done(self, d: Done) -> None:
+    async def done(self, d: Done) -> None:
         t = self.requests.get(d.request_id)
         if t is not None and t.req.attempt != d.attempt:
             return  # a superseded attempt ended; the current one goes on
         self._unassign(d.request_id, d.worker_id)
         if t is not None and t.worker == d.worker_id:
             del self.requests[d.request_id]
+        w = self.workers.get(d.worker_id)
+        if w is not None:  # a seat there is free
+            await self.dispatch(w.hb.model)
 
     async def abort(self, a: Abort) -> None:
         t = self.requests.get(a.request_id)
         if t is None or (a.attempt is not None and a.attempt < t.req.attempt):
             return  # unknown, or the abort of an attempt the gateway superseded (workers heard it)
+        q = self.queues.get(t.req.model)
+        if t.worker is None and q is not None and q.remove(a.request_id):  # still queued here
+            del self.requests[a.request_id]
+            return
         self.aborted.add(a.request_id)
         if t.worker is not None:
             await self.bus.publish(self.bus.subjects.worker(t.worker, "abort"), a)
 
     def _unassign(self, rid: str, worker: str) -> None:
         w = self.workers.get(worker)
-        if w is not None:
+        if w is not None and rid in w.assigned:
             w.assigned.discard(rid)
+            w.admitted.pop(rid, None)
+            w.left_since_heartbeat += 1
 
     async def _lost(self, req: GenerateRequest) -> None:
         """Tells the gateway to re-submit; it knows which tokens the client already has."""
@@ -228,14 +306,15 @@ class Scheduler:
 
     # -- workers
 
-    def heartbeat(self, hb: Heartbeat) -> None:
+    async def heartbeat(self, hb: Heartbeat) -> None:
         w = self.workers.get(hb.worker_id)
         if w is None:
             log.info("worker %s (%s, %s) joined", hb.worker_id, hb.role, hb.model)
             self.workers[hb.worker_id] = WorkerView(hb)
         else:
-            w.hb, w.last_seen = hb, time.monotonic()
+            w.hb, w.last_seen, w.left_since_heartbeat = hb, time.monotonic(), 0
         self.roles.reported(hb.node_id, hb.worker_id, hb.role)
+        await self.dispatch(hb.model)
 
     async def balance_roles(self) -> None:
         """Orders at most one role switch per node (roles.py decides)."""
@@ -263,6 +342,8 @@ class Scheduler:
     async def reap(self) -> None:
         while True:
             await asyncio.sleep(0.25)
+            for model in list(self.queues):  # queued normal requests may be due (--normal-max-queue-s)
+                await self.dispatch(model)
             now = time.monotonic()
             for wid, w in list(self.workers.items()):
                 if now - w.last_seen > self.args.worker_timeout:
@@ -292,13 +373,13 @@ class Scheduler:
             await self.handoff(Handoff.decode(msg.data))
 
         async def on_done(msg):
-            self.done(Done.decode(msg.data))
+            await self.done(Done.decode(msg.data))
 
         async def on_abort(msg):
             await self.abort(Abort.decode(msg.data))
 
         async def on_heartbeat(msg):
-            self.heartbeat(Heartbeat.decode(msg.data))
+            await self.heartbeat(Heartbeat.decode(msg.data))
 
         async def on_event(msg):
             self.kv_event(KVEvent.decode(msg.data))
@@ -342,6 +423,12 @@ def add_arguments(p) -> None:
                    help="seconds without a heartbeat before a worker's requests are re-dispatched")
     p.add_argument("--short-prefill", type=int, default=32,
                    help="prompts up to this many tokens may be prefilled by an idle decode worker (0: never)")
+    add_scheduling_arguments(p)
+    p.add_argument("--queue-depth", type=float, default=2.0,
+                   help="steps of prompt tokens (a worker's --max-num-batched-tokens each) of a class a worker may "
+                        "have waiting before the rest of the class waits here")
+    p.add_argument("--normal-max-queue-s", type=float, default=1.0,
+                   help="a normal request waiting here this long goes to a worker with none waiting, room or not")
     p.add_argument("--tenants", default=None, metavar="FILE",
                    help="tenants file (docs/tenants.md): quotas per tenant and a bound per class queue; give the "
                         "gateway the same file (default: none, everything is admitted)")

@@ -7,6 +7,14 @@ system prompt goes where the prompt is cached until that worker's queue outweigh
 Decode: a worker on the prefill's node (the blocks are handed over by id) unless none is there or
 all there are full; then one on another node (the blocks cross NATS). Among those, the most free
 KV blocks, then the fewest running sequences.
+
+Admission (the scheduler's own queues): a worker has room for a class while it has a free seat
+and the requests of that class waiting there hold fewer prompt tokens than `depth` of its steps
+(max_num_batched_tokens each; none waiting is always room). Both are estimated from its last
+heartbeat and what happened since (requests sent it has not reported yet, requests that finished
+or left it), so on an idle mesh a request goes out at once, not at the next heartbeat. An
+interactive request goes to the worker that can start it soonest, room or not (its engine
+preempts normal and background sequences there).
 """
 
 from __future__ import annotations
@@ -26,10 +34,58 @@ class WorkerView:
     last_seen: float = field(default_factory=time.monotonic)
     cached: set[int] = field(default_factory=set)  # prefix-cache keys it reported
     assigned: set[str] = field(default_factory=set)  # requests sent to it and not yet done
+    # Of those, the ones sent to prefill, in the order sent: id -> (class, prompt tokens).
+    admitted: dict[str, tuple[str, int]] = field(default_factory=dict)
+    sent: dict[str, int] = field(default_factory=dict)  # requests sent to prefill so far, by class
+    left_since_heartbeat: int = 0  # requests that finished here or moved on since its last heartbeat
 
     @property
     def load(self) -> float:
         return self.hb.num_waiting + len(self.assigned) + 0.25 * self.hb.num_running
+
+
+def _waiting(w: WorkerView, c: str) -> list[int]:
+    """The prompt tokens of the requests of class c waiting on the worker: as many as its heartbeat
+    reported plus those sent since (never more than are still assigned to it), the latest sent."""
+    unheard = max(0, w.sent.get(c, 0) - w.hb.received_by_priority.get(c, 0))
+    mine = [n for cls, n in w.admitted.values() if cls == c]
+    k = min(len(mine), w.hb.waiting_by_priority.get(c, 0) + unheard)
+    return mine[len(mine) - k:]
+
+
+def waiting_there(w: WorkerView, cls: str | None = None) -> int:
+    """Requests of class cls (None: all) waiting on the worker."""
+    return sum(len(_waiting(w, c)) for c in ([cls] if cls is not None else list(w.sent)))
+
+
+def free_seats(w: WorkerView) -> int:
+    if w.hb.max_num_seqs <= 0:
+        return 1 << 30  # unknown: unbounded
+    running = max(0, w.hb.num_running - w.left_since_heartbeat)
+    return w.hb.max_num_seqs - running - waiting_there(w)
+
+
+def has_room(w: WorkerView, cls: str, depth: int, fcfs: bool = False) -> bool:
+    """A free seat, and less than `depth` steps of prompt tokens of the class (fcfs: of all) waiting
+    (`depth` requests when the worker's step budget is unknown)."""
+    if free_seats(w) <= 0:
+        return False
+    waiting = [n for c in (list(w.sent) if fcfs else [cls]) for n in _waiting(w, c)]
+    budget = w.hb.max_num_batched_tokens
+    return not waiting or (sum(waiting) < depth * budget if budget > 0 else len(waiting) < depth)
+
+
+def pick_admission(workers: list[WorkerView], cls: str, prompt_hashes: list[int], depth: int,
+                   fcfs: bool = False) -> WorkerView | None:
+    """A worker with room for the class, the cheapest by prefill_cost; None: it waits here."""
+    return pick_prefill([w for w in workers if has_room(w, cls, depth, fcfs)], prompt_hashes)
+
+
+def pick_soonest(workers: list[WorkerView], prompt_hashes: list[int], cls: str = "interactive") -> WorkerView | None:
+    """Where a request of cls starts soonest: a free seat first (else its engine preempts lower
+    classes there), then the fewest of its class waiting ahead of it, then prefill_cost."""
+    return min(workers, key=lambda w: (free_seats(w) <= 0, waiting_there(w, cls), prefill_cost(w, prompt_hashes),
+                                       w.hb.worker_id), default=None)
 
 
 def uncached_blocks(prompt_hashes: list[int], cached: set[int]) -> int:

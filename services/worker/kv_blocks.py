@@ -21,7 +21,9 @@ public API only:
 - handoff: a prefilled sequence leaves with its blocks (`detach`, the blocks kept cached retained
   once more at the pool), a handed-off one is adopted on them (`adopt`);
 - cross-node import: a sequence prefilled on another node is pulled into fresh blocks here first
-  (`import_remote`); when that fails it is recomputed from its tokens.
+  (`import_remote`); when that fails it is recomputed from its tokens;
+- preemption by swap (`PreemptionSwap`, the engine's swapper): a preempted sequence's blocks go to
+  the host tier and come back into fresh blocks when it resumes.
 
 Everything here runs on the worker's event loop between engine steps (the step runs in a thread).
 What changes the worker's streams is reported through `report(kind, handoff)`, which the worker
@@ -38,6 +40,7 @@ from collections.abc import Callable
 
 from meshserve.shared.engine import wire
 from meshserve.shared.engine.llm_engine import LLMEngine
+from meshserve.shared.kv_layout import kv_bytes_per_block
 from meshserve.shared.schemas import Handoff, KVEvent
 
 from .kv_pool_client import KVPoolClient
@@ -55,6 +58,7 @@ class KVBlocks:
                  report: Callable[[str, Handoff | None], None]):
         self.engine, self.pool, self.client = engine, engine.block_pool, client
         self.lease_blocks, self.swap_enabled, self.report = lease_blocks, swap_blocks > 0, report
+        self.swap_blocks = swap_blocks
         self.pool_dry_until = 0.0  # monotonic time before which the kv-pool is known to have no free blocks
         self.host: set[int] = set()  # keys in the node's host tier, as the pool's events tell
         self.pending: dict[str, asyncio.Task] = {}  # request id -> its import from another node
@@ -64,6 +68,9 @@ class KVBlocks:
     async def start(self) -> None:
         if self.swap_enabled:
             await self.client.subscribe("host_events", self._on_host_event)
+            e = self.engine
+            block_bytes = kv_bytes_per_block(e.model.cfg, e.config.block_size, e.kv_cache.dtype)
+            e.set_swapper(PreemptionSwap(self.client, asyncio.get_running_loop(), self.swap_blocks, block_bytes))
         await self.lease(self.lease_blocks)
         await self.client.publish_events(cleared=True)
         await self.client.subscribe("pressure", self._on_pressure)
@@ -230,3 +237,40 @@ class KVBlocks:
             log.warning("%s; recomputing %s here from its prompt and %d generated tokens", error, rid,
                         len(h.token_ids) - len(h.request.prompt_token_ids))
             self.report("recompute", h)
+
+
+class PreemptionSwap:
+    """The engine's swapper in the mesh (shared/engine/swap.py's interface): a preempted sequence's
+    blocks go to the node's host tier and come back, by block ids and keys only (the pool copies).
+
+    The engine calls it from its step thread, between scheduling and the model run, so each call is
+    a request made on the worker's event loop and waited for. The tier is an LRU shared with the
+    prefix-cache spill: blocks it dropped meanwhile are recomputed (the engine resumes from those
+    that came back). A failed or refused copy out makes that preemption a recompute."""
+
+    TIMEOUT = 6.0
+
+    def __init__(self, client: KVPoolClient, loop: asyncio.AbstractEventLoop, capacity_blocks: int,
+                 block_bytes: int):
+        self.client, self.loop = client, loop
+        self.capacity, self.block_bytes = capacity_blocks, block_bytes
+
+    def available(self, num_blocks: int) -> bool:
+        return 0 < num_blocks <= self.capacity // 2  # half: the tier also keeps spilled prefixes
+
+    def _swap(self, swap_out, swap_in=()):
+        try:
+            return asyncio.run_coroutine_threadsafe(self.client.swap(swap_out, swap_in), self.loop).result(self.TIMEOUT)
+        except Exception as e:  # noqa: BLE001 - the sequence recomputes instead
+            log.warning("preemption swap failed (%r): recomputing instead", e)
+            return None
+
+    def swap_out(self, block_ids: list[int], keys: list[int]) -> bool:
+        return self._swap(list(zip(block_ids, keys))) is not None
+
+    def swap_in(self, block_ids: list[int], keys: list[int]) -> int:
+        r = self._swap([], list(zip(keys, block_ids)))
+        return r.restored if r is not None else 0
+
+    def discard(self, keys: list[int]) -> None:
+        """Nothing to do: the tier's LRU drops what nobody asks for again."""

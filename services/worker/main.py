@@ -33,6 +33,7 @@ from meshserve.shared.bus import Bus
 from meshserve.shared.engine import wire
 from meshserve.shared.engine.llm_engine import (EngineConfig, LLMEngine, RequestError, RequestOutput,
                                                 SequenceStatus)
+from meshserve.shared.engine.policy import PRIORITIES, add_scheduling_arguments
 from meshserve.shared.engine.scheduler import SchedulerConfig
 from meshserve.shared.model.config import ModelConfig
 from meshserve.shared.model.llama import LlamaModel
@@ -75,6 +76,7 @@ class Worker:
         self.decode_start: dict[str, float] = {}
         self.tokens_streamed = 0
         self.unpublished: list[RequestOutput] = []  # a decode step's outputs, streamed while the next step runs
+        self.received_by_priority = dict.fromkeys(PRIORITIES, 0)  # requests the scheduler sent to prefill
 
     # -- start-up: map the weights and the KV arena, lease blocks
 
@@ -102,7 +104,8 @@ class Worker:
 
         tokenizer = load_tokenizer(w.tokenizer_path)  # for structured output's grammars
         sched = SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
-                                prefill_chunk_size=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs)
+                                prefill_chunk_size=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
+                                policy=a.scheduling, preemption_mode=a.preemption_mode)
         self.engine = await run_on_stepper(
             LLMEngine, model, EngineConfig(block_size=arena.block_size, max_model_len=a.max_model_len, scheduler=sched),
             model_name=a.served_model_name or a.model, kv_cache=kv, tokenizer=tokenizer)
@@ -138,7 +141,9 @@ class Worker:
         self.wake.set()
 
     async def _on_request(self, msg) -> None:
-        self._post("request", GenerateRequest.decode(msg.data))
+        req = GenerateRequest.decode(msg.data)
+        self.received_by_priority[req.priority] += 1
+        self._post("request", req)
 
     async def _on_adopt(self, msg) -> None:
         h = Handoff.decode(msg.data)
@@ -274,10 +279,13 @@ class Worker:
                 log.warning("worker %s: block lease failed (%s); retrying", self.id, e or type(e).__name__)
                 await asyncio.sleep(0.2)
                 continue
+            waited = self.engine.scheduler.num_waiting
             step = asyncio.get_running_loop().run_in_executor(self.stepper, self.engine.step)
             await self._flush()
             outputs = await step
             await self.blocks.publish_changes()
+            if waited and not self.engine.scheduler.num_waiting:  # room now: the scheduler hears it at once
+                await self._heartbeat()
             if self.role == "prefill":
                 await self._publish(outputs)
             else:
@@ -388,12 +396,21 @@ class Worker:
                 decode += max(0, m.sampling.max_tokens - len(m.output_token_ids))
         return prefill, decode
 
+    def _waiting_by_priority(self, stats: dict) -> dict[str, int]:
+        """The engine's waiting requests and those in the inbox, not yet given to it."""
+        out = dict(stats["waiting_by_priority"])
+        for kind, m in list(self.inbox):
+            if kind == "request":
+                out[m.priority] = out.get(m.priority, 0) + 1
+        return out
+
     async def _heartbeats(self) -> None:
         while True:
             await self._heartbeat()
             await asyncio.sleep(self.args.heartbeat_interval)
 
     async def _heartbeat(self) -> None:
+        """What this worker runs and can take (the scheduler admits from it), and its counters."""
         e, pool = self.engine, self.engine.block_pool
         stats = e.stats
         pending_prefill, pending_decode = self._pending_tokens()
@@ -403,9 +420,11 @@ class Worker:
             free_blocks=pool.num_free, held_blocks=pool.num_held, total_blocks=pool.num_blocks,
             block_size=e.config.block_size, max_model_len=e.max_model_len,
             max_num_seqs=e.config.scheduler.max_num_seqs,
+            max_num_batched_tokens=e.config.scheduler.max_num_batched_tokens,
             prefix_queries=stats["prefix_queries"], prefix_hits=stats["prefix_hits"],
             num_preemptions=stats["num_preemptions"], num_priority_preemptions=stats["num_priority_preemptions"],
-            running_by_priority=stats["running_by_priority"], waiting_by_priority=stats["waiting_by_priority"],
+            running_by_priority=stats["running_by_priority"], waiting_by_priority=self._waiting_by_priority(stats),
+            received_by_priority=dict(self.received_by_priority), preemptions_by_mode=stats["preemptions_by_mode"],
             io_cpu_s=time.thread_time(), tokens_streamed=self.tokens_streamed,
             pending_prefill_tokens=pending_prefill, pending_decode_tokens=pending_decode, time=time.time()))
 
@@ -416,6 +435,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--lease-blocks", type=int, default=256, help="blocks leased from the kv-pool at a time")
     p.add_argument("--heartbeat-interval", type=float, default=0.5)
+    add_scheduling_arguments(p, preemption=True)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores, or "
                    "$MESHSERVE_WORKER_THREADS)")
 

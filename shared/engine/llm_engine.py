@@ -1,6 +1,7 @@
 """The engine: requests in, tokens out, one scheduled batch per step.
 
-    step():  schedule -> run the model on the batch -> append each new token -> check stops
+    step():  schedule -> swap KV of preempted sequences out / resumed ones in -> run the model on
+             the batch -> append each new token -> check stops
 
 Detokenization and stop strings belong to whoever reads the tokens (the gateway in the mesh,
 OutputProcessor in process); they call abort() when a stop string matches.
@@ -24,6 +25,7 @@ from .model_runner import ModelRunner
 from .sampler import TokenLogprobs
 from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from .sequence import NORMAL, PRIORITIES, SamplingParams, Sequence, SequenceStatus, priority_level
+from .swap import HostSwap
 
 
 @dataclass
@@ -34,6 +36,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context length (at most 32768)
     enable_prefix_caching: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # Host memory for the KV of sequences preempted by swap (0: preemption recomputes). In the
+    # mesh the worker puts the kv-pool's host tier there instead (set_swapper).
+    swap_space_bytes: int = 1 << 30
 
 
 @dataclass
@@ -82,6 +87,8 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(self.block_pool, config.block_size, config.enable_prefix_caching,
                                                model_name)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        if config.swap_space_bytes > 0 and free is None:
+            self.set_swapper(HostSwap(kv_cache, config.block_size, config.swap_space_bytes))
         self.eos_token_ids = set(eos_token_ids if eos_token_ids is not None else cfg.eos_token_ids)
         self.grammars = None if tokenizer is None else Grammars(tokenizer, cfg.vocab_size, sorted(self.eos_token_ids))
         self.runner = ModelRunner(model, self.kv_cache, config.block_size, sorted(self.eos_token_ids), self.grammars)
@@ -165,11 +172,44 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def set_swapper(self, swapper) -> None:
+        """Where preempted sequences' KV goes when swapped (swap.py's interface; None: recompute only)."""
+        self.scheduler.swapper = swapper
+
+    def _swap(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """Runs the batch's KV copies (out first: those blocks may be reused in this step). A copy
+        out that fails makes that sequence recompute; a copy in that finds fewer blocks resumes
+        the sequence from there, and it sits this step out (its chunk began past them)."""
+        sched, sw = self.scheduler, self.scheduler.swapper
+        for seq, blocks, keys, _ in batch.swap_out:
+            t0 = time.perf_counter()
+            if sw.swap_out(blocks, keys):
+                sched.costs.observe_copy(len(blocks) * sw.block_bytes, time.perf_counter() - t0)
+            else:
+                sched.swap_failed(seq)
+        short = set()
+        for seq, blocks, keys, start in batch.swap_in:
+            t0 = time.perf_counter()
+            restored = sw.swap_in(blocks, keys)
+            sched.costs.observe_copy(restored * sw.block_bytes, time.perf_counter() - t0)
+            if restored < len(blocks):
+                seq.num_computed_tokens = start + restored * self.config.block_size
+                short.add(id(seq))
+        if not short:
+            return batch
+        keep = [(s, n) for s, n in zip(batch.seqs, batch.num_tokens) if id(s) not in short]
+        return ScheduledBatch([s for s, _ in keep], [n for _, n in keep], sum(1 for _, n in keep if n == 1))
+
     def step(self) -> list[RequestOutput]:
         batch: ScheduledBatch = self.scheduler.schedule()
+        if batch.swap_out or batch.swap_in:
+            batch = self._swap(batch)
         if not batch.seqs:
             return []
+        t0 = time.perf_counter()
         results = self.runner.run(batch)
+        if 2 * sum(n for n in batch.num_tokens if n > 1) >= sum(batch.num_tokens):  # mostly prefill: what recomputing costs
+            self.scheduler.costs.observe_prefill(sum(batch.num_tokens), time.perf_counter() - t0)
         now = time.monotonic()
         outputs = []
         for seq, n, res in zip(batch.seqs, batch.num_tokens, results):
@@ -230,6 +270,7 @@ class LLMEngine:
                 "prefix_queries": kv.prefix_queries, "prefix_hits": kv.prefix_hits,
                 "num_preemptions": sched.num_preemptions,
                 "num_priority_preemptions": sched.num_priority_preemptions,
+                "preemptions_by_mode": dict(sched.preemptions_by_mode),
                 "running_by_priority": dict(zip(PRIORITIES, running)),
                 "waiting_by_priority": dict(zip(PRIORITIES, sched.waiting.counts()))}
 

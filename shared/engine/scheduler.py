@@ -4,14 +4,13 @@ Every step takes all running decodes first, then fills the rest of the token bud
 prefill chunks; while decodes run, prompts get at most `max_prefill_tokens_with_decodes` of it,
 which bounds the step and so the streams' gaps.
 
-Priorities (interactive 0, normal 1, background 2): waiting sequences sit in one FIFO per level
-(`WaitingQueue`); the next admitted is the head with the best effective level, which improves by
-one per `priority_aging_s` seconds waited, so no level starves. A running sequence keeps the level
-it was admitted at. Prompt chunks go by level: a waiting sequence of a higher priority than a
-running prompt gets the budget before it. One that does not fit (blocks or `max_num_seqs`)
-preempts running sequences of strictly lower priority, lowest and newest first; a sequence
-preempted so `max_priority_preemptions` times is not preempted for priority again. With one
-priority in use all this is first-come-first-served, as before.
+The order and the preemptions follow the policy (policy.py: classes interactive / normal /
+background with their guarantees, shorter prompts first within a class, victims by score; or
+plain first-come-first-served with `policy="fcfs"`). Prompt chunks go by rank: a waiting prompt
+that outranks a running one gets the budget before it. One that does not fit (blocks or
+`max_num_seqs`) preempts running sequences the policy lets it preempt, best victims first, and
+only when that frees enough. When blocks run out for running sequences, the best victim among the
+others is preempted, and nothing new is admitted in that step (no thrashing).
 
 Siblings (the choices of a request with n > 1, `add(seq, after=first)`) wait outside the queue
 until the first one's prompt blocks are computed, then join the head of their level: the prefix
@@ -19,21 +18,24 @@ cache gives them those blocks, so the shared prompt is computed once and each si
 its partial last block. A sequence that wants its prompt's logprobs is admitted without prefix-cache
 hits: every position it needs is computed.
 
-Preemption is by recompute: the blocks are freed (their prefix-cache keys survive, so the
-sequence often gets them back) and the sequence returns to the head of its level. When blocks
-run out for running sequences, the lowest-priority newest one is preempted, and nothing new is
-admitted in that step (no thrashing).
+A preemption is by swap or by recompute (`preemption_mode`; "auto" compares their measured costs,
+policy.PreemptionCosts). Recompute frees the blocks (their prefix-cache keys survive, so the
+sequence often gets them back) and prefills prompt + generated tokens again; swap copies the
+blocks to host memory (swap.py) and back into fresh blocks when the sequence resumes. Either way
+the sequence continues exactly where it was (its seeded generator is its own).
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .kv_cache_manager import KVCacheManager
-from .sequence import PRIORITIES, Sequence, SequenceStatus
+from .policy import INTERACTIVE, NORMAL, PRIORITIES, Policy, PreemptionCosts
+from .sequence import Sequence, SequenceStatus
+from .swap import swap_keys
 
 
 @dataclass
@@ -44,73 +46,80 @@ class SchedulerConfig:
     # Most prompt tokens in a step that also runs decodes: bounds the step, so the running
     # streams' inter-token latency stays low while prompts still progress every step.
     max_prefill_tokens_with_decodes: int = 128
-    # A waiting sequence's effective priority improves by one level per this many seconds waited
-    # (0: no aging), so a steady stream of higher priorities never starves a lower one.
-    priority_aging_s: float = 10.0
-    # A sequence preempted this many times to make room for higher priorities is then left alone
-    # (out-of-blocks preemption still applies): its recompute cost stays bounded.
-    max_priority_preemptions: int = 2
+    policy: str = "priority"  # or "fcfs": one first-come-first-served queue (policy.py)
+    min_normal_share: float = 0.2  # of the output tokens, guaranteed to normal while it has work
+    share_window_tokens: int = 1024  # the shares are over about this many recent output tokens
+    min_run_s: float = 0.5  # a sequence resumed from a preemption is not preempted again sooner
+    short_first: bool = True  # within a class, shorter remaining prompts first
+    max_overtakes: int = 16  # ... until a request was overtaken this many times
+    preemption_mode: str = "auto"  # "swap", "recompute", or "auto": the cheaper by measured costs
+    # While an interactive request is here or came less than interactive_guard_s ago, the other
+    # prompts get at most this many tokens of a step between them: the next interactive prompt
+    # never waits behind a long chunk of a batch prompt (the step in progress bounds its wait).
+    max_prefill_tokens_near_interactive: int = 32
+    interactive_guard_s: float = 5.0
+
+
+class SwapOp(NamedTuple):
+    """A copy of a sequence's blocks to host memory or back; `start`: the token the first block begins at."""
+
+    seq: Sequence
+    block_ids: list[int]
+    keys: list[int]
+    start: int
 
 
 @dataclass
 class ScheduledBatch:
-    """Sequences of one step, decodes (one new token) first, with how many tokens each computes."""
+    """Sequences of one step, decodes (one new token) first, with how many tokens each computes;
+    and the KV copies to run before it, out to host memory first, then in."""
 
     seqs: list[Sequence]
     num_tokens: list[int]
     num_decodes: int
+    swap_out: list[SwapOp] = field(default_factory=list)
+    swap_in: list[SwapOp] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seqs)
 
 
 class WaitingQueue:
-    """Waiting sequences, one FIFO per priority level; a preempted one goes back to the head of its own.
+    """Waiting sequences in the policy's order (`Policy.waiting_key`): arrival order within a rank,
+    a preempted sequence back at the head of its class. With fcfs, one first-come-first-served queue."""
 
-    `peek` gives the head with the best effective level (its level less one per `aging_s` seconds
-    since it joined the queue, but never better than `floor`, the best priority present), ties to the
-    longer wait. Within a level the order is FIFO, so with one priority in use this is exactly a
-    single first-come-first-served queue, however long sequences wait."""
-
-    def __init__(self, aging_s: float, clock):
-        self.levels: list[deque[Sequence]] = [deque() for _ in PRIORITIES]
-        self.aging_s, self.clock = aging_s, clock
-        self.floor = 0
+    def __init__(self, policy: Policy):
+        self.policy = policy
+        self.seqs: list[Sequence] = []
+        self._next = 0  # arrival order
+        self._head = 0  # preempted sequences: before every arrival, the latest first
 
     def __len__(self) -> int:
-        return sum(len(q) for q in self.levels)
+        return len(self.seqs)
 
     def __iter__(self):
-        return (s for q in self.levels for s in q)
+        return iter(self.seqs)
 
     def append(self, seq: Sequence) -> None:
-        seq.queued_at = self.clock()
-        self.levels[seq.priority].append(seq)
+        seq.queue_order, self._next = self._next, self._next + 1
+        self.seqs.append(seq)
 
     def appendleft(self, seq: Sequence) -> None:
-        seq.queued_at = self.clock()
-        self.levels[seq.priority].appendleft(seq)
+        self._head -= 1
+        seq.queue_order = self._head
+        self.seqs.append(seq)
 
     def remove(self, seq: Sequence) -> None:
-        self.levels[seq.priority].remove(seq)
-
-    def effective_level(self, seq: Sequence, now: float) -> int:
-        if self.aging_s <= 0:
-            return seq.priority
-        return min(seq.priority, max(self.floor, seq.priority - int((now - seq.queued_at) // self.aging_s)))
+        self.seqs.remove(seq)
 
     def peek(self) -> Sequence | None:
-        now = self.clock()
-        return min((q[0] for q in self.levels if q), key=lambda s: (self.effective_level(s, now), s.queued_at),
-                   default=None)
+        return min(self.seqs, key=self.policy.waiting_key, default=None)
 
     def pop(self, seq: Sequence) -> None:
-        """Takes seq, the head of its level, out."""
-        assert self.levels[seq.priority][0] is seq
-        self.levels[seq.priority].popleft()
+        self.seqs.remove(seq)
 
     def counts(self) -> list[int]:
-        return [len(q) for q in self.levels]
+        return [sum(s.priority == p for s in self.seqs) for p in range(len(PRIORITIES))]
 
 
 @dataclass
@@ -121,10 +130,19 @@ class _Step:
     scheduled: dict[int, tuple[Sequence, int]] = field(default_factory=dict)  # id -> (seq, tokens)
     preempted: bool = False  # out of blocks: admit nothing more this step
     evicted: set[int] = field(default_factory=set)  # ids preempted in this step: not re-admitted in it
+    swap_out: list = field(default_factory=list)
+    swap_in: list = field(default_factory=list)
+    guard: int | None = None  # what is left for prompts that are not interactive (None: no cap)
+
+    def room(self, seq: Sequence) -> int:
+        """Tokens seq may still take in this step."""
+        return self.budget if self.guard is None or seq.priority == INTERACTIVE else min(self.budget, self.guard)
 
     def add(self, seq: Sequence, n: int) -> None:
         self.scheduled[id(seq)] = (seq, n)
         self.budget -= n
+        if self.guard is not None and seq.priority != INTERACTIVE:
+            self.guard -= n
 
     def drop(self, seq: Sequence) -> None:
         _, n = self.scheduled.pop(id(seq), (seq, 0))
@@ -134,20 +152,32 @@ class _Step:
         items = list(self.scheduled.values())
         decodes = [(s, n) for s, n in items if n == 1]
         prefills = [(s, n) for s, n in items if n != 1]
-        return ScheduledBatch([s for s, _ in decodes + prefills], [n for _, n in decodes + prefills], len(decodes))
+        return ScheduledBatch([s for s, _ in decodes + prefills], [n for _, n in decodes + prefills], len(decodes),
+                              self.swap_out, self.swap_in)
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, clock=time.monotonic):
-        self.config, self.kv = config, kv
-        self.waiting = WaitingQueue(config.priority_aging_s, clock)
+        if config.policy not in ("priority", "fcfs"):
+            raise ValueError(f"scheduling policy must be 'priority' or 'fcfs', not {config.policy!r}")
+        if config.preemption_mode not in ("auto", "swap", "recompute"):
+            raise ValueError(f"preemption mode must be auto, swap or recompute, not {config.preemption_mode!r}")
+        self.config, self.kv, self.clock = config, kv, clock
+        self.policy = Policy(config, lambda: self.clock())
+        self.waiting = WaitingQueue(self.policy)
         self.running: list[Sequence] = []
         self.held: list[Sequence] = []  # siblings waiting for their first one's prompt (add(after=...))
+        self.costs = PreemptionCosts()
+        self.swapper = None  # where swapped KV goes (swap.py); None: recompute only
         self.num_preemptions = 0
         self.num_priority_preemptions = 0
+        self.preemptions_by_mode = {"swap": 0, "recompute": 0}
+        self.last_interactive = float("-inf")  # when an interactive request last came (the clock's time)
 
     def add(self, seq: Sequence, after: Sequence | None = None) -> None:
         """after: a sequence with the same prompt, added before: seq waits until its prompt is cached."""
+        if seq.priority == INTERACTIVE:
+            self.last_interactive = self.clock()
         if after is not None and self.kv.enable_prefix_caching and not after.is_finished:
             seq.after = after
             self.held.append(seq)
@@ -171,7 +201,6 @@ class Scheduler:
     def adopt(self, seq: Sequence) -> None:
         """A sequence that arrives with its KV computed elsewhere joins the running set directly."""
         seq.status = SequenceStatus.RUNNING
-        seq.level = seq.priority
         self.running.append(seq)
 
     def detach(self, seq: Sequence) -> tuple[list[int], list[int]]:
@@ -193,27 +222,54 @@ class Scheduler:
     def blocks_next_step(self, new_prompts: int = 0) -> int:
         """At most how many free blocks the next schedule() takes, if `new_prompts` more prompts are
         queued before it: one per running sequence, plus, when prompts are to be computed, the step's
-        token budget in blocks and a partial block per sequence that prefills. What the engine's
-        owner keeps free (and uncached) before a step."""
+        token budget in blocks and a partial block per sequence that prefills, plus the blocks of the
+        swapped-out sequences that may resume (their KV comes back into fresh blocks). What the
+        engine's owner keeps free (and uncached) before a step."""
         prefilling = sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens > 1) + len(self.waiting)
         prefilling += new_prompts
         if not prefilling:
             return len(self.running)
         cfg = self.config
-        return len(self.running) + cfg.max_num_batched_tokens // self.kv.block_size + min(prefilling, cfg.max_num_seqs)
+        swapped = sum(len(s.swap_keys) for s in self.waiting if s.swapped_tokens)
+        return (len(self.running) + cfg.max_num_batched_tokens // self.kv.block_size + min(prefilling, cfg.max_num_seqs)
+                + swapped)
+
+    # -- preemption
+
+    def _mode(self, seq: Sequence) -> str:
+        k = seq.num_computed_tokens
+        nblocks = self.kv.blocks_needed(k)
+        sw = self.swapper
+        can_swap = sw is not None and sw.available(nblocks)
+        return self.costs.choose(self.config.preemption_mode, nblocks * (sw.block_bytes if sw else 0), k, can_swap)
 
     def _preempt(self, seq: Sequence, step: _Step, for_priority: bool = False) -> None:
+        mode = self._mode(seq)
         self.running.remove(seq)
         step.drop(seq)
         step.evicted.add(id(seq))
+        if mode == "swap":  # the blocks' bytes are copied out before the step reuses them
+            k = seq.num_computed_tokens
+            seq.swap_keys = swap_keys(seq.token_ids, k, self.kv.block_size, self.kv.model)
+            seq.swapped_tokens = k
+            step.swap_out.append(SwapOp(seq, seq.block_table[:len(seq.swap_keys)], seq.swap_keys, 0))
         self.kv.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        self.preemptions_by_mode[mode] += 1
         if for_priority:
             seq.num_priority_preemptions += 1
             self.num_priority_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def swap_failed(self, seq: Sequence) -> None:
+        """The engine could not copy seq's blocks out: it will recompute them instead."""
+        seq.swapped_tokens, seq.swap_keys = 0, []
+        self.preemptions_by_mode["swap"] -= 1
+        self.preemptions_by_mode["recompute"] += 1
+
+    # -- one step
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         return min(seq.num_tokens - seq.num_computed_tokens, budget, self.config.prefill_chunk_size)
@@ -222,53 +278,77 @@ class Scheduler:
         if self.held:
             self._release_held()
         step = _Step(self.config.max_num_batched_tokens)
-        present = [s.priority for s in self.running] + [p for p, q in enumerate(self.waiting.levels) if q]
-        self.waiting.floor = min(present, default=0)  # aging never passes the best priority present
-        by_level = sorted(self.running, key=lambda s: s.level)  # stable: in order within a level
+        pol = self.policy
+        pol.refresh(any(s.priority == NORMAL for s in self.running) or any(s.priority == NORMAL for s in self.waiting))
+        by_rank = sorted(self.running, key=pol.rank)  # stable: in order within a rank
         # Running decodes first, so a long prefill never stalls them; then the prompts, within a
         # smaller budget while decodes run (it bounds the step, hence the inter-token latency).
-        for seq in [s for s in by_level if s.num_tokens - s.num_computed_tokens <= 1]:
+        for seq in [s for s in by_rank if s.num_tokens - s.num_computed_tokens <= 1]:
             self._run(step, seq)
         if step.scheduled:
             step.budget = min(step.budget, self.config.max_prefill_tokens_with_decodes)
-        for seq in [s for s in by_level if s.num_tokens - s.num_computed_tokens > 1]:
-            self._admit(step, outranking=seq.level)  # waiting prompts of a higher priority go first
+        if not pol.fcfs and self._interactive_near():
+            step.guard = self.config.max_prefill_tokens_near_interactive
+        for seq in [s for s in by_rank if s.num_tokens - s.num_computed_tokens > 1]:
+            self._admit(step, before=seq)  # waiting prompts that outrank it go first
             self._run(step, seq)
         self._admit(step)
+        produced = [0] * len(PRIORITIES)  # a sequence whose chunk reaches its end samples a token
+        for seq, n in step.scheduled.values():
+            if seq.num_computed_tokens + n >= seq.num_tokens:
+                produced[seq.priority] += 1
+        pol.shares.record(produced)
         return step.batch()
 
+    def _interactive_near(self) -> bool:
+        return (self.clock() - self.last_interactive < self.config.interactive_guard_s
+                or any(s.priority == INTERACTIVE for s in self.running))
+
+    def _victim(self, others: list[Sequence]) -> Sequence:
+        """Out of blocks: fcfs preempts the newest; priority the best-scored, unprotected if it can."""
+        if self.policy.fcfs:
+            return others[-1]
+        pool = [s for s in others if not self.policy.protected(s)] or others
+        return max(pool, key=lambda s: self.policy.victim_score(s, self.kv.pool.num_blocks))
+
     def _run(self, step: _Step, seq: Sequence) -> None:
-        """Schedules a running sequence, preempting the lowest-priority newest others while blocks are short."""
-        if step.budget <= 0 or seq.status is not SequenceStatus.RUNNING or id(seq) in step.scheduled:
+        """Schedules a running sequence, preempting others while blocks are short."""
+        if step.room(seq) <= 0 or seq.status is not SequenceStatus.RUNNING or id(seq) in step.scheduled:
             return
-        n = self._chunk(seq, step.budget)
+        n = self._chunk(seq, step.room(seq))
         while not self.kv.allocate(seq, n):
-            others = [s for s in reversed(self.running) if id(s) not in step.scheduled]
-            victim = max(others, key=lambda s: s.level)  # the newest of the lowest priority
+            victim = self._victim([s for s in self.running if id(s) not in step.scheduled])
             self._preempt(victim, step)
             step.preempted = True
             if victim is seq:
                 return
         step.add(seq, n)
 
-    def _admit(self, step: _Step, outranking: int | None = None) -> None:
-        """Admits waiting sequences in queue order while the step has room (with `outranking`, only
-        those whose priority is higher than that level), making room by priority preemption."""
+    def _admit(self, step: _Step, before: Sequence | None = None) -> None:
+        """Admits waiting sequences in the policy's order while the step has room (with `before`, a
+        running prompt, only those that outrank it), making room by priority preemption."""
         while not step.preempted and step.budget > 0 and self.waiting:
             seq = self.waiting.peek()
-            if id(seq) in step.evicted or (outranking is not None and seq.priority >= outranking):
+            if (id(seq) in step.evicted or step.room(seq) <= 0
+                    or (before is not None and not self.policy.outranks(seq, before))):
                 return
-            n = self._chunk(seq, step.budget)
+            k = seq.swapped_tokens  # swapped out: k computed tokens wait in host memory
+            n, cached = min(seq.num_tokens - k, step.room(seq), self.config.prefill_chunk_size), seq.num_cached_tokens
             with self._prefix_hits(seq):
-                if len(self.running) >= self.config.max_num_seqs or not self.kv.allocate(seq, n):
-                    if not self._make_room(seq, n, step):
+                if len(self.running) >= self.config.max_num_seqs or not self.kv.allocate(seq, k + n):
+                    if not self._make_room(seq, k + n, step):
                         return
-            n = min(n, self._chunk(seq, step.budget))  # allocate() may have found a cached prefix
+            if k:
+                seq.num_cached_tokens = cached  # what its prompt found cached the first time
+                self._plan_swap_in(seq, step)
+            n = min(n, self._chunk(seq, step.room(seq)))  # allocate() may have found a cached prefix
             self.waiting.pop(seq)
+            self.policy.overtook(seq, list(self.waiting) + ([before] if before is not None else []))
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.time()
+            if seq.num_preemptions:
+                seq.resumed_at = self.clock()
             seq.status = SequenceStatus.RUNNING
-            seq.level = self.waiting.effective_level(seq, self.waiting.clock())
             self.running.append(seq)
             step.add(seq, n)
 
@@ -285,12 +365,22 @@ class Scheduler:
         finally:
             self.kv.enable_prefix_caching = True
 
+    def _plan_swap_in(self, seq: Sequence, step: _Step) -> None:
+        """seq's blocks are allocated: the leading ones the prefix cache still had are used as they
+        are, the rest are copied back from host memory before the step."""
+        k, keys, bs = seq.swapped_tokens, seq.swap_keys, self.kv.block_size
+        hit = min(seq.num_computed_tokens // bs, len(keys))
+        self.swapper.discard(keys[:hit])
+        if seq.num_computed_tokens < k:
+            step.swap_in.append(SwapOp(seq, seq.block_table[hit:len(keys)], keys[hit:], hit * bs))
+            seq.num_computed_tokens = k
+        seq.swapped_tokens, seq.swap_keys = 0, []
+
     def _make_room(self, seq: Sequence, n: int, step: _Step) -> bool:
-        """Preempts running sequences of a lower priority than seq (lowest level, newest first) until
-        seq gets a seat and its blocks; preempts nobody when that cannot be enough."""
-        cands = [s for s in reversed(self.running)
-                 if s.level > seq.priority and s.num_priority_preemptions < self.config.max_priority_preemptions]
-        cands.sort(key=lambda s: -s.level)  # stable: newest first within a level
+        """Preempts running sequences the policy lets seq preempt (best victims first) until seq
+        gets a seat and its blocks; preempts nobody when that cannot be enough."""
+        cands = [s for s in self.running if self.policy.may_preempt(s, seq)]
+        cands.sort(key=lambda s: -self.policy.victim_score(s, self.kv.pool.num_blocks))
         seats = len(self.running) - self.config.max_num_seqs + 1
         short = self.kv.blocks_short(seq, n)
         victims = []
@@ -317,4 +407,7 @@ class Scheduler:
                 self.waiting.remove(seq)
             except ValueError:
                 pass
+            if seq.swap_keys and self.swapper is not None:  # swapped out, never to resume
+                self.swapper.discard(seq.swap_keys)
+            seq.swapped_tokens, seq.swap_keys = 0, []
         self.kv.free(seq)

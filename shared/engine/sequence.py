@@ -72,9 +72,15 @@ class Sequence:
         self.num_cached_tokens = 0  # of the prompt, found in the prefix cache at admission
         self.num_preemptions = 0
         self.priority = priority  # its class: 0 interactive, 1 normal, 2 background
-        self.level = priority  # the level it runs at: its effective priority when admitted (aging)
-        self.queued_at = 0.0  # when it last joined the waiting queue (the scheduler's clock)
         self.num_priority_preemptions = 0  # preempted to make room for a higher priority
+        # The scheduler's bookkeeping (policy.py): its place in the waiting queue, how often later
+        # arrivals of its class went first, when it last resumed from a preemption, and, while
+        # swapped out, how many computed tokens wait in host memory under which block keys.
+        self.queue_order = 0
+        self.overtaken = 0
+        self.resumed_at: float | None = None
+        self.swapped_tokens = 0
+        self.swap_keys: list[int] = []
         self.first_token_time: float | None = None
         self.first_scheduled_time: float | None = None  # wall clock, for the queue-wait span
         self.generator: torch.Generator | None = None
@@ -107,6 +113,8 @@ class Sequence:
     def wants_prompt_logprobs(self) -> bool:
         """Its prompt logprobs are not all computed: its prompt must not come from the prefix cache."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+    def waiting(self) -> bool:
+        return self.status is SequenceStatus.WAITING
 
     @property
     def is_finished(self) -> bool:

@@ -1,0 +1,78 @@
+"""The scheduler's own queues: requests accepted but not yet sent to a worker, one queue per class
+per model, in the engine's order (meshserve.shared.engine.policy): arrival order within a size
+bucket, shorter prompts first, a request overtaken `max_overtakes` times by later ones of its
+class ranked as the shortest. With fcfs, one first-come-first-served queue per model.
+
+Pure bookkeeping: the scheduler decides what leaves (routing.py says where it may go).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from meshserve.shared.engine.policy import PRIORITIES, size_bucket
+from meshserve.shared.schemas import GenerateRequest
+
+MAX_OVERTAKES = 16
+
+
+@dataclass
+class Queued:
+    req: GenerateRequest
+    order: int
+    since: float = field(default_factory=time.monotonic)
+    overtaken: int = 0
+
+    @property
+    def priority(self) -> str:
+        return self.req.priority
+
+    def key(self, short_first: bool) -> tuple[int, int]:
+        if not short_first or self.overtaken >= MAX_OVERTAKES:
+            return 0, self.order
+        return size_bucket(len(self.req.prompt_token_ids) + len(self.req.output_token_ids)), self.order
+
+
+class ClassQueues:
+    """One model's waiting requests."""
+
+    def __init__(self, fcfs: bool = False):
+        self.fcfs = fcfs
+        self.queues: dict[str, list[Queued]] = {p: [] for p in PRIORITIES}
+        self._next = 0
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self.queues.values())
+
+    def count(self, priority: str) -> int:
+        """Requests of that class waiting here (with fcfs too, though they share one queue)."""
+        return len(self.queues[priority]) if not self.fcfs else sum(
+            1 for q in self.queues.values() for x in q if x.priority == priority)
+
+    def counts(self) -> dict[str, int]:
+        return {p: self.count(p) for p in PRIORITIES}
+
+    def push(self, req: GenerateRequest) -> None:
+        q = self.queues["normal" if self.fcfs else req.priority]
+        q.append(Queued(req, self._next))
+        self._next += 1
+
+    def heads(self) -> list[Queued]:
+        """The next request of each class, best class first (fcfs: the oldest request)."""
+        return [min(q, key=lambda x: x.key(not self.fcfs)) for q in self.queues.values() if q]
+
+    def pop(self, item: Queued) -> None:
+        q = self.queues["normal" if self.fcfs else item.priority]
+        q.remove(item)
+        for x in q:
+            if x.order < item.order:
+                x.overtaken += 1
+
+    def remove(self, request_id: str) -> bool:
+        for q in self.queues.values():
+            for x in q:
+                if x.req.request_id == request_id:
+                    q.remove(x)
+                    return True
+        return False

@@ -1,0 +1,334 @@
+"""Preemption by swap or recompute, the classes' guarantees under sustained load, and the mesh's
+own queues. Engine level on the tiny model with a fake clock (time counted in steps), then real
+meshes (nats-server, `meshserve up`)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+import time
+
+import httpx
+import pytest
+import torch
+
+from meshserve.shared.engine.llm_engine import EngineConfig, LLMEngine
+from meshserve.shared.engine.policy import PreemptionCosts
+from meshserve.shared.engine.scheduler import SchedulerConfig
+from meshserve.shared.engine.sequence import SamplingParams
+from meshserve.shared.model.llama import LlamaModel
+from meshserve.shared.model.weights import load_hf_dir
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama):
+    cfg, sd = load_hf_dir(tiny_llama)
+    model = LlamaModel.from_hf(cfg, sd, torch.float32)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist() for n in (7, 30, 12, 45, 20, 9, 26, 15)]
+    return model, prompts
+
+
+def engine(model, clock=None, blocks=4096, block_size=16, max_seqs=64, chunk=512, **sched) -> LLMEngine:
+    cfg = SchedulerConfig(max_num_batched_tokens=max(chunk, 64), prefill_chunk_size=chunk, max_num_seqs=max_seqs,
+                          **sched)
+    eng = LLMEngine(model, EngineConfig(block_size=block_size, num_kv_blocks=blocks, scheduler=cfg))
+    if clock is not None:
+        eng.scheduler.clock = clock
+    return eng
+
+
+def step(eng, clock, first, i):
+    for out in eng.step():
+        first.setdefault(out.request_id, i)
+    clock.t += 1
+
+
+# -- swap and recompute
+
+
+def test_the_cheaper_way_is_chosen_from_measured_rates():
+    c = PreemptionCosts(copy_bytes_per_s=1e9, prefill_tokens_per_s=1000.0)
+    assert c.choose("auto", nbytes=10_000_000, tokens=100, can_swap=True) == "swap"  # 2 x 10 ms vs 100 ms
+    c = PreemptionCosts(copy_bytes_per_s=1e8, prefill_tokens_per_s=1000.0)
+    assert c.choose("auto", nbytes=10_000_000, tokens=100, can_swap=True) == "recompute"  # 200 ms vs 100 ms
+    for _ in range(20):
+        c.observe_copy(10_000_000, 0.001)  # copies turn out fast: 10 GB/s
+    assert c.choose("auto", nbytes=10_000_000, tokens=100, can_swap=True) == "swap"
+    assert c.choose("auto", nbytes=10_000_000, tokens=100, can_swap=False) == "recompute"
+    assert c.choose("swap", nbytes=10**12, tokens=1, can_swap=True) == "swap"
+    assert c.choose("recompute", nbytes=1, tokens=10**6, can_swap=True) == "recompute"
+    assert c.choose("swap", nbytes=0, tokens=0, can_swap=True) == "recompute"  # nothing computed yet
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_a_seeded_sampled_stream_continues_its_sequence_through_preemptions(tiny, mode):
+    """A seeded, sampled background request preempted again and again by interactive ones (one
+    seat) samples the same tokens as when it runs alone."""
+    model, prompts = tiny
+    params = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    alone = engine(model).generate([prompts[1]], params)[0]
+    clock = Clock()
+    eng = engine(model, clock, max_seqs=1, preemption_mode=mode, min_run_s=0)
+    bg = eng.add_request("bg", prompts[1], params, priority="background")
+    first: dict[str, int] = {}
+    for i in range(200):
+        if i % 6 == 3 and i < 60:
+            eng.add_request(f"i{i}", prompts[i % 8], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
+                            priority="interactive")
+        if not eng.has_unfinished():
+            break
+        step(eng, clock, first, i)
+    assert bg.output_token_ids == alone
+    assert bg.num_preemptions >= 5 and eng.stats["preemptions_by_mode"][mode] == bg.num_preemptions
+
+
+def test_blocks_lost_from_host_memory_are_recomputed(tiny):
+    """A swap-in that finds only some of the blocks (in the mesh the host tier may have dropped
+    them) resumes from there and recomputes the rest: still the undisturbed greedy tokens."""
+    model, prompts = tiny
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    alone = engine(model, block_size=4).generate([prompts[3]], params)[0]
+    clock = Clock()
+    eng = engine(model, clock, block_size=4, max_seqs=1, preemption_mode="swap")
+    bg = eng.add_request("bg", prompts[3], params, priority="background")
+    first: dict[str, int] = {}
+    for i in range(4):
+        step(eng, clock, first, i)
+    eng.add_request("i", prompts[0], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+                    priority="interactive")
+    step(eng, clock, first, 4)
+    assert bg.swapped_tokens == 45 + 3 and len(bg.swap_keys) == 12  # 48 tokens in 12 blocks of 4
+    store = eng.scheduler.swapper.store
+    del store[bg.swap_keys[7]]  # blocks 7.. must be recomputed (the prefix cache may still hold 0-6)
+    i = 5
+    while eng.has_unfinished():
+        step(eng, clock, first, i)
+        i += 1
+    assert bg.output_token_ids == alone and not store
+
+
+# -- the guarantees under sustained interactive load
+
+
+def test_normal_gets_its_share_and_a_bounded_wait_under_a_steady_interactive_stream(tiny):
+    """Two interactive requests arrive every step, more than four seats serve: interactive
+    requests wait all the time. Normal requests arriving among them are still admitted within a
+    bounded number of steps and get about their 20% of the output tokens; background ones do not
+    start until the interactive stream stops, then finish. With no guaranteed share normal waits
+    as long as background does (the contrast)."""
+    model, prompts = tiny
+
+    def run(share):
+        clock = Clock()
+        eng = engine(model, clock, max_seqs=4, min_normal_share=share)
+        short = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        normal = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        arrived, first, tokens = {}, {}, {"normal": 0, "interactive": 0}
+        i, bg = 0, None
+        while i < 150 or eng.has_unfinished():
+            if i < 150:
+                for k in range(2):
+                    eng.add_request(f"i{i}.{k}", prompts[(i + k) % 8], short, priority="interactive")
+                if i == 1:  # the seats are taken by then
+                    bg = eng.add_request("bg", prompts[2], normal, priority="background")
+                if i % 15 == 5:
+                    arrived[f"n{i}"] = i
+                    eng.add_request(f"n{i}", prompts[i % 8], normal, priority="normal")
+            if i == 150:
+                assert bg.first_scheduled_time is None  # background: only on idle capacity
+            for out in eng.step():
+                first.setdefault(out.request_id, i)
+                if 20 <= i < 150:
+                    tokens["normal" if out.request_id.startswith("n") else "interactive"] += 1
+            clock.t += 1
+            i += 1
+        assert bg.is_finished and bg.num_output_tokens == 12
+        waits = [first[r] - a for r, a in arrived.items()]
+        return max(waits), tokens["normal"] / (tokens["normal"] + tokens["interactive"])
+
+    bound, share = run(0.2)
+    print(f"normal under a steady interactive stream: longest wait {bound} steps, output share {share:.2f}")
+    assert bound <= 3, bound  # admitted at once (it preempts an interactive one past its first token)
+    assert 0.15 <= share <= 0.35, share
+    starved, _ = run(0.0)
+    assert starved > 50  # without the guarantee: until the interactive stream ends
+
+
+def test_shorter_prompts_first_within_a_class_and_overtaking_is_bounded(tiny):
+    """A long background prompt waiting behind nothing but a stream of short ones: the short ones
+    go first, but it starts once overtaken max_overtakes times."""
+    model, prompts = tiny
+    long_prompt = (prompts[3] * 6)[:200]  # 200 tokens: two buckets above the short ones
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    eng = engine(model, max_seqs=1, max_overtakes=3)
+    eng.add_request("s0", prompts[0], params, priority="background")
+    eng.add_request("long", long_prompt, params, priority="background")
+    order = []
+    for i in range(40):
+        eng.add_request(f"s{i + 1}", prompts[(i + 1) % 8], params, priority="background")
+        for out in eng.step():
+            if out.request_id not in order:
+                order.append(out.request_id)
+    assert order.index("long") == 4, order  # s0 (there first), then three later short ones, then it
+    fcfs = engine(model, max_seqs=1, policy="fcfs")
+    for rid, p in (("s0", prompts[0]), ("long", long_prompt), ("s1", prompts[1])):
+        fcfs.add_request(rid, p, params, priority="background")
+    order = []
+    while fcfs.has_unfinished():
+        order += [o.request_id for o in fcfs.step() if o.request_id not in order]
+    assert order == ["s0", "long", "s1"]
+
+
+def test_batch_prompts_take_small_chunks_while_interactive_requests_come(tiny):
+    """No decodes running (a prefill worker): a long background prompt takes the whole step budget,
+    unless an interactive request came in the last interactive_guard_s; then it takes at most
+    max_prefill_tokens_near_interactive a step, and the interactive prompt all it needs."""
+    model, prompts = tiny
+    long_prompt = (prompts[3] * 6)[:200]
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+
+    def chunks(with_interactive: bool) -> list[list[tuple[str, int]]]:
+        clock = Clock()
+        eng = engine(model, clock, max_prefill_tokens_near_interactive=64, interactive_guard_s=5)
+        batches, schedule = [], eng.scheduler.schedule
+
+        def recorded():
+            batch = schedule()
+            batches.append([(s.request_id, n) for s, n in zip(batch.seqs, batch.num_tokens)])
+            clock.t += 2
+            return batch
+
+        eng.scheduler.schedule = recorded
+        if with_interactive:
+            eng.add_request("i", prompts[0], one, priority="interactive")
+        eng.add_request("bg", long_prompt, one, priority="background")
+        while eng.has_unfinished():
+            eng.step()
+        return batches
+
+    assert chunks(False) == [[("bg", 200)]]
+    # 64 a step while the interactive request is 0, 2 and 4 s old, then the rest at once
+    assert chunks(True) == [[("i", 7), ("bg", 64)], [("bg", 64)], [("bg", 64)], [("bg", 8)]]
+
+
+def test_fcfs_ignores_priorities(tiny):
+    """--scheduling fcfs: an interactive request waits its turn behind running and waiting
+    background ones, and nothing is preempted for it."""
+    model, prompts = tiny
+    eng = engine(model, max_seqs=2, policy="fcfs")
+    long = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    for i in range(4):
+        eng.add_request(f"bg{i}", prompts[i], long, priority="background")
+    first: dict[str, int] = {}
+    clock = Clock()
+    step(eng, clock, first, 0)
+    eng.add_request("inter", prompts[5], long, priority="interactive")
+    i = 1
+    while eng.has_unfinished():
+        step(eng, clock, first, i)
+        i += 1
+    assert first["inter"] > max(first[f"bg{k}"] for k in range(4))
+    assert eng.scheduler.num_preemptions == 0
+
+
+# -- the mesh
+
+
+def stream_events(url: str, model: str, prompt: str, n: int, priority: str, events: list, name: str) -> str:
+    """One streaming completion; appends ("first"/"tok"/"done", name, time) to events."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=url + "/v1", api_key="unused", timeout=120)
+    text = ""
+    for c in client.completions.create(model=model, prompt=prompt, max_tokens=n, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True, "priority": priority}):
+        piece = c.choices[0].text if c.choices else ""
+        if piece:
+            events.append(("first" if not text else "tok", name, time.monotonic()))
+        text += piece
+    events.append(("done", name, time.monotonic()))
+    return text
+
+
+def test_mesh_interactive_preempts_background_by_swap_and_both_resume_exactly(tiny_llama, tmp_path):
+    """One worker with two seats, both taken by long background streams: an interactive request
+    preempts one of them (its KV goes to the kv-pool's host tier, block ids only on the bus) long
+    before either finishes; the background streams resume and still give the engine's tokens.
+    /metrics counts the preemption by mode."""
+    from mesh_util import Mesh
+    from meshserve.shared.engine.llm import LLM
+
+    with Mesh(tiny_llama, tmp_path, prefill=0, decode=1,
+              extra=["--max-num-seqs", "2", "--preemption-mode", "swap"]) as mesh:
+        prompts = ["The quick brown fox", "Once upon a time"]
+        events: list = []
+        with concurrent.futures.ThreadPoolExecutor(3) as ex:
+            bg = [ex.submit(stream_events, mesh.url, mesh.model, p, 200, "background", events, f"bg{i}")
+                  for i, p in enumerate(prompts)]
+            deadline = time.monotonic() + 60
+            while sum(e[0] == "first" for e in list(events)) < 2 and time.monotonic() < deadline:
+                time.sleep(0.002)
+            sent = len(events)
+            inter = ex.submit(stream_events, mesh.url, mesh.model, "Tell me a joke", 8, "interactive", events, "i")
+            texts = [f.result(timeout=120) for f in bg] + [inter.result(timeout=120)]
+        at_first = next(k for k, e in enumerate(events) if e[:2] == ("first", "i"))
+        bg_tokens_meanwhile = sum(e[1] != "i" for e in events[sent:at_first])
+        assert not any(e[0] == "done" for e in events[:at_first]), "the background streams finished first"
+        assert bg_tokens_meanwhile < 100, bg_tokens_meanwhile  # waiting for a seat would be ~200
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the worker's next heartbeat carries its counters
+            status = mesh.ask("scheduler.status")
+            if status["preemptions_by_mode"].get("swap", 0) >= 1:
+                break
+            time.sleep(0.1)
+        assert status["preemptions_by_mode"]["swap"] >= 1 and status["num_priority_preemptions"] >= 1
+        metrics = httpx.get(mesh.url + "/metrics").text
+        swapped = re.search(r'^meshserve:preemptions_total\{[^}]*mode="swap"[^}]*\} (\S+)$', metrics, re.M)
+        assert swapped and float(swapped.group(1)) >= 1, metrics
+        pool = mesh.ask("kv.node0.status")
+        assert pool["swap"]["swapped_out"] > 0 and pool["swap"]["swapped_in"] > 0
+    llm = LLM(str(tiny_llama), "float32")
+    want = [c.text for c in llm.generate(prompts + ["Tell me a joke"],
+                                         [SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)] * 2
+                                         + [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)])]
+    assert texts == want
+
+
+def test_mesh_queues_requests_instead_of_parking_them_behind_a_busy_worker(tiny_llama, tmp_path):
+    """Two workers of one seat each. On the idle mesh, requests one after another start at once
+    (admission does not wait for a heartbeat). With one worker busy on a long request, short
+    requests all go to the other one as it frees up: none is parked behind the long one."""
+    from mesh_util import Mesh
+
+    with Mesh(tiny_llama, tmp_path, prefill=0, decode=2, extra=["--max-num-seqs", "1"]) as mesh:
+        deadline = time.monotonic() + 60
+        while len(mesh.ask("scheduler.status")["workers"]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for k in range(5):
+            stream_events(mesh.url, mesh.model, f"Hello {k}", 2, "background", [], "r")
+        wait = mesh.ask("scheduler.status")["queue_wait"]
+        assert wait["count"] == 5 and wait["max_s"] < 0.05, wait  # a heartbeat is every 0.5 s
+
+        events = []
+        with concurrent.futures.ThreadPoolExecutor(5) as ex:
+            long = ex.submit(stream_events, mesh.url, mesh.model, "Once upon a time", 230, "background", events,
+                             "long")
+            while not any(e[0] == "first" for e in list(events)) and time.monotonic() < deadline + 60:
+                time.sleep(0.002)
+            shorts = [ex.submit(stream_events, mesh.url, mesh.model, f"Numbers: {k}", 10, "background", events,
+                                f"s{k}") for k in range(4)]
+            for f in shorts + [long]:
+                f.result(timeout=120)
+        done = [e[1] for e in events if e[0] == "done"]
+        assert done[-1] == "long", done
+        status = mesh.ask("scheduler.status")
+        assert status["queued_by_priority"] == {"interactive": 0, "normal": 0, "background": 0}
