@@ -295,7 +295,7 @@ def test_mesh_interactive_preempts_background_by_swap_and_both_resume_exactly(ti
         swapped = re.search(r'^meshserve:preemptions_total\{[^}]*mode="swap"[^}]*\} (\S+)$', metrics, re.M)
         assert swapped and float(swapped.group(1)) >= 1, metrics
         pool = mesh.ask("kv.node0.status")
-        assert pool["swap"]["swapped_out"] > 0 and pool["swap"]["swapped_in"] > 0
+        assert pool["swap"]["swapped_out"] > 0 and pool["swap"]["swapped_in"] > 0, (pool, mesh.log.read_text()[-4000:])
     llm = LLM(str(tiny_llama), "float32")
     want = [c.text for c in llm.generate(prompts + ["Tell me a joke"],
                                          [SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)] * 2
