@@ -112,21 +112,52 @@ class Bus:
                       headers: dict[str, str] | None = None) -> M:
         """One request/reply. A service that is not subscribed yet (start-up order) is waited for,
         within the same timeout, instead of failing at once with "no responders"."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            try:
-                resp = await self.nc.request(subject, msg.encode(), timeout=max(0.05, deadline - loop.time()),
-                                             headers=headers or None)
-                break
-            except nats.errors.NoRespondersError:
-                if loop.time() + NO_RESPONDERS_MARGIN_S > deadline:
-                    raise
-                await asyncio.sleep(NO_RESPONDERS_WAIT_S)
+        resp = await self._request(subject, msg.encode(), timeout, headers)
         error = reply_error(resp)
         if error is not None:
             raise RuntimeError(f"{subject}: {error}")
         return reply.decode(resp.data)
+
+    async def send(self, subject: str, msg: Message, timeout: float = 3.0) -> None:
+        """Publishes and waits for the receiver's acknowledgement (`ack`). NATS drops a message
+        whose receiver is disconnected at that moment (a restarted nats-server, reconnecting), so a
+        message that must arrive is sent this way. Raises NoRespondersError when nobody was
+        subscribed within the timeout (it certainly went nowhere), TimeoutError when no
+        acknowledgement came (it may have arrived)."""
+        await self._request(subject, msg.encode(), timeout, None)
+
+    async def deliver(self, subject: str, msg: Message, within: float = 30.0, timeout: float = 3.0) -> bool:
+        """`send`, again until acknowledged or `within` seconds passed; for messages whose receiver
+        takes a repeat as a no-op. False (and a warning) when it never was."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
+        while True:
+            try:
+                await self.send(subject, msg, timeout=min(timeout, max(0.1, deadline - loop.time())))
+                return True
+            except (nats.errors.Error, asyncio.TimeoutError) as e:
+                if loop.time() + 0.1 >= deadline:
+                    log.warning("%s: not acknowledged within %gs (%s)", subject, within, e or type(e).__name__)
+                    return False
+                await asyncio.sleep(0.1)
+
+    @staticmethod
+    async def ack(msg) -> None:
+        """Acknowledges a message sent with `send`/`deliver` (a plain publish has no reply subject)."""
+        if msg.reply:
+            await msg.respond(b"")
+
+    async def _request(self, subject: str, data: bytes, timeout: float, headers: dict[str, str] | None):
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            try:
+                return await self.nc.request(subject, data, timeout=max(0.05, deadline - loop.time()),
+                                             headers=headers or None)
+            except nats.errors.NoRespondersError:
+                if loop.time() + NO_RESPONDERS_MARGIN_S > deadline:
+                    raise
+                await asyncio.sleep(NO_RESPONDERS_WAIT_S)
 
     async def respond_error(self, msg, error: str) -> None:
         """Answers a request with an error (what `request` raises as RuntimeError on the other end)."""

@@ -38,6 +38,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import nats.errors
 import orjson
 
 from meshserve.shared.bus import Bus
@@ -60,6 +61,7 @@ from .routing import (WorkerView, pick_admission, pick_decode, pick_idle_for_sho
 log = logging.getLogger("meshserve.scheduler")
 
 HELLO_INTERVAL = 1.0
+DELIVERY_TIMEOUT = 3.0  # a worker acknowledges a request or a handoff within this (its event loop is free)
 
 
 @dataclass
@@ -83,6 +85,7 @@ class Scheduler:
         self.requests: dict[str, Tracked] = {}
         self.aborted: set[str] = set()
         self.id = uuid.uuid4().hex  # new at each start: the gateways re-submit what an older one held
+        self.tasks: set[asyncio.Task] = set()  # deliveries waiting for their acknowledgement
         tenants = getattr(args, "tenants", None)
         self.admission = Admission(load_tenants(tenants) if tenants else None)
         self.roles = ElasticRoles(enabled=not getattr(args, "fixed_roles", False))
@@ -225,7 +228,36 @@ class Scheduler:
             w.assigned.add(req.request_id)
             w.admitted[req.request_id] = (req.priority, len(req.prompt_token_ids) + len(req.output_token_ids))
             w.sent[req.priority] = w.sent.get(req.priority, 0) + 1
-            await self.bus.publish(self.bus.subjects.worker(w.hb.worker_id, "prefill"), req)
+        self._spawn(self._deliver(req, w.hb.worker_id))
+
+    async def _deliver(self, req: GenerateRequest, worker: str) -> None:
+        """Sends a request to its worker, acknowledged: a worker reconnecting to a restarted
+        nats-server misses plain messages. Nobody there: it goes back to the head of its queue;
+        no acknowledgement: it may have arrived, so the gateway re-submits it as a new attempt
+        (a worker running the old one drops it on seeing the new)."""
+        try:
+            await self.bus.send(self.bus.subjects.worker(worker, "prefill"), req, timeout=DELIVERY_TIMEOUT)
+            return
+        except nats.errors.NoRespondersError:
+            lost = False
+        except (nats.errors.Error, asyncio.TimeoutError):
+            lost = True
+        t = self.requests.get(req.request_id)
+        if t is None or t.req.attempt != req.attempt or t.worker != worker:
+            return  # ended or moved on meanwhile
+        log.warning("request %s: worker %s did not take it; %s", req.request_id, worker[:8],
+                    "re-submitted by its gateway" if lost else "queued again")
+        self._unassign(req.request_id, worker)
+        if lost:
+            await self._lost(self.requests.pop(req.request_id).req)
+            return
+        t.worker = None
+        self.queues.setdefault(req.model, ClassQueues(self.fcfs)).push(req, first=True)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
     def _first_choice_worker(self, req: GenerateRequest, cands: list[WorkerView]) -> WorkerView | None:
         """A later choice (n > 1) goes where its first choice is being prefilled: that worker's
@@ -241,6 +273,8 @@ class Scheduler:
         self._unassign(rid, src)
         s = self.bus.subjects
         current = self.requests.get(rid)
+        if current is not None and current.worker not in (None, src) and current.req.attempt == h.request.attempt:
+            return  # a repeat (its acknowledgement was lost): it was handed over already
         superseded = current is not None and current.req.attempt != h.request.attempt
         if rid in self.aborted or current is None or superseded:
             # Nobody wants it any more (or a newer attempt runs): give the blocks back on the
@@ -259,15 +293,38 @@ class Scheduler:
         with span("scheduler.handoff", h.request.trace, request_id=rid, src=src, dst=dst.hb.worker_id,
                   blocks=len(h.block_ids), cross_node=remote):
             if not remote:  # one node: one reference per block moves; cross-node, the decode worker pulls them
-                t = await self.bus.request(s.kv("transfer", h.node_id), BlockTransfer(
-                    from_worker=src, to_worker=dst.hb.worker_id, block_ids=h.block_ids), TransferReply)
-                if not t.ok:  # the prefill worker died and its blocks were reclaimed: start over
+                try:
+                    t = await self.bus.request(s.kv("transfer", h.node_id), BlockTransfer(
+                        from_worker=src, to_worker=dst.hb.worker_id, block_ids=h.block_ids), TransferReply)
+                except (nats.errors.Error, asyncio.TimeoutError, RuntimeError) as e:
+                    log.warning("request %s: the kv-pool did not transfer its blocks (%s)", rid, e)
+                    t = None
+                if t is None or not t.ok:  # the prefill worker died and its blocks were reclaimed: start over
                     await self._lost(self.requests.pop(rid).req)
                     return
             self.requests[rid].worker = dst.hb.worker_id
             dst.assigned.add(rid)
-            await self.bus.publish(s.worker(dst.hb.worker_id, "adopt"), h)
+            self._spawn(self._deliver_adopt(h, dst.hb.worker_id, remote))
         await self.dispatch(h.request.model)  # a seat on the prefill worker is free
+
+    async def _deliver_adopt(self, h: Handoff, dst: str, remote: bool) -> None:
+        """The adopt message, acknowledged (see _deliver). Undelivered, the blocks now dst's go back
+        to the pool on its behalf and the gateway re-submits the request."""
+        rid = h.request.request_id
+        try:
+            await self.bus.send(self.bus.subjects.worker(dst, "adopt"), h, timeout=DELIVERY_TIMEOUT)
+            return
+        except nats.errors.NoRespondersError:
+            if not remote:
+                await self.bus.publish(self.bus.subjects.kv("release", h.node_id),
+                                       BlockRefs(worker_id=dst, block_ids=h.block_ids))
+        except (nats.errors.Error, asyncio.TimeoutError):
+            pass
+        t = self.requests.get(rid)
+        if t is not None and t.req.attempt == h.request.attempt and t.worker == dst:
+            log.warning("request %s: worker %s did not take the handoff; re-submitted by its gateway", rid, dst[:8])
+            self._unassign(rid, dst)
+            await self._lost(self.requests.pop(rid).req)
 
     async def done(self, d: Done) -> None:
         t = self.requests.get(d.request_id)
@@ -370,9 +427,11 @@ class Scheduler:
             await msg.respond(reply.encode())
 
         async def on_handoff(msg):
+            await self.bus.ack(msg)
             await self.handoff(Handoff.decode(msg.data))
 
         async def on_done(msg):
+            await self.bus.ack(msg)
             await self.done(Done.decode(msg.data))
 
         async def on_abort(msg):

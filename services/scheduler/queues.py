@@ -53,9 +53,10 @@ class ClassQueues:
     def counts(self) -> dict[str, int]:
         return {p: self.count(p) for p in PRIORITIES}
 
-    def push(self, req: GenerateRequest) -> None:
+    def push(self, req: GenerateRequest, first: bool = False) -> None:
+        """first: ahead of every request of its class (one that a worker did not take)."""
         q = self.queues["normal" if self.fcfs else req.priority]
-        q.append(Queued(req, self._next))
+        q.append(Queued(req, -self._next if first else self._next, overtaken=MAX_OVERTAKES if first else 0))
         self._next += 1
 
     def heads(self) -> list[Queued]:

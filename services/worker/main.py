@@ -75,6 +75,7 @@ class Worker:
         self.received: dict[str, float] = {}  # wall clock, for the queue and prefill spans
         self.decode_start: dict[str, float] = {}
         self.tokens_streamed = 0
+        self.deliveries: set[asyncio.Task] = set()  # messages to the scheduler awaiting its acknowledgement
         self.unpublished: list[RequestOutput] = []  # a decode step's outputs, streamed while the next step runs
         self.received_by_priority = dict.fromkeys(PRIORITIES, 0)  # requests the scheduler sent to prefill
 
@@ -130,6 +131,8 @@ class Worker:
     async def stop(self) -> None:
         for t in self.tasks:
             t.cancel()
+        if self.deliveries:
+            await asyncio.wait(self.deliveries, timeout=2.0)
         await self.blocks.close()
         await self.bus.nc.flush()
 
@@ -141,11 +144,13 @@ class Worker:
         self.wake.set()
 
     async def _on_request(self, msg) -> None:
+        await self.bus.ack(msg)
         req = GenerateRequest.decode(msg.data)
         self.received_by_priority[req.priority] += 1
         self._post("request", req)
 
     async def _on_adopt(self, msg) -> None:
+        await self.bus.ack(msg)
         h = Handoff.decode(msg.data)
         if h.node_id != self.args.node_id:  # prefilled on another node: its blocks come over first
             self.blocks.import_remote(h)
@@ -372,7 +377,7 @@ class Worker:
         self.attempts.pop(request_id, None)
         seq, blocks, shared = await self.blocks.detach(request_id)
         with telemetry.span("kv.handoff", req.trace, worker=self.id, request_id=request_id, blocks=len(blocks)):
-            await self.bus.publish(self.bus.subjects.handoff, Handoff(
+            self._deliver(self.bus.subjects.handoff, Handoff(
                 request=req, token_ids=seq.token_ids, block_ids=blocks, shared_block_ids=shared,
                 num_computed_tokens=seq.num_computed_tokens, num_cached_tokens=seq.num_cached_tokens,
                 next_seq=self.chunk_seq.pop(request_id), from_worker=self.id, node_id=self.args.node_id))
@@ -380,8 +385,15 @@ class Worker:
     async def _done(self, request_id: str, reason: str | None, attempt: int | None = None) -> None:
         self.chunk_seq.pop(request_id, None)
         attempt = self.attempts.pop(request_id, 0) if attempt is None else attempt
-        await self.bus.publish(self.bus.subjects.done, Done(request_id=request_id, worker_id=self.id,
-                                                            finish_reason=reason, attempt=attempt))
+        self._deliver(self.bus.subjects.done, Done(request_id=request_id, worker_id=self.id,
+                                                   finish_reason=reason, attempt=attempt))
+
+    def _deliver(self, subject: str, msg) -> None:
+        """Handoffs and ends go to the scheduler acknowledged, in the background: one reconnecting to
+        a restarted nats-server would miss them, and the request would hang (or hold a seat)."""
+        task = asyncio.ensure_future(self.bus.deliver(subject, msg))
+        self.deliveries.add(task)
+        task.add_done_callback(self.deliveries.discard)
 
     def _pending_tokens(self) -> tuple[int, int]:
         """(prompt tokens not yet computed, output tokens not yet generated) of its sequences."""
