@@ -181,7 +181,9 @@ def start_mesh(a: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "meshserve.cli.main", "up", "--model", a.model, "--dtype", a.dtype,
            "--port", str(port), "--nats-port", str(_free_port()), "--prefill", str(a.prefill),
            "--decode", str(a.decode), *shlex.split(a.mesh_args or "")]
-    up = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = getattr(a, "mesh_log", None)
+    out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - the child keeps it
+    up = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if log else subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + a.mesh_startup_timeout
     while time.monotonic() < deadline:

@@ -77,8 +77,12 @@ class Restarts:
         self.due: float | None = None  # when the pending restart may happen
         self.count = 0
 
-    def died(self, now: float) -> float | None:
-        """The delay before restarting, or None: it failed too often in a row, give up."""
+    def died(self, now: float, code: int | None = None) -> float | None:
+        """The delay before restarting, or None: it failed too often in a row, give up. A clean exit
+        (code 0: a SIGTERM drained it, the rolling-restart way) is restarted at once, not counted."""
+        if code == 0:
+            self.due = now
+            return 0.0
         self.quick_failures = self.quick_failures + 1 if now - self.started < QUICK_FAILURE_S else 1
         if self.quick_failures > RESTART_LIMIT:
             return None
@@ -123,12 +127,15 @@ class Launcher:
                 continue
             r = self.restarts[name]
             if r.due is None:
-                delay = r.died(now)
+                delay = r.died(now, p.returncode)
                 if delay is None:
                     raise GiveUp(f"{name} exited with code {p.returncode} {r.quick_failures} times in a row, "
                                  f"each within {QUICK_FAILURE_S:g}s of its start; giving up on it")
-                log.warning("%s exited with code %s: restarting it in %.1fs (quick failure %d of %d)", name,
-                            p.returncode, delay, r.quick_failures, RESTART_LIMIT)
+                if p.returncode == 0:
+                    log.info("%s exited cleanly: restarting it", name)
+                else:
+                    log.warning("%s exited with code %s: restarting it in %.1fs (quick failure %d of %d)", name,
+                                p.returncode, delay, r.quick_failures, RESTART_LIMIT)
             if now >= r.due:
                 r.due, r.count = None, r.count + 1
                 self.spawn(name, self.cmds[name], self.envs[name])

@@ -159,7 +159,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
             ("compare", "bench.compare", "one workload against the mesh, the engine, Transformers, llama.cpp"),
             ("bench-roles", "bench.roles_bench", "elastic prefill/decode roles against fixed splits"),
             ("bench-sched", "bench.sched_bench", "scheduling: priority vs fcfs, interactive TTFT under a batch, "
-                                                 "swap vs recompute")):
+                                                 "swap vs recompute"),
+            ("bench-soak", "bench.soak_bench", "minutes of load with a fault every few minutes: nothing lost")):
         sp = sub.add_parser(name, add_help=False, help=text)
         sp.set_defaults(func=lambda a, m=module: __import__(f"meshserve.{m}", fromlist=["main"]).main(a.rest),
                         passthrough=True)

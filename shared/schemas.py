@@ -194,6 +194,8 @@ class Heartbeat(Message):
     # yet computed, and output tokens not yet generated (max_tokens less those done).
     pending_prefill_tokens: int = 0
     pending_decode_tokens: int = 0
+    # SIGTERM: it takes nothing new, hands its sequences on (or finishes them) and exits.
+    draining: bool = False
     time: float
 
 

@@ -354,3 +354,27 @@ def test_transformers_static_batches_take_what_has_arrived(monkeypatch):
     assert batches[2][0] - batches[0][0] >= 0.19  # the second burst was waited for
     for q, r in zip(reqs, results):
         assert r.output_tokens == q.output_len and len(r.chunk_times) == q.output_len and r.start == q.arrival
+
+
+def test_soak_report_counts_every_outcome_and_flags_the_bad_ones():
+    """bench-soak's verdict: a wrong text, a cut stream or a hang fails the run; a lost connection
+    counts as allowed only when a gateway kill happened during the request."""
+    import argparse
+
+    from meshserve.bench.soak_bench import report
+
+    a = argparse.Namespace(window=30.0, argv=[], minutes=1, fault_every=20, rate=1)
+    refs = [{"text": "abc"}, {"text": "xyz"}]
+    faults = [{"fault": "kill9:decode", "at": 10.0, "pid": 1}, {"fault": "kill9:gateway", "at": 100.0, "pid": 2}]
+
+    def r(start, e2e, outcome, ref=0, text="abc"):
+        return {"start": start, "e2e": e2e, "ttft": 0.1, "outcome": outcome, "ref": ref, "text": text}
+
+    good = [r(0, 1, "ok"), r(11, 2, "ok", 1, "xyz"), r(50, 1, "ok"), r(99, 5, "connection_lost"), r(12, 1, "failed")]
+    out = report(a, refs, good, faults, 0.0, {}, {})
+    assert out["ok"] and out["accepted"] == 5
+    assert out["outcomes"] == {"identical": 3, "different": 0, "failed": 1, "connection_lost": 1, "cut": 0, "hung": 0}
+    assert [out["latency"][p]["n"] for p in ("before", "during", "after")] == [1, 1, 1]
+    assert out["faults"][0]["serving_again_after_s"] == 3.0  # the request started at 11 ended at 13
+    for bad in (r(20, 1, "ok", 1, "abc"), r(20, 1, "cut"), r(20, 1, "hung"), r(20, 1, "connection_lost")):
+        assert not report(a, refs, good + [bad], faults, 0.0, {}, {})["ok"], bad

@@ -121,6 +121,36 @@ def test_kill9_mid_load_loses_nothing(mesh, reference, service):
     assert mesh.proc.poll() is None
 
 
+def test_sigterm_rolling_restart_loses_nothing(mesh, reference):
+    """SIGTERM to each worker in turn, mid-load: it takes nothing new, hands its sequences on (or
+    finishes those nobody else can take), exits cleanly and the launcher starts it again at once.
+    Unlike kill -9, no stream may end with an error."""
+    client = OpenAI(base_url=mesh.url + "/v1", api_key="unused", timeout=90, max_retries=0)
+    for service in ("prefill", "decode"):
+        _all_back(mesh, time.monotonic() + RECOVERY_S)
+        received = [0] * len(PROMPTS)
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as ex:
+            futures = [ex.submit(_stream, client, mesh.model, p, received, i) for i, p in enumerate(PROMPTS)]
+            deadline = time.monotonic() + 60
+            while not all(received) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert all(received), "the streams did not start"
+            pid = mesh.service_pid(service)
+            os.kill(pid, signal.SIGTERM)
+            at_term = list(received)
+            outcomes = [f.result(timeout=120) for f in futures]
+        assert min(at_term) < MAX_TOKENS / 2, f"the SIGTERM came late: {at_term} chunks received"
+        for (kind, text), want in zip(outcomes, reference):
+            assert (kind, text) == ("ok", want), f"{service}: a stream ended {kind}: {text[:200]!r}"
+        deadline = time.monotonic() + RECOVERY_S
+        while mesh.service_pid(service) in (None, pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert mesh.service_pid(service) not in (None, pid), "the launcher did not start it again"
+        log = mesh.log.read_text()
+        assert f"{service}-0 exited cleanly" in log  # drained: not counted as a failure
+        assert " drained" in log and "left to be re-dispatched" not in log
+
+
 def test_launcher_restarts_with_backoff_then_gives_up(monkeypatch, tmp_path):
     """A child that keeps dying at once is restarted RESTART_LIMIT times, then the launcher gives up
     saying why; one that ran long enough starts a fresh count."""

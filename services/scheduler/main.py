@@ -96,7 +96,8 @@ class Scheduler:
     # -- views
 
     def alive(self, model: str, roles: tuple[str, ...]) -> list[WorkerView]:
-        return [w for w in self.workers.values() if self.role_of(w) in roles and w.hb.model == model]
+        return [w for w in self.workers.values()
+                if self.role_of(w) in roles and w.hb.model == model and not w.hb.draining]
 
     def role_of(self, w: WorkerView) -> str:
         """The role it is routed by: a worker told to switch counts in its new role at once."""
@@ -377,6 +378,8 @@ class Scheduler:
         """Orders at most one role switch per node (roles.py decides)."""
         nodes: dict[tuple[str, str], list[Load]] = {}
         for w in self.workers.values():
+            if w.hb.draining:  # leaving: neither counted nor switched
+                continue
             nodes.setdefault((w.hb.model, w.hb.node_id), []).append(Load(
                 w.hb.worker_id, w.hb.role, w.hb.pending_prefill_tokens, w.hb.pending_decode_tokens,
                 w.hb.num_running))

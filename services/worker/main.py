@@ -76,6 +76,7 @@ class Worker:
         self.decode_start: dict[str, float] = {}
         self.tokens_streamed = 0
         self.deliveries: set[asyncio.Task] = set()  # messages to the scheduler awaiting its acknowledgement
+        self.draining = False  # SIGTERM came: taking nothing new (drain)
         self.unpublished: list[RequestOutput] = []  # a decode step's outputs, streamed while the next step runs
         self.received_by_priority = dict.fromkeys(PRIORITIES, 0)  # requests the scheduler sent to prefill
 
@@ -127,6 +128,22 @@ class Worker:
         self.tasks = [asyncio.ensure_future(self._heartbeats()), asyncio.ensure_future(self._run())]
         log.info("worker %s ready: %s, %d KV blocks of the arena leased", self.id, self.role,
                  self.engine.block_pool.num_free)
+
+    async def drain(self, timeout: float) -> None:
+        """SIGTERM: take nothing new (the heartbeat says so), hand every sequence on as a prefill
+        worker does (after its first token, for those still prefilling), or finish it where no
+        other worker can take it; return once none is left, or after `timeout` (what is left
+        then is re-dispatched by the scheduler as for a lost worker)."""
+        if getattr(self, "engine", None) is None:  # still starting: nothing to hand on
+            return
+        self.draining = True
+        self._post("role", RoleSwitch(role="prefill", reason="draining"))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while (self.streams or self.inbox) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        log.info("worker %s drained%s", self.id,
+                 "" if not self.streams else f"; {len(self.streams)} sequences left to be re-dispatched")
 
     async def stop(self) -> None:
         for t in self.tasks:
@@ -306,6 +323,8 @@ class Worker:
         a decode worker and the ones still prefilling after their first token, as a prefill worker
         does. Heartbeats at once, which is how the scheduler learns the switch is done."""
         t0, old = time.perf_counter(), self.role
+        if self.draining and m.reason != "draining":
+            return  # leaving: it stays a prefill worker that nobody routes to
         if m.role == old:
             await self._heartbeat()
             return
@@ -438,7 +457,8 @@ class Worker:
             running_by_priority=stats["running_by_priority"], waiting_by_priority=self._waiting_by_priority(stats),
             received_by_priority=dict(self.received_by_priority), preemptions_by_mode=stats["preemptions_by_mode"],
             io_cpu_s=time.thread_time(), tokens_streamed=self.tokens_streamed,
-            pending_prefill_tokens=pending_prefill, pending_decode_tokens=pending_decode, time=time.time()))
+            pending_prefill_tokens=pending_prefill, pending_decode_tokens=pending_decode, draining=self.draining,
+            time=time.time()))
 
 
 def add_arguments(p) -> None:
@@ -447,6 +467,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--lease-blocks", type=int, default=256, help="blocks leased from the kv-pool at a time")
     p.add_argument("--heartbeat-interval", type=float, default=0.5)
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to hand off or finish its sequences before exiting")
     add_scheduling_arguments(p, preemption=True)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores, or "
                    "$MESHSERVE_WORKER_THREADS)")
@@ -456,6 +478,11 @@ async def main(args, role: str) -> None:
     async def start(bus: Bus):
         worker = Worker(bus, args, role)
         await worker.start()
-        return worker.stop
+
+        async def stop() -> None:
+            await worker.drain(args.drain_timeout)
+            await worker.stop()
+
+        return stop
 
     await run_service(role, args, start)

@@ -1,0 +1,230 @@
+"""`meshserve bench-soak`: a long run of load with a fault every few minutes, and what it cost.
+
+    meshserve bench-soak [--minutes 30] [--fault-every 120] [--workload mixed-chat] [--rate R]
+                         [--faults kill9:decode,kill9:scheduler,...] [--model M] [--json OUT]
+
+One `meshserve up` (1 prefill + 1 decode worker unless --prefill/--decode say otherwise) serves
+greedy requests drawn from the workload (a pool of --pool distinct requests, each run once first,
+undisturbed, for its reference text), arriving as a Poisson stream at --rate for --minutes. Every
+--fault-every seconds the next fault of the rotation hits: `kill9:<service>` (SIGKILL) or
+`sigterm:<service>` (a drain, the rolling-restart way) on prefill, decode, kv-pool, model-loader,
+scheduler, nats-server or gateway; the launcher restarts what died.
+
+Each request ends as one of: `identical` (the reference text), `different` (a wrong text: must be
+0), `failed` (an HTTP error or an SSE error event: a clear failure), `connection_lost` (its
+connection dropped: allowed only for a killed gateway's clients), `cut` (the stream ended with no
+finish and no error: must be 0) or `hung` (no end within --request-timeout: must be 0). Prints
+one JSON object: the counts, TTFT and end-to-end p50/p99 before the first fault, within --window
+seconds after a fault, and otherwise after; per fault, the time until a request that started
+after it completed; the memory (RSS, PSS) of every process at the start and at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+
+from meshserve.bench.compare import start_mesh, stop_mesh
+from meshserve.bench.loadgen import add_workload_arguments, build_body, prepare_workload, quiet_http_logs, \
+    special_ids, write_json
+from meshserve.bench.startup_bench import memory_mb, mesh_processes
+
+SERVICES = ("prefill", "decode", "kv-pool", "model-loader", "scheduler", "nats-server", "gateway")
+DEFAULT_FAULTS = ",".join([f"kill9:{s}" for s in SERVICES] + ["sigterm:decode", "sigterm:prefill"])
+MUST_BE_ZERO = ("different", "cut", "hung")
+
+
+def _percentile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 4)
+
+
+async def one(client, url: str, body: dict, timeout: float) -> dict:
+    """One streaming completion: its outcome, text, TTFT and end-to-end time."""
+    import httpx
+
+    t0 = time.monotonic()
+    out = {"start": t0, "text": "", "ttft": None, "outcome": None}
+    try:
+        async with asyncio.timeout(timeout):
+            async with client.stream("POST", url, json=body) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    out["outcome"] = "failed"
+                    out["error"] = f"HTTP {r.status_code}"
+                    return out
+                finished = False
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                        continue
+                    chunk = json.loads(line[5:])
+                    if "error" in chunk:
+                        out["outcome"], out["error"] = "failed", str(chunk["error"])[:200]
+                        return out
+                    for c in chunk.get("choices") or []:
+                        if c.get("text"):
+                            out["ttft"] = out["ttft"] or time.monotonic() - t0
+                            out["text"] += c["text"]
+                        finished = finished or c.get("finish_reason") is not None
+                out["outcome"] = "ok" if finished else "cut"
+    except TimeoutError:
+        out["outcome"] = "hung"
+    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.ConnectError, httpx.WriteError) as e:
+        out["outcome"], out["error"] = "connection_lost", type(e).__name__
+    finally:
+        out["e2e"] = time.monotonic() - t0
+    return out
+
+
+def fault(spec: str, up_pid: int) -> dict:
+    import os
+    import signal
+
+    kind, service = spec.split(":", 1)
+    names = mesh_processes(up_pid)
+    name = service if service in names else f"{service}-0"
+    pid = names.get(name)
+    if pid is None:
+        return {"fault": spec, "at": time.monotonic(), "error": f"no process {name} (restarting?)"}
+    os.kill(pid, signal.SIGKILL if kind == "kill9" else signal.SIGTERM)
+    return {"fault": spec, "at": time.monotonic(), "pid": pid}
+
+
+def memory(up_pid: int) -> dict[str, dict]:
+    out = {}
+    for name, pid in mesh_processes(up_pid).items():
+        try:
+            out[name] = memory_mb(pid)
+        except OSError:
+            pass
+    return out
+
+
+async def soak(a, url: str, up_pid: int, bodies: list[dict]) -> dict:
+    import httpx
+
+    endpoint = url + "/v1/completions"
+    async with httpx.AsyncClient(timeout=httpx.Timeout(a.request_timeout, connect=10.0),
+                                 limits=httpx.Limits(max_connections=1000)) as client:
+        # References: each distinct request once, before any fault.
+        refs = await asyncio.gather(*[one(client, endpoint, b, a.request_timeout) for b in bodies])
+        bad = [r for r in refs if r["outcome"] != "ok"]
+        if bad:
+            raise RuntimeError(f"the undisturbed reference run failed: {bad[0]}")
+        mem_start = memory(up_pid)
+        rng = random.Random(a.seed or 0)
+        faults = a.faults.split(",")
+        start = time.monotonic()
+        end = start + a.minutes * 60
+        next_fault, k = start + a.fault_every, 0
+        tasks, done_faults = [], []
+        while time.monotonic() < end:
+            now = time.monotonic()
+            if now >= next_fault:
+                done_faults.append(fault(faults[k % len(faults)], up_pid))
+                print(f"[{now - start:7.1f}s] {done_faults[-1]}", file=sys.stderr)
+                k, next_fault = k + 1, next_fault + a.fault_every
+            i = rng.randrange(len(bodies))
+            tasks.append((i, asyncio.ensure_future(one(client, endpoint, bodies[i], a.request_timeout))))
+            await asyncio.sleep(rng.expovariate(a.rate))
+        results = []
+        for i, t in tasks:
+            r = await t
+            r["ref"] = i
+            results.append(r)
+        mem_end = memory(up_pid)
+    return report(a, refs, results, done_faults, start, mem_start, mem_end)
+
+
+def report(a, refs: list[dict], results: list[dict], faults: list[dict], start: float,
+           mem_start: dict, mem_end: dict) -> dict:
+    first = faults[0]["at"] if faults else float("inf")
+    gateway_kills = [f["at"] for f in faults if f["fault"] == "kill9:gateway"]
+    counts = dict.fromkeys(("identical", "different", "failed", "connection_lost", "cut", "hung"), 0)
+    phases: dict[str, dict[str, list]] = {p: {"ttft": [], "e2e": []} for p in ("before", "during", "after")}
+    unexplained_lost = 0
+    for r in results:
+        kind = r["outcome"]
+        if kind == "ok":
+            kind = "identical" if r["text"] == refs[r["ref"]]["text"] else "different"
+        counts[kind] += 1
+        if kind == "connection_lost" and not any(r["start"] <= g <= r["start"] + r["e2e"] for g in gateway_kills):
+            unexplained_lost += 1
+        if kind == "identical":
+            during = any(f["at"] <= r["start"] + r["e2e"] and r["start"] <= f["at"] + a.window for f in faults)
+            phase = "before" if r["start"] + r["e2e"] < first else "during" if during else "after"
+            phases[phase]["ttft"].append(r["ttft"])
+            phases[phase]["e2e"].append(r["e2e"])
+    per_fault = []
+    for f in faults:
+        served = [r["start"] + r["e2e"] for r in results if r["start"] >= f["at"] and r["outcome"] == "ok"]
+        per_fault.append({**{k: v for k, v in f.items() if k != "at"}, "at_s": round(f["at"] - start, 1),
+                          "serving_again_after_s": round(min(served) - f["at"], 2) if served else None})
+    return {
+        "command": "meshserve bench-soak " + " ".join(a.argv),
+        "minutes": a.minutes, "fault_every_s": a.fault_every, "rate": a.rate, "pool": len(refs),
+        "accepted": len(results), "outcomes": counts,
+        "connection_lost_not_at_a_gateway_kill": unexplained_lost,
+        "ok": all(counts[k] == 0 for k in MUST_BE_ZERO) and unexplained_lost == 0,
+        "latency": {p: {"n": len(v["e2e"]), "ttft_p50": _percentile(v["ttft"], 0.5),
+                        "ttft_p99": _percentile(v["ttft"], 0.99), "e2e_p50": _percentile(v["e2e"], 0.5),
+                        "e2e_p99": _percentile(v["e2e"], 0.99)} for p, v in phases.items()},
+        "faults": per_fault, "memory_start": mem_start, "memory_end": mem_end}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="meshserve bench-soak", description=__doc__.split("\n\n")[0])
+    add_workload_arguments(ap, default_workload="mixed-chat")
+    ap.add_argument("--minutes", type=float, default=30.0)
+    ap.add_argument("--fault-every", type=float, default=120.0, help="seconds between faults")
+    ap.add_argument("--faults", default=DEFAULT_FAULTS, help="the rotation, comma-separated kind:service")
+    ap.add_argument("--rate", type=float, default=1.0, help="requests per second (Poisson)")
+    ap.add_argument("--pool", type=int, default=24, help="distinct requests (each has a reference text)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request at most")
+    ap.add_argument("--window", type=float, default=30.0, help="seconds after a fault that count as 'during'")
+    ap.add_argument("--request-timeout", type=float, default=120.0)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="float32 (default): a greedy text is the same however it was batched or recomputed, so "
+                         "'different' means wrong; with bfloat16 it may differ by rounding")
+    ap.add_argument("--prefill", type=int, default=1)
+    ap.add_argument("--decode", type=int, default=1)
+    ap.add_argument("--mesh-args", default=None, help="more options for `meshserve up`, one string")
+    ap.add_argument("--mesh-startup-timeout", type=float, default=600.0)
+    ap.add_argument("--mesh-log", default=None, help="the mesh's log goes here (default: nowhere)")
+    ap.add_argument("--json", default=None, help="also write the JSON here")
+    a = ap.parse_args(argv)
+    a.argv = argv if argv is not None else sys.argv[1:]
+    for f in a.faults.split(","):
+        kind, _, service = f.partition(":")
+        if kind not in ("kill9", "sigterm") or service not in SERVICES:
+            ap.error(f"--faults: {f!r} is not kill9:<service> or sigterm:<service>, service one of {SERVICES}")
+    quiet_http_logs()
+    from meshserve.shared.models_repo import load_tokenizer
+
+    tokenizer = load_tokenizer(a.model)
+    a.num_requests = a.pool
+    _, reqs = prepare_workload(a, tokenizer.vocab_size, special_ids(tokenizer))
+    bodies = [build_body(q, a.model) | {"model": a.model, "temperature": 0, "max_tokens": min(q.output_len, a.max_tokens)}
+              for q in reqs]
+    for b in bodies:
+        for k in ("top_p", "top_k", "seed", "stream_options", "priority"):
+            b.pop(k, None)
+    up, url = start_mesh(a)
+    try:
+        res = asyncio.run(soak(a, url, up.pid, bodies))
+    finally:
+        stop_mesh(up)
+    print(json.dumps(res, indent=2))
+    if a.json:
+        write_json(a.json, res)
+    return 0 if res["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
