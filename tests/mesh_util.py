@@ -108,7 +108,9 @@ class Node:
     and workers, all under `--node-id`, on the mesh's NATS. To the mesh it is a second machine."""
 
     def __init__(self, mesh: Mesh, node_id: str, tmp: Path, prefill: int = 0, decode: int = 1,
-                 kv_pool_args: list[str] | None = None, worker_args: list[str] | None = None):
+                 kv_pool_args: list[str] | None = None, worker_args: list[str] | None = None,
+                 prefix: list[str] | None = None):
+        """prefix: what runs each process (`ip netns exec NS`: the node as another host)."""
         from meshserve.cli.launcher import _die_with_parent
 
         self.mesh, self.node_id, self.procs = mesh, node_id, []
@@ -117,7 +119,7 @@ class Node:
         env = {**os.environ, "MESHSERVE_SHM_DIR": str(mesh.shm_dir)}
 
         def spawn(role: str, *extra: str) -> None:
-            cmd = [sys.executable, "-m", "meshserve.cli.main", "serve", role, "--nats-url", mesh.nats_url,
+            cmd = [*(prefix or []), sys.executable, "-m", "meshserve.cli.main", "serve", role, "--nats-url", mesh.nats_url,
                    "--namespace", mesh.namespace, "--model", mesh.model, "--dtype", "float32", "--node-id", node_id,
                    *extra]
             self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
