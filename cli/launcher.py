@@ -168,6 +168,8 @@ class Launcher:
         threads = worker_threads(a)
         if threads:
             worker_opts += ["--threads", str(threads)]
+        if getattr(a, "fixed_threads", False):
+            worker_opts += ["--fixed-threads"]
         if a.prefill == 0:  # no dedicated prefill workers: decode workers do both
             for i in range(a.decode):
                 self.spawn(f"decode-{i}", self.serve_cmd("decode", *worker_opts))
@@ -319,6 +321,9 @@ def add_arguments(p) -> None:
     add_scheduling_arguments(p, preemption=True)
     p.add_argument("--worker-threads", type=int, default=None,
                    help="torch threads per worker (default on the CPU backend: the cores divided among the workers)")
+    p.add_argument("--fixed-threads", action="store_true",
+                   help="workers run every step on --worker-threads threads (default: 1 or that many, whichever "
+                        "measures faster for each kind of step)")
     p.add_argument("--startup-timeout", type=float, default=600.0,
                    help="give up when the mesh is not ready after this many seconds (default: %(default)s)")
     p.add_argument("--ready-timeout", type=float, default=120.0,

@@ -160,7 +160,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
             ("bench-roles", "bench.roles_bench", "elastic prefill/decode roles against fixed splits"),
             ("bench-sched", "bench.sched_bench", "scheduling: priority vs fcfs, interactive TTFT under a batch, "
                                                  "swap vs recompute"),
-            ("bench-soak", "bench.soak_bench", "minutes of load with a fault every few minutes: nothing lost")):
+            ("bench-soak", "bench.soak_bench", "minutes of load with a fault every few minutes: nothing lost"),
+            ("bench-busy", "bench.busy_bench", "one stream's speed beside a CPU burner: fixed threads vs tuned")):
         sp = sub.add_parser(name, add_help=False, help=text)
         sp.set_defaults(func=lambda a, m=module: __import__(f"meshserve.{m}", fromlist=["main"]).main(a.rest),
                         passthrough=True)

@@ -44,6 +44,7 @@ from meshserve.shared import telemetry
 
 from .kv_blocks import KVBlocks
 from .kv_pool_client import KVPoolClient
+from .threads import ThreadTuner
 
 log = logging.getLogger("meshserve.worker")
 
@@ -72,6 +73,8 @@ class Worker:
         threads = args.threads or int(os.environ.get("MESHSERVE_WORKER_THREADS", "0"))
         self.stepper = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step",
                                                              initializer=_set_threads, initargs=(threads,))
+        # Each step's thread count by measured speed (threads.py), unless --fixed-threads.
+        self.tuner = None if args.fixed_threads else ThreadTuner(threads or os.cpu_count() or 1, _set_threads)
         self.received: dict[str, float] = {}  # wall clock, for the queue and prefill spans
         self.decode_start: dict[str, float] = {}
         self.tokens_streamed = 0
@@ -128,6 +131,12 @@ class Worker:
         self.tasks = [asyncio.ensure_future(self._heartbeats()), asyncio.ensure_future(self._run())]
         log.info("worker %s ready: %s, %d KV blocks of the arena leased", self.id, self.role,
                  self.engine.block_pool.num_free)
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step, on the step thread, on the thread count the tuner picks."""
+        if self.tuner is None:
+            return self.engine.step()
+        return self.tuner.run(self.engine.last_step_tokens, self.engine.step)
 
     async def drain(self, timeout: float) -> None:
         """SIGTERM: take nothing new (the heartbeat says so), hand every sequence on as a prefill
@@ -302,7 +311,7 @@ class Worker:
                 await asyncio.sleep(0.2)
                 continue
             waited = self.engine.scheduler.num_waiting
-            step = asyncio.get_running_loop().run_in_executor(self.stepper, self.engine.step)
+            step = asyncio.get_running_loop().run_in_executor(self.stepper, self._step)
             await self._flush()
             outputs = await step
             await self.blocks.publish_changes()
@@ -470,6 +479,9 @@ def add_arguments(p) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to hand off or finish its sequences before exiting")
     add_scheduling_arguments(p, preemption=True)
+    p.add_argument("--fixed-threads", action="store_true",
+                   help="every step on --threads threads (default: each kind of step on 1 or --threads threads, "
+                        "whichever measures faster; a busy core makes 1 faster)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores, or "
                    "$MESHSERVE_WORKER_THREADS)")
 

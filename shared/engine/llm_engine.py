@@ -93,6 +93,7 @@ class LLMEngine:
         self.grammars = None if tokenizer is None else Grammars(tokenizer, cfg.vocab_size, sorted(self.eos_token_ids))
         self.runner = ModelRunner(model, self.kv_cache, config.block_size, sorted(self.eos_token_ids), self.grammars)
         self.requests: dict[str, Sequence] = {}
+        self.last_step_tokens = 0  # tokens computed by the last step
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, output_token_ids: list[int] | None = None,
@@ -204,6 +205,7 @@ class LLMEngine:
         batch: ScheduledBatch = self.scheduler.schedule()
         if batch.swap_out or batch.swap_in:
             batch = self._swap(batch)
+        self.last_step_tokens = sum(batch.num_tokens)  # what the worker's thread tuner keys on
         if not batch.seqs:
             return []
         t0 = time.perf_counter()

@@ -1,0 +1,68 @@
+"""The worker's thread tuner (services/worker/threads.py) on a made-up machine whose speed per
+thread count changes mid-run, as when a CPU burner starts beside it and stops again."""
+
+from meshserve.services.worker.threads import ThreadTuner
+
+
+class Machine:
+    """Seconds per step by thread count; `busy` is another process holding a core."""
+
+    def __init__(self):
+        self.busy, self.now, self.threads = False, 0.0, None
+
+    def cost(self, n: int, tokens: int) -> float:
+        one = 0.010 * max(1, tokens / 16)
+        if n == 1:
+            return one
+        return one * (20.0 if self.busy else 0.6)  # two threads: faster when quiet, crawling when a core is taken
+
+    def set_threads(self, n: int) -> None:
+        self.threads = n
+
+    def clock(self) -> float:
+        return self.now
+
+
+def run(tuner: ThreadTuner, m: Machine, steps: int, tokens: int = 1) -> float:
+    total = 0.0
+    for _ in range(steps):
+        def step():
+            m.now += m.cost(m.threads, tokens)
+
+        before = m.now
+        tuner.run(tokens, step)
+        total += m.now - before
+    return total
+
+
+def test_the_faster_count_wins_and_a_busy_core_is_noticed_both_ways():
+    m = Machine()
+    m.threads = 2  # the step thread's initial setting
+    tuner = ThreadTuner(2, m.set_threads, explore_every=32, clock=m.clock)
+    quiet = run(tuner, m, 320)
+    best_quiet = 320 * m.cost(2, 1)
+    assert quiet < best_quiet * 1.05  # within 5% of always running the faster count
+    m.busy = True
+    busy = run(tuner, m, 320)
+    assert m.threads == 1 and busy < 320 * m.cost(2, 1) * 20 * 0.25  # it left 2 threads
+    ones_before = tuner.chosen[1]
+    m.busy = False
+    run(tuner, m, 320)
+    assert m.threads == 2 and tuner.chosen[1] - ones_before < 320 * 0.2  # and came back
+
+
+def test_steps_of_different_sizes_are_measured_apart():
+    m = Machine()
+    m.threads = 2
+    tuner = ThreadTuner(2, m.set_threads, explore_every=8, clock=m.clock)
+    run(tuner, m, 50, tokens=1)
+    run(tuner, m, 50, tokens=512)
+    assert {b for b, _ in tuner.avg} == {ThreadTuner.bucket(1), ThreadTuner.bucket(512)}
+
+
+def test_one_core_means_nothing_to_choose():
+    m = Machine()
+    m.threads = 1
+    tuner = ThreadTuner(1, m.set_threads, clock=m.clock)
+    run(tuner, m, 10)
+    assert tuner.candidates == [1] and tuner.chosen == {1: 10}
