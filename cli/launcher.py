@@ -160,7 +160,10 @@ class Launcher:
             conf.write_text(NATS_CONF.format(port=a.nats_port, store=self.tmp / "jetstream"))
             self.spawn("nats-server", [nats_server_binary(), "-c", str(conf)])
             a.nats_url = f"nats://127.0.0.1:{a.nats_port}"
-        self.spawn("model-loader", self.serve_cmd("model-loader", "--preload"))
+        models = ["--models", a.models] if getattr(a, "models", None) else []
+        budgets = (["--weights-memory-gb", str(a.weights_memory_gb)] if getattr(a, "weights_memory_gb", None) else []) \
+            + (["--host-cache-gb", str(a.host_cache_gb)] if getattr(a, "host_cache_gb", None) else [])
+        self.spawn("model-loader", self.serve_cmd("model-loader", "--preload", *models, *budgets))
         self.spawn("kv-pool", self.serve_cmd("kv-pool", "--kv-cache-gb", str(a.kv_cache_gb),
                                              "--swap-space", str(a.swap_space)))
         worker_opts = ["--max-num-batched-tokens", str(a.max_num_batched_tokens), "--max-num-seqs", str(a.max_num_seqs),
@@ -170,19 +173,21 @@ class Launcher:
             worker_opts += ["--threads", str(threads)]
         if getattr(a, "fixed_threads", False):
             worker_opts += ["--fixed-threads"]
+        serving = worker_models(a)
         if a.prefill == 0:  # no dedicated prefill workers: decode workers do both
             for i in range(a.decode):
-                self.spawn(f"decode-{i}", self.serve_cmd("decode", *worker_opts))
+                self.spawn(f"decode-{i}", self.serve_cmd("decode", *worker_opts, *serving(i)))
         else:
             for i in range(a.prefill):
-                self.spawn(f"prefill-{i}", self.serve_cmd("prefill", *worker_opts))
+                self.spawn(f"prefill-{i}", self.serve_cmd("prefill", *worker_opts, *serving(i)))
             for i in range(a.decode):
-                self.spawn(f"decode-{i}", self.serve_cmd("decode", *worker_opts))
+                self.spawn(f"decode-{i}", self.serve_cmd("decode", *worker_opts, *serving(i)))
         tenants = ["--tenants", str(Path(a.tenants).expanduser().resolve())] if getattr(a, "tenants", None) else []
         fixed = ["--fixed-roles"] if getattr(a, "fixed_roles", False) else []
-        self.spawn("scheduler", self.serve_cmd("scheduler", "--scheduling", a.scheduling, *tenants, *fixed))
+        self.spawn("scheduler", self.serve_cmd("scheduler", "--scheduling", a.scheduling, *tenants, *fixed, *models))
         self.spawn("gateway", self.serve_cmd("gateway", "--host", a.host, "--port", str(a.port),
-                                             "--ready-timeout", str(a.ready_timeout), *gateway_log_options(a), *tenants))
+                                             "--ready-timeout", str(a.ready_timeout), *gateway_log_options(a), *tenants,
+                                             *models))
 
     def wait_healthy(self, timeout: float) -> bool:
         url = f"http://{self.args.host}:{self.args.port}/health"
@@ -238,6 +243,15 @@ def run(args) -> int:
     # handler of its own, so Ctrl-C's signal sent by a supervisor would be lost.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
+
+    def on_hangup(signum, frame):  # the manifest changed: the services that read it re-read it
+        for name in MANIFEST_SERVICES:
+            p = launcher.procs.get(name)
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGHUP)
+
+    if getattr(args, "models", None):
+        signal.signal(signal.SIGHUP, on_hangup)
     try:
         started = time.monotonic()
         launcher.start()
@@ -266,6 +280,25 @@ def run(args) -> int:
         return 0
     finally:
         launcher.stop()
+
+
+MANIFEST_SERVICES = ("model-loader", "scheduler", "gateway")  # they re-read --models on SIGHUP
+
+
+def worker_models(a):
+    """The model options of the i-th worker: with --models, the manifest's models in turn (worker i
+    starts on model i mod n; the scheduler switches them as the traffic asks), else --model."""
+    if not getattr(a, "models", None):
+        return lambda i: []
+    from meshserve.shared.manifest import load_manifest
+
+    models = load_manifest(a.models).models
+
+    def opts(i: int) -> list[str]:
+        m = models[i % len(models)]
+        out = ["--model", m.path, "--served-model-name", m.name, "--dtype", m.dtype or a.dtype]
+        return out + (["--quantization", m.quantization] if m.quantization else [])
+    return opts
 
 
 def worker_threads(a) -> int | None:
@@ -338,3 +371,7 @@ def add_arguments(p) -> None:
     p.add_argument("--tenants", default=None, metavar="FILE",
                    help="tenants file (docs/tenants.md): API keys, classes, quotas and queue bounds, for the gateway "
                         "and the scheduler (default: none, the API is open)")
+    p.add_argument("--weights-memory-gb", type=float, default=None,
+                   help="the model-loader's budget of mapped weights (docs/models.md; default: no limit)")
+    p.add_argument("--host-cache-gb", type=float, default=None,
+                   help="the model-loader's host-memory tier for evicted weights (default: none)")

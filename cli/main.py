@@ -11,8 +11,10 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 from meshserve.cli.errors import USER_ERRORS, ArgumentParser, fail
+from meshserve.shared.manifest import add_models_argument
 from meshserve.shared.models_repo import DEFAULT_MODEL
 
 
@@ -29,6 +31,7 @@ def _models(args) -> int:
 
 
 ROLES = ("gateway", "scheduler", "prefill", "decode", "kv-pool", "model-loader")
+MANIFEST_ROLES = ("gateway", "scheduler", "model-loader")  # they take --models (the model manifest)
 
 
 def _common(p: argparse.ArgumentParser, nats_default: str | None = "nats://127.0.0.1:4222") -> None:
@@ -116,6 +119,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start the whole mesh on this machine (its own nats-server too)")
     _common(up, nats_default=None)
+    add_models_argument(up)
     from meshserve.cli.launcher import add_arguments as up_arguments
     up_arguments(up)
     up.set_defaults(func=lambda a: __import__("meshserve.cli.launcher", fromlist=["run"]).run(a))
@@ -129,6 +133,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
             add_device_argument(rp)
         if role in MODEL_ROLES:
             add_quantization_argument(rp)
+        if role in MANIFEST_ROLES:
+            add_models_argument(rp)
         if role in with_options:
             _add_role_arguments(role, rp)
         rp.set_defaults(func=_serve)
@@ -185,6 +191,15 @@ def main(argv: list[str] | None = None) -> int:
             load_tenants(args.tenants)
         except TenantsFileError as e:
             return fail(prog, f"--tenants: {e}")
+    if getattr(args, "models", None):  # a bad manifest: one line, before anything starts
+        from meshserve.shared.manifest import ManifestError, load_manifest
+
+        try:
+            first = load_manifest(args.models).models[0]
+        except ManifestError as e:
+            return fail(prog, f"--models: {e}")
+        args.models = str(Path(args.models).expanduser().resolve())
+        args.model, args.served_model_name = first.path, first.name  # what --model-only parts use
     if getattr(args, "device", "cpu") == "cuda":  # before any process, connection or allocation: fail fast
         from meshserve.shared.node_memory import cuda_problem
 

@@ -292,6 +292,8 @@ class WeightsDescriptor(Message):
     tensors: list[TensorSpec]
     tokenizer_path: str
     quantization: Quantization | None = None
+    tier: str | None = None  # where this load found it: mapped, host, disk (prepared) or source
+    load_s: float = 0.0  # how long bringing it into the mapped tier took
 
 
 class LoadRequest(Message):
@@ -301,6 +303,29 @@ class LoadRequest(Message):
     model: str
     dtype: str = "bfloat16"
     quantization: Quantization | None = None  # "int8": weight-only int8 projections (kernels/int8_linear.py)
+    # The worker that will map it: the loader never evicts a model a worker maps, and a worker's
+    # new load moves it off the model it mapped before (how a model switch releases the old one).
+    worker_id: str | None = None
+    name: str | None = None  # its served name (logs and status)
+
+
+class ModelSwitch(Message):
+    """Scheduler -> one idle worker: serve another model of the manifest. The worker finishes what it
+    runs, maps the model's weights (asking its node's loader), builds a new engine on the same KV
+    arena and replies; on failure it keeps the model it had and says why."""
+
+    name: str  # the served name
+    path: str
+    dtype: str = "bfloat16"
+    quantization: Quantization | None = None
+    reason: str = ""
+
+
+class ModelSwitchReply(Message):
+    ok: bool
+    error: str | None = None
+    seconds: float = 0.0
+    tier: str | None = None  # where the loader found the weights
 
 
 class SwapRequest(Message):

@@ -57,6 +57,23 @@ def create_copy(name: str, src: str | Path) -> Path:
     return path
 
 
+def create_from_bytes(name: str, data: bytes) -> Path:
+    """A new shared file holding `data` (replacing a stale one of the same name)."""
+    path = shm_dir() / name
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+    return path
+
+
+def nbytes(dtype: str, shape: list[int]) -> int:
+    """Bytes of a tensor of that dtype name and shape."""
+    n = 1
+    for s in shape:
+        n *= s
+    return n * {"float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1, "int8": 1}[dtype]
+
+
 def map_bytes(path: str | Path):
     """The whole file as a uint8 torch tensor backed by a shared mapping."""
     import torch

@@ -36,12 +36,12 @@ from typing import Literal, get_args
 DEFAULT_NAMESPACE = "meshserve"
 
 ApiEndpoint = Literal["completions", "chat.completions"]
-SchedulerEndpoint = Literal["submit", "handoff", "abort", "done", "status", "usage", "hello"]
-WorkerEndpoint = Literal["prefill", "adopt", "abort", "role"]
+SchedulerEndpoint = Literal["submit", "handoff", "abort", "done", "status", "usage", "hello", "reload"]
+WorkerEndpoint = Literal["prefill", "adopt", "abort", "role", "model"]
 WorkersEndpoint = Literal["heartbeat"]
 KVEndpoint = Literal["arena", "lease", "release", "retain", "transfer", "status", "swap", "import", "fetch",
                      "chunk", "close", "events", "pressure", "host_events", "hello"]
-ModelsEndpoint = Literal["load", "list"]
+ModelsEndpoint = Literal["load", "list", "status", "reload"]
 
 
 @dataclass(frozen=True)

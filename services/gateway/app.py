@@ -195,9 +195,16 @@ def create_app(gw: Gateway) -> FastAPI:
         """Token ids as text, special tokens kept (vLLM's API)."""
         return json_response(tokenize.detokenize(gw, await _json_body(request)))
 
-    @app.get("/v1/models", responses={200: {"model": openapi.ModelList, "description": "the served model"}})
+    @app.get("/v1/models", responses={200: {"model": openapi.ModelList, "description": "the served models"}})
     async def models():
-        return json_response(gw.models())
+        return json_response(await gw.models())
+
+    @app.post("/admin/models/reload", responses={200: {"description": "the models now served"},
+                                                 400: {"model": openapi.ErrorBody, "description": "a bad manifest"}})
+    async def reload_models():
+        """Re-reads the model manifest (--models) here, in the scheduler and the model-loaders, as SIGHUP
+        does (docs/models.md)."""
+        return json_response(await gw.reload_models())
 
     @app.get("/health", responses={200: {"model": openapi.Health, "description": "a request can be served"},
                                    503: {"model": openapi.ErrorBody, "description": "no scheduler, or no worker yet"}})

@@ -26,6 +26,7 @@ from meshserve.shared.tenants import Tenant
 from meshserve.shared.tokenizer import IncrementalDetokenizer, Tokenizer
 
 from .auth import Auth, rejection_reason
+from .catalog import Catalog, ModelEntry
 from .metrics import GatewayMetrics
 from .request_log import RequestLog
 from .streams import NotSubmitted, RequestStream, TokenStreams, submit
@@ -48,6 +49,11 @@ class Prepared:
     priority: str
     tenant: Tenant | None = None
     prompt_text: str = ""  # what echo returns
+    model: ModelEntry | None = None  # the served model it runs on (catalog.py)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.model.tokenizer
 
     @property
     def n(self) -> int:
@@ -80,11 +86,12 @@ class Gateway:
     def __init__(self, bus: Bus, tokenizer: Tokenizer, served_model_name: str, streams: TokenStreams,
                  metrics: GatewayMetrics, max_model_len: int = 8192, stream_timeout: float = 300.0,
                  request_log: RequestLog | None = None, auth: Auth | None = None, ready_timeout: float = 120.0,
-                 generation_defaults: dict | None = None):
+                 generation_defaults: dict | None = None, catalog: Catalog | None = None):
         """generation_defaults: the model's own sampling defaults (models_repo.generation_defaults),
-        for what a request leaves unset."""
+        for what a request leaves unset. catalog: the models served (a manifest); none: this one."""
         self.bus, self.tokenizer, self.served_model_name = bus, tokenizer, served_model_name
         self.generation_defaults = dict(generation_defaults or {})
+        self.catalog = catalog or Catalog.single(served_model_name, tokenizer, generation_defaults)
         self.auth = auth or Auth(None)  # API keys and classes (the tenants file); none: open
         self.streams, self.metrics = streams, metrics
         self.request_log = request_log  # a line per ended request (request_log.py); None: off
@@ -105,66 +112,53 @@ class Gateway:
 
     def prepare(self, kind: Kind, body, tenant: Tenant | None = None) -> Prepared:
         """Raises OpenAIError(4xx) for anything wrong with the request."""
-        req = parse_request(kind, body, self.tokenizer.vocab_size)
-        self.check_model(req.model)
+        named = body.get("model") if isinstance(body, dict) else None
+        model = self.check_model(named if isinstance(named, str) else None)
+        tokenizer = model.tokenizer
+        req = parse_request(kind, body, tokenizer.vocab_size)
         priority = self.auth.request_class(body.get("priority"), tenant)
         if isinstance(req, ChatCompletionRequest):
-            prompt = self.chat_prompt_ids(req)
+            prompt = self.chat_prompt_ids(req, model=model)
             self._check_length(prompt, "messages")
-            sampling = req.to_sampling(self.max_model_len - len(prompt), self.generation_defaults)
+            sampling = req.to_sampling(self.max_model_len - len(prompt), model.generation_defaults)
             prompt_text = ""
         else:
             if isinstance(req.prompt, list):
                 prompt = list(req.prompt)
                 try:
-                    check_token_ids(prompt, self.tokenizer.vocab_size)
+                    check_token_ids(prompt, tokenizer.vocab_size)
                 except LimitError as e:
                     raise _limit_error(e) from None
             else:
-                prompt = self.tokenizer.encode(req.prompt)
+                prompt = tokenizer.encode(req.prompt)
             if not prompt:
                 raise OpenAIError("the prompt encodes to no tokens", param="prompt")
             self._check_length(prompt, "prompt")
-            sampling = req.to_sampling(self.generation_defaults)
-            prompt_text = req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(prompt)
+            sampling = req.to_sampling(model.generation_defaults)
+            prompt_text = req.prompt if isinstance(req.prompt, str) else tokenizer.decode(prompt)
         try:
             sampling.check()
         except LimitError as e:
             raise OpenAIError(str(e), param=e.param) from None
-        return Prepared(kind, req, prompt, sampling, req.stop_strings(), priority, tenant, prompt_text)
+        return Prepared(kind, req, prompt, sampling, req.stop_strings(), priority, tenant, prompt_text, model)
 
-    def check_model(self, model: str | None) -> None:
-        """404 unless `model` is the served name (or not given)."""
-        if model not in (None, self.served_model_name):
-            raise OpenAIError(f"the model {model!r} does not exist; this server serves "
-                              f"{self.served_model_name!r}", 404, param="model", code="model_not_found")
+    def check_model(self, model: str | None) -> ModelEntry:
+        """The model a request names (its served name or an alias; none: the first of the manifest);
+        404 for any other name."""
+        return self.catalog.entry(model)
 
-    def chat_prompt_ids(self, req: ChatCompletionRequest, add_special_tokens: bool = False) -> list[int]:
+    def chat_prompt_ids(self, req: ChatCompletionRequest, add_special_tokens: bool = False,
+                        model: ModelEntry | None = None) -> list[int]:
         """The prompt of a chat request: its messages through the chat template, tokenized (what
         /tokenize answers for messages, so both must come from here)."""
+        tokenizer = (model or self.check_model(req.model)).tokenizer
         try:
-            text = self.tokenizer.apply_chat_template(req.template_messages(),
-                                                      add_generation_prompt=req.add_generation_prompt,
-                                                      tools=req.tool_dicts())
+            text = tokenizer.apply_chat_template(req.template_messages(),
+                                                 add_generation_prompt=req.add_generation_prompt,
+                                                 tools=req.tool_dicts())
         except Exception as e:  # noqa: BLE001 - a template that raises is the caller's doing
             raise OpenAIError(f"could not apply the chat template: {e}", param="messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-    def check_model(self, model: str | None) -> None:
-        """404 unless `model` is the served name (or not given)."""
-        if model not in (None, self.served_model_name):
-            raise OpenAIError(f"the model {model!r} does not exist; this server serves "
-                              f"{self.served_model_name!r}", 404, param="model", code="model_not_found")
-
-    def chat_prompt_ids(self, req: ChatCompletionRequest, add_special_tokens: bool = False) -> list[int]:
-        """The prompt of a chat request: its messages through the chat template, tokenized (what
-        /tokenize answers for messages, so both must come from here)."""
-        try:
-            text = self.tokenizer.apply_chat_template(req.template_messages(),
-                                                      add_generation_prompt=req.add_generation_prompt)
-        except Exception as e:  # noqa: BLE001 - a template that raises is the caller's doing
-            raise OpenAIError(f"could not apply the chat template: {e}", param="messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _check_length(self, prompt: list[int], param: str) -> None:
         """The prompt alone: the scheduler checks with max_tokens against the workers' context
@@ -189,11 +183,11 @@ class Gateway:
             raise
         arrival = time.time()
         rid = uuid.uuid4().hex
-        span = telemetry.start("gateway.request", None, request_id=rid, model=self.served_model_name,
+        span = telemetry.start("gateway.request", None, request_id=rid, model=p.model.name,
                                prompt_tokens=len(p.prompt_token_ids))
         trace = telemetry.inject_span(span)
         requests = [GenerateRequest(
-            request_id=rid if i == 0 else f"{rid}-{i}", model=self.served_model_name,
+            request_id=rid if i == 0 else f"{rid}-{i}", model=p.model.name,
             prompt_token_ids=p.prompt_token_ids, sampling=p.choice_sampling(i), priority=p.priority,
             stream_subject=self.streams.subject, arrival_time=arrival, trace=trace,
             tenant=tenant and tenant.name, after=None if i == 0 else rid) for i in range(p.n)]
@@ -264,7 +258,8 @@ class Gateway:
             priority = p.priority if p else None
             if priority is None and tenant is not None and isinstance(body, dict) and "priority" not in body:
                 priority = tenant.default_priority  # the class it would have had
-            self.request_log.log_rejected(kind, body, self.served_model_name, arrival, e,
+            model = p.model.name if p else (body.get("model") if isinstance(body, dict) else None)
+            self.request_log.log_rejected(kind, body, model or self.served_model_name, arrival, e,
                                           p and len(p.prompt_token_ids), priority,
                                           p and p.sampling.max_tokens, rid, tenant=tenant and tenant.name)
 
@@ -301,12 +296,44 @@ class Gateway:
         except Exception:  # noqa: BLE001 - no responders, timeout, garbage: all mean "not ready"
             return None
 
-    def models(self) -> dict:
-        """generation_defaults: the model's own sampling defaults, applied when a request leaves them unset."""
-        return {"object": "list", "data": [{
-            "id": self.served_model_name, "object": "model", "created": self.created, "owned_by": "meshserve",
-            "root": self.served_model_name, "parent": None, "max_model_len": self.max_model_len,
-            "generation_defaults": self.generation_defaults}]}
+    async def models(self) -> dict:
+        """Every model of the manifest, loaded or not. Beyond OpenAI's fields: `state` (the
+        hottest tier it is in on some node: mapped, host or disk; or loading, or failed with
+        `error`), `workers` serving it, its `aliases`, `version`, `pinned`, and generation_defaults
+        (its own sampling defaults, once its tokenizer is loaded here). The states come from the
+        scheduler's status; without an answer they are "unknown"."""
+        status = await self.scheduler_status()
+        states = (status or {}).get("models", {})
+        data = []
+        for spec in self.catalog.manifest.models:
+            st = states.get(spec.name, {})
+            try:
+                defaults = self.catalog.entry(spec.name).generation_defaults
+            except OpenAIError:
+                defaults = {}
+            data.append({"id": spec.name, "object": "model", "created": self.created, "owned_by": "meshserve",
+                         "root": spec.path if len(self.catalog.manifest.models) > 1 else spec.name, "parent": None,
+                         "max_model_len": self.max_model_len, "generation_defaults": defaults,
+                         "state": st.get("state", "unknown"), "error": st.get("error"),
+                         "workers": st.get("workers", 0), "aliases": list(spec.aliases), "version": spec.version,
+                         "pinned": spec.pinned, "load_times_s": st.get("load_times_s", {})})
+        return {"object": "list", "data": data}
+
+    async def reload_models(self) -> dict:
+        """Re-reads the manifest here and has the scheduler (and through it the model-loaders) do the
+        same; a model no longer listed is refused from now on, drains, and is unloaded."""
+        from meshserve.shared.manifest import ManifestError
+
+        try:
+            m = self.catalog.reload()
+        except ManifestError as e:
+            raise OpenAIError(f"the manifest was not reloaded: {e}", 400, code="invalid_manifest") from None
+        try:
+            msg = await self.bus.nc.request(self.bus.subjects.scheduler("reload"), b"{}", timeout=10)
+            scheduler = orjson.loads(msg.data)
+        except Exception as e:  # noqa: BLE001 - reported, the gateway's part is done
+            scheduler = {"ok": False, "error": f"the scheduler did not answer: {e}"}
+        return {"models": m.names, "scheduler": scheduler}
 
 
 class Choice:
@@ -320,7 +347,7 @@ class Choice:
         self.text = ""
         self.finish_reason: str | None = None
         self.num_cached_tokens = 0
-        self._detok = IncrementalDetokenizer(gen.gw.tokenizer, stop=gen.prepared.stop)
+        self._detok = IncrementalDetokenizer(gen.prepared.tokenizer, stop=gen.prepared.stop)
         self._last_token_time: float | None = None
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -395,7 +422,7 @@ class Generation:
         prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
         self.id = f"{prefix}-{self.request.request_id}"
         self.created = int(time.time())
-        self.model = gw.served_model_name
+        self.model = prepared.model.name
         self.want_logprobs = prepared.sampling.logprobs is not None
         self.echo = isinstance(prepared.request, CompletionRequest) and prepared.request.echo
         self.tool_mode = prepared.request.tool_mode() if self.kind == "chat" else "none"
@@ -489,7 +516,7 @@ class Generation:
         if not self.want_logprobs:
             return None
         lps = logprobs if logprobs is not None else [None] * len(token_ids)
-        decode = self.gw.tokenizer.decode
+        decode = self.prepared.tokenizer.decode
         if self.kind == "chat":
             return chat_logprobs(token_ids, lps, decode)
         return completion_logprobs(token_ids, lps, decode, text_offset)
@@ -500,7 +527,7 @@ class Generation:
             return self.prepared.prompt_text, None
         ids = self.prepared.prompt_token_ids
         lps = c.prompt_logprobs or [None] * len(ids)
-        return self.prepared.prompt_text, completion_logprobs(ids, lps, self.gw.tokenizer.decode)
+        return self.prepared.prompt_text, completion_logprobs(ids, lps, self.prepared.tokenizer.decode)
 
     def _tool_output(self, c: Choice) -> tuple[str | None, list[tool_calls.ToolCall]]:
         """(content, calls) of a chat choice under the request's tool_choice."""

@@ -114,7 +114,24 @@ async def run(args) -> int:
     if auth.enabled:
         log.info("tenants: %d from %s; every endpoint but /health needs an API key", len(auth.config.tenants),
                  args.tenants)
-    tokenizer = load_tokenizer(args.model)
+    from meshserve.shared.manifest import load_manifest
+
+    from meshserve.shared.openai_protocol import OpenAIError
+
+    from .catalog import Catalog
+
+    if getattr(args, "models", None):  # many models: tokenizers load on first use (catalog.py)
+        catalog = Catalog(load_manifest(args.models), args.models)
+        served = catalog.manifest.models[0].name
+        try:
+            first = catalog.default
+            tokenizer, defaults = first.tokenizer, first.generation_defaults
+        except OpenAIError as e:  # that model's requests fail with why; the others are served
+            log.error("%s", e.message)
+            tokenizer, defaults = None, {}
+    else:
+        tokenizer, defaults = load_tokenizer(args.model), generation_defaults(args.model)
+        catalog = Catalog.single(served, tokenizer, defaults, args.model)
     bus = await Bus.connect(args.nats_url or DEFAULT_NATS_URL, name=f"meshserve-gateway-{GATEWAY_ID[:8]}",
                             namespace=args.namespace)
     streams = TokenStreams(bus, GATEWAY_ID)
@@ -125,7 +142,7 @@ async def run(args) -> int:
         log.info("request log: %s", request_log.path)
     gw = Gateway(bus, tokenizer, served, streams, GatewayMetrics(served), max_model_len=args.max_model_len,
                  stream_timeout=args.stream_timeout, request_log=request_log, auth=auth,
-                 ready_timeout=args.ready_timeout, generation_defaults=generation_defaults(args.model))
+                 ready_timeout=args.ready_timeout, generation_defaults=defaults, catalog=catalog)
     nats_api = NatsAPI(gw)
     await nats_api.start()
 
@@ -146,7 +163,17 @@ async def run(args) -> int:
         background.add(task)
         task.add_done_callback(background.discard)
 
+    def on_hangup() -> None:  # SIGHUP: re-read the manifest, as POST /admin/models/reload does
+        task = loop.create_task(gw.reload_models())
+        background.add(task)
+        task.add_done_callback(lambda t: (background.discard(t), t.exception() and log.error(
+            "manifest not reloaded: %s", t.exception())))
+
     handled = []
+    if getattr(args, "models", None):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(signal.SIGHUP, on_hangup)
+            handled.append(signal.SIGHUP)
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not the main thread
             loop.add_signal_handler(sig, on_signal, sig)

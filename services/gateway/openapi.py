@@ -249,6 +249,14 @@ class ModelCard(BaseModel):
     root: str
     parent: str | None
     max_model_len: int
+    state: Literal["mapped", "host", "disk", "loading", "failed", "unknown"] = Field(
+        description="the hottest model-loader tier it is in on some node, or loading, or failed (see error); "
+                    "docs/models.md")
+    error: str | None = Field(None, description="why it failed to load")
+    workers: int = Field(0, description="workers serving it now")
+    aliases: list[str] = []
+    version: str | None = None
+    pinned: bool = False
 
 
 class ModelList(BaseModel):

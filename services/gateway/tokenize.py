@@ -70,7 +70,7 @@ def tokenize(gw: Gateway, body: Any) -> dict:
     """`{model, prompt}` or `{model, messages}` -> `{count, max_model_len, tokens, token_strs}`."""
     chat = isinstance(body, dict) and "messages" in body
     req = _validate(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
-    gw.check_model(req.model)
+    model = gw.check_model(req.model)
     if chat:
         for name in ("continue_final_message", "chat_template", "chat_template_kwargs"):
             if getattr(req, name):
@@ -78,10 +78,10 @@ def tokenize(gw: Gateway, body: Any) -> dict:
         # the same request a chat completion would be (tools and all), minus /tokenize's own fields
         chat_req = parse_request("chat", {k: v for k, v in body.items()
                                           if k not in ("add_special_tokens", "return_token_strs")})
-        tokens = gw.chat_prompt_ids(chat_req, add_special_tokens=req.add_special_tokens)
+        tokens = gw.chat_prompt_ids(chat_req, add_special_tokens=req.add_special_tokens, model=model)
     else:
-        tokens = gw.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-    strs = [gw.tokenizer.id_to_token(t) for t in tokens] if req.return_token_strs else None
+        tokens = model.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    strs = [model.tokenizer.id_to_token(t) for t in tokens] if req.return_token_strs else None
     return TokenizeResponse(count=len(tokens), max_model_len=gw.max_model_len, tokens=tokens,
                             token_strs=strs).model_dump()
 
@@ -89,9 +89,9 @@ def tokenize(gw: Gateway, body: Any) -> dict:
 def detokenize(gw: Gateway, body: Any) -> dict:
     """`{model, tokens}` -> `{prompt}`; special tokens are kept, so it inverts /tokenize."""
     req = _validate(DetokenizeRequest, body)
-    gw.check_model(req.model)
-    vocab = gw.tokenizer.vocab_size
+    tokenizer = gw.check_model(req.model).tokenizer
+    vocab = tokenizer.vocab_size
     bad = next((i for i, t in enumerate(req.tokens) if not 0 <= t < vocab), None)
     if bad is not None:
         raise OpenAIError(f"tokens.{bad}: token id {req.tokens[bad]} is not in [0, {vocab})", param="tokens")
-    return DetokenizeResponse(prompt=gw.tokenizer.decode(req.tokens, skip_special_tokens=False)).model_dump()
+    return DetokenizeResponse(prompt=tokenizer.decode(req.tokens, skip_special_tokens=False)).model_dump()

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 import uuid
 from dataclasses import dataclass
@@ -46,13 +47,16 @@ from meshserve.shared.engine.policy import add_scheduling_arguments
 from meshserve.shared.limits import LimitError, check_context_length
 from meshserve.shared.prefix_hash import prompt_block_hashes
 from meshserve.shared.schemas import (NOT_READY, Abort, BlockRefs, BlockTransfer, Done, GenerateRequest, Handoff,
-                                      Heartbeat, KVEvent, RoleSwitch, ServiceHello, SubmitReply, TokenChunk,
-                                      TransferReply, Usage)
+                                      Heartbeat, KVEvent, ModelSwitch, ModelSwitchReply, RoleSwitch, ServiceHello,
+                                      SubmitReply, TokenChunk, TransferReply, Usage)
 from meshserve.shared.service import run_service
 from meshserve.shared.telemetry import span
 from meshserve.shared.tenants import load_tenants
 
+from meshserve.shared.manifest import Manifest, ServedModel, load_manifest
+
 from .admission import Admission, waiting_by_class
+from .models import Placement, model_states, pick_worker
 from .queues import ClassQueues
 from .roles import ElasticRoles, Load
 from .routing import (WorkerView, pick_admission, pick_decode, pick_idle_for_short_prompt, pick_soonest,
@@ -92,12 +96,18 @@ class Scheduler:
         self.fcfs = getattr(args, "scheduling", "priority") == "fcfs"
         self.queues: dict[str, ClassQueues] = {}  # model -> its requests waiting for a worker
         self.queue_wait = {"count": 0, "total_s": 0.0, "max_s": 0.0}  # of the requests sent to workers
+        self.manifest_path = getattr(args, "models", None)
+        self.manifest: Manifest | None = load_manifest(self.manifest_path) if self.manifest_path else None
+        self.placement = Placement()  # which worker serves which model (models.py)
+        self.loaders: dict[str, dict] = {}  # node -> its model-loader's status (tiers)
+        self._loaders_at = 0.0  # when the loaders' status was last asked
 
     # -- views
 
     def alive(self, model: str, roles: tuple[str, ...]) -> list[WorkerView]:
         return [w for w in self.workers.values()
-                if self.role_of(w) in roles and w.hb.model == model and not w.hb.draining]
+                if self.role_of(w) in roles and w.hb.model == model and not w.hb.draining
+                and w.hb.worker_id not in self.placement.switching]
 
     def role_of(self, w: WorkerView) -> str:
         """The role it is routed by: a worker told to switch counts in its new role at once."""
@@ -137,6 +147,10 @@ class Scheduler:
                 "preemptions_by_mode": {"swap": 0, "recompute": 0} | _by_priority(w.hb.preemptions_by_mode for w in ws),
                 "running_by_priority": _by_priority(w.hb.running_by_priority for w in ws),
                 "waiting_by_priority": _by_priority(w.hb.waiting_by_priority for w in ws),
+                "models": model_states(self.manifest.names if self.manifest else sorted(models), ws, self.placement,
+                                       self.loaders),
+                "model_switches": self.placement.switches, "recent_model_switches": self.placement.history,
+                "loaders": self.loaders,
                 "elastic_roles": self.roles.enabled, "role_switches": self.roles.switches,
                 "recent_role_switches": self.roles.history,
                 **({"admission": {**self.admission.status(), "waiting_by_class": self.waiting_by_class()}}
@@ -159,18 +173,25 @@ class Scheduler:
 
     async def submit(self, req: GenerateRequest) -> SubmitReply:
         cands = self.prefill_candidates(req.model)
-        if not cands:
-            known = sorted({w.hb.model for w in self.workers.values()})
+        on_demand = not cands and self.spec(req.model) is not None and bool(self.workers)
+        if on_demand:  # a model of the manifest no worker serves yet: it waits here while one switches to it
+            why = self.placement.failure(req.model)
+            if why is not None:
+                return self._unavailable(req.model, why)
+        elif not cands:
+            known = sorted({w.hb.model for w in self.workers.values()} | set(self.manifest.names if self.manifest
+                                                                              else ()))
             if known and req.model not in known:
                 return SubmitReply(ok=False, status_code=404, error=f"the model {req.model!r} does not exist; "
                                    f"served: {known}")
             return SubmitReply(ok=False, status_code=503, error="no worker is ready to serve this model yet",
                                error_type="server_error", error_code=NOT_READY)
-        try:
-            check_context_length(len(req.prompt_token_ids), req.sampling.max_tokens,
-                                 min(w.hb.max_model_len for w in cands))
-        except LimitError as e:
-            return SubmitReply(ok=False, status_code=400, error=str(e))
+        else:
+            try:
+                check_context_length(len(req.prompt_token_ids), req.sampling.max_tokens,
+                                     min(w.hb.max_model_len for w in cands))
+            except LimitError as e:
+                return SubmitReply(ok=False, status_code=400, error=str(e))
         refusal = self.admission.admit(req, self.waiting_by_class)
         if refusal is not None:
             return refusal
@@ -180,7 +201,107 @@ class Scheduler:
         q.remove(req.request_id)  # an earlier attempt still queued here: the new one replaces it
         q.push(req)
         await self.dispatch(req.model)
+        if on_demand:
+            self.place_models()
         return SubmitReply(ok=True, scheduler_id=self.id)
+
+    # -- many models (models.py): which worker serves which model
+
+    def spec(self, model: str) -> ServedModel | None:
+        return self.manifest.get(model) if self.manifest is not None and model else None
+
+    @staticmethod
+    def _unavailable(model: str, why: str) -> SubmitReply:
+        return SubmitReply(ok=False, status_code=503, error=f"the model {model!r} is unavailable: loading it failed: "
+                           f"{why}", error_type="server_error", error_code="model_load_failed")
+
+    def place_models(self) -> None:
+        """Orders a model switch for each manifest model with requests queued here and no worker."""
+        for model, q in list(self.queues.items()):
+            spec = self.spec(model)
+            if not q or spec is None or self.prefill_candidates(model) or model in self.placement.switching.values():
+                continue
+            why = self.placement.failure(model)
+            if why is not None:
+                self._fail_queued(model, why)
+                continue
+            w = pick_worker(list(self.workers.values()), {m: len(x) for m, x in self.queues.items()},
+                            self.placement.last_used, set(self.placement.switching))
+            if w is None:
+                return  # every worker is busy: the next that idles is asked (done, reap)
+            self.placement.switching[w.hb.worker_id] = model
+            self._spawn(self._switch(w, spec))
+
+    async def _switch(self, w: WorkerView, spec: ServedModel) -> None:
+        wid, old = w.hb.worker_id, w.hb.model
+        dtype = spec.dtype or self.args.dtype
+        log.info("switching worker %s from model %s to %s (%d queued)", wid, old, spec.name,
+                 len(self.queues.get(spec.name, ())))
+        t0 = time.monotonic()
+        try:
+            reply = await self.bus.request(self.bus.subjects.worker(wid, "model"), ModelSwitch(
+                name=spec.name, path=spec.path, dtype=dtype, quantization=spec.quantization,
+                reason=f"{len(self.queues.get(spec.name, ()))} requests queued for it"), ModelSwitchReply, timeout=900)
+        except Exception as e:  # noqa: BLE001 - the worker is gone or did not answer
+            reply = ModelSwitchReply(ok=False, error=f"worker {wid} did not switch: {e}")
+        self.placement.finished(wid, spec.name, old, reply.ok, time.monotonic() - t0, reply.tier, reply.error)
+        if reply.ok:
+            if wid in self.workers:
+                self.workers[wid].hb = self.workers[wid].hb.model_copy(update={"model": spec.name})
+            log.info("worker %s now serves %s (%.3f s, weights from %s)", wid, spec.name, reply.seconds, reply.tier)
+            await self.dispatch(spec.name)
+        else:
+            log.warning("model %s failed to load on worker %s: %s", spec.name, wid, reply.error)
+            self._fail_queued(spec.name, reply.error or "unknown error")
+            await self.dispatch(old)
+        self.place_models()
+
+    def _fail_queued(self, model: str, why: str) -> None:
+        """The model cannot load: its queued requests end now, with the reason."""
+        q = self.queues.get(model)
+        if not q:
+            return
+        err = self._unavailable(model, why).error
+        for item in [x for qq in q.queues.values() for x in qq]:
+            if q.remove(item.req.request_id):
+                self.requests.pop(item.req.request_id, None)
+                req = item.req
+                self._spawn(self.bus.publish(req.stream_subject, TokenChunk(
+                    request_id=req.request_id, seq=0, index=len(req.output_token_ids), token_ids=[], finished=True,
+                    finish_reason="error", error=err, attempt=req.attempt)))
+
+    async def refresh_loaders(self) -> None:
+        """The tiers of every node's model-loader, for the models' states."""
+        for node in {w.hb.node_id for w in self.workers.values()}:
+            try:
+                msg = await self.bus.nc.request(self.bus.subjects.models("status", node), b"{}", timeout=0.5)
+                self.loaders[node] = orjson.loads(msg.data)
+            except Exception as e:  # noqa: BLE001 - an old loader, or a restarting one: keep what we had
+                log.debug("loader of %s did not answer: %s", node, e)
+
+    async def reload(self) -> dict:
+        """Re-reads the manifest (SIGHUP, or the gateway's POST /admin/models/reload) and has every
+        node's loader do the same; a removed model's queued requests fail, its running ones finish."""
+        if self.manifest_path is None:
+            return {"ok": False, "error": "the scheduler was started without --models"}
+        try:
+            m = load_manifest(self.manifest_path)
+        except Exception as e:  # noqa: BLE001 - a bad file keeps the old manifest
+            return {"ok": False, "error": str(e)}
+        removed = [n for n in (self.manifest.names if self.manifest else []) if n not in m.names]
+        self.manifest = m
+        for n in removed:
+            self._fail_queued(n, "it was removed from the manifest")
+        loaders = {}
+        for node in {w.hb.node_id for w in self.workers.values()}:
+            try:
+                msg = await self.bus.nc.request(self.bus.subjects.models("reload", node), b"{}", timeout=5)
+                loaders[node] = orjson.loads(msg.data)
+            except Exception as e:  # noqa: BLE001
+                loaders[node] = {"ok": False, "error": str(e)}
+        log.info("manifest reloaded: %s (removed: %s)", ", ".join(m.names), ", ".join(removed) or "none")
+        self.place_models()
+        return {"ok": True, "models": m.names, "removed": removed, "loaders": loaders}
 
     async def dispatch(self, model: str) -> None:
         """Sends queued requests of the model to workers while some worker may take one."""
@@ -229,6 +350,7 @@ class Scheduler:
             w.assigned.add(req.request_id)
             w.admitted[req.request_id] = (req.priority, len(req.prompt_token_ids) + len(req.output_token_ids))
             w.sent[req.priority] = w.sent.get(req.priority, 0) + 1
+            self.placement.used(req.model)
         self._spawn(self._deliver(req, w.hb.worker_id))
 
     async def _deliver(self, req: GenerateRequest, worker: str) -> None:
@@ -337,6 +459,7 @@ class Scheduler:
         w = self.workers.get(d.worker_id)
         if w is not None:  # a seat there is free
             await self.dispatch(w.hb.model)
+            self.place_models()
 
     async def abort(self, a: Abort) -> None:
         t = self.requests.get(a.request_id)
@@ -417,6 +540,10 @@ class Scheduler:
                         await self._lost(t.req)
             self.admission.sweep(self.requests.__contains__)
             await self.balance_roles()
+            self.place_models()
+            if self.manifest is not None and time.monotonic() - self._loaders_at > 1.0:
+                self._loaders_at = time.monotonic()
+                await self.refresh_loaders()
 
     async def serve(self) -> None:
         s, nc = self.bus.subjects, self.bus.nc
@@ -453,6 +580,9 @@ class Scheduler:
         async def on_status(msg):
             await msg.respond(orjson.dumps(self.status()))
 
+        async def on_reload(msg):
+            await msg.respond(orjson.dumps(await self.reload()))
+
         await nc.subscribe(s.handoff, cb=on_handoff)
         await nc.subscribe(s.done, cb=on_done)
         await nc.subscribe(s.abort, cb=on_abort)
@@ -460,6 +590,9 @@ class Scheduler:
         await nc.subscribe(s.kv("events", "*"), cb=on_event)
         await nc.subscribe(s.scheduler_status, cb=on_status)
         await nc.subscribe(s.usage, cb=on_usage)
+        await nc.subscribe(s.scheduler("reload"), cb=on_reload)
+        if self.manifest_path:  # SIGHUP: re-read the manifest
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, lambda: self._spawn(self.reload()))
         self.reaper = asyncio.ensure_future(self.reap())
         self.greeter = asyncio.ensure_future(self.hello(lambda: nc.subscribe(s.submit, cb=on_submit)))
 

@@ -37,11 +37,12 @@ from meshserve.shared.engine.policy import PRIORITIES, add_scheduling_arguments
 from meshserve.shared.engine.scheduler import SchedulerConfig
 from meshserve.shared.model.config import ModelConfig
 from meshserve.shared.model.llama import LlamaModel
-from meshserve.shared.schemas import (Abort, Done, GenerateRequest, Handoff, Heartbeat, LoadRequest, RoleSwitch,
-                                      TokenChunk, WeightsDescriptor)
+from meshserve.shared.schemas import (Abort, Done, GenerateRequest, Handoff, Heartbeat, LoadRequest, ModelSwitch,
+                                      RoleSwitch, TokenChunk)
 from meshserve.shared.service import run_service
 from meshserve.shared import telemetry
 
+from . import model_switch
 from .kv_blocks import KVBlocks
 from .kv_pool_client import KVPoolClient
 from .threads import ThreadTuner
@@ -82,39 +83,22 @@ class Worker:
         self.draining = False  # SIGTERM came: taking nothing new (drain)
         self.unpublished: list[RequestOutput] = []  # a decode step's outputs, streamed while the next step runs
         self.received_by_priority = dict.fromkeys(PRIORITIES, 0)  # requests the scheduler sent to prefill
+        self.pending_model = None  # (ModelSwitch, its message): applied once the engine is empty
 
     # -- start-up: map the weights and the KV arena, lease blocks
 
     async def start(self) -> None:
         a, s = self.args, self.bus.subjects
         device = getattr(a, "device", "cpu")
-        load = LoadRequest(model=a.model, dtype=a.dtype, quantization=a.quantization)
-        w = await self.bus.request(s.models("load", a.node_id), load, WeightsDescriptor, timeout=900)
-        node_memory.check_backend("weights", w.backend, device)
-        buf = node_memory.open_buffer(w.backend, w.path, w.ipc)  # the loader's memory: no copy
-        weights = {t.name: shm.view(buf, t.offset, t.dtype, t.shape) for t in w.tensors}
-        cfg = ModelConfig(**w.config)
-        # Built on the step thread, like everything that runs torch ops in parallel: OpenMP keeps a
-        # thread team per thread that opens parallel regions, and once the main thread had one
-        # (from building the model) the step thread's ran on ~1.6 of 2 cores (bench-mesh: the
-        # decode worker's CPU over the run's wall time, 1.55 before and 1.91 after this change).
-        run_on_stepper = lambda f, *x, **k: asyncio.get_running_loop().run_in_executor(  # noqa: E731
-            self.stepper, lambda: f(*x, **k))
-        model = await run_on_stepper(LlamaModel, cfg, weights)
         pool = KVPoolClient(self.bus, a.node_id, self.id)
         arena = await pool.arena()
         node_memory.check_backend("KV arena", arena.backend, device)
         kv = shm.view(node_memory.open_buffer(arena.backend, arena.path, arena.ipc), 0, arena.dtype, arena.shape)
-        from meshserve.shared.models_repo import load_tokenizer
-
-        tokenizer = load_tokenizer(w.tokenizer_path)  # for structured output's grammars
-        sched = SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
-                                prefill_chunk_size=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
-                                policy=a.scheduling, preemption_mode=a.preemption_mode)
-        self.engine = await run_on_stepper(
-            LLMEngine, model, EngineConfig(block_size=arena.block_size, max_model_len=a.max_model_len, scheduler=sched),
-            model_name=a.served_model_name or a.model, kv_cache=kv, tokenizer=tokenizer)
+        self.pool, self.arena, self.kv = pool, arena, kv
         self.served = a.served_model_name or a.model
+        self.load = LoadRequest(model=a.model, dtype=a.dtype, quantization=a.quantization, worker_id=self.id,
+                                name=self.served)
+        self.engine, w = await model_switch.build_engine(self, self.load, self.served)
         if kv.is_cuda:  # what tests/test_cuda_mesh.py reads: one copy of the weights, opened by handle
             import torch
 
@@ -124,7 +108,7 @@ class Worker:
         self.blocks = KVBlocks(self.engine, pool, a.lease_blocks, arena.swap_blocks, report=self._post)
         await self.blocks.start()
         for verb, cb in (("prefill", self._on_request), ("adopt", self._on_adopt), ("abort", self._on_abort),
-                        ("role", self._on_role)):
+                        ("role", self._on_role), ("model", self._on_model)):
             await self.bus.nc.subscribe(s.worker(self.id, verb), cb=cb)
         await self.bus.nc.subscribe(s.abort, cb=self._on_superseded)
         await pool.watch_epoch(arena.epoch, self._pool_restarted)
@@ -189,6 +173,26 @@ class Worker:
     async def _on_role(self, msg) -> None:
         self._post("role", RoleSwitch.decode(msg.data))
 
+    async def _on_model(self, msg) -> None:
+        self._post("model", (ModelSwitch.decode(msg.data), msg))
+
+    async def _switch_model_when_idle(self) -> None:
+        """A model switch waits until the engine has finished what it runs (model_switch.py)."""
+        if self.pending_model is None or self.engine.has_unfinished() or self.unpublished:
+            return
+        m, msg = self.pending_model
+        self.pending_model = None
+        reply = await model_switch.switch_model(self, m)
+        await self._heartbeat()  # the scheduler routes by the model a heartbeat names
+        await msg.respond(reply.encode())
+
+    async def replace_engine(self, engine: LLMEngine, served: str, load: LoadRequest) -> None:
+        """At an iteration boundary with nothing running: the old engine's blocks go back to the pool."""
+        await self.blocks.close()
+        self.engine, self.served, self.load = engine, served, load
+        self.blocks = KVBlocks(engine, self.pool, self.args.lease_blocks, self.arena.swap_blocks, report=self._post)
+        await self.blocks.start()
+
     async def _on_superseded(self, msg) -> None:
         """A gateway re-submitted a request (its scheduler restarted...): the old attempt stops here,
         even though no scheduler routed this abort."""
@@ -226,6 +230,8 @@ class Worker:
                 await self.blocks.reclaim()
             elif kind == "role":
                 await self._switch_role(m)
+            elif kind == "model":
+                self.pending_model = m
             else:
                 await self._abort(m)
 
@@ -294,6 +300,7 @@ class Worker:
         # detach sequences from the engine, which only happens between steps.
         while True:
             await self._apply_inbox()
+            await self._switch_model_when_idle()
             if not self.engine.has_unfinished():
                 if self.unpublished:
                     await self._flush()

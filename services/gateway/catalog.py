@@ -1,0 +1,83 @@
+"""The gateway's view of the models it serves: the manifest (shared/manifest.py), and per model its
+tokenizer and generation defaults, loaded on first use (a model nobody asks for costs nothing here).
+
+Requests name a model by its served name or an alias; `entry` resolves it or raises the OpenAI
+error (404 for a name not in the manifest, 500 naming the cause when its tokenizer cannot load).
+`reload` swaps in a re-read manifest: requests already running keep the entry they resolved.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+from meshserve.shared.manifest import Manifest, ServedModel, load_manifest
+from meshserve.shared.models_repo import generation_defaults, load_tokenizer
+from meshserve.shared.openai_protocol import OpenAIError
+from meshserve.shared.tokenizer import Tokenizer
+
+log = logging.getLogger("meshserve.gateway")
+
+
+@dataclass
+class ModelEntry:
+    spec: ServedModel
+    tokenizer: Tokenizer
+    generation_defaults: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+class Catalog:
+    def __init__(self, manifest: Manifest, path: str | None = None, preloaded: dict[str, ModelEntry] | None = None):
+        self.manifest, self.path = manifest, path
+        self._entries: dict[str, ModelEntry] = dict(preloaded or {})
+        self._lock = threading.Lock()
+
+    @classmethod
+    def single(cls, name: str, tokenizer: Tokenizer, defaults: dict | None = None, path: str | None = None):
+        """One model whose tokenizer is already loaded (`--model`)."""
+        m = Manifest.single(path or name, name)
+        return cls(m, None, {name: ModelEntry(m.models[0], tokenizer, dict(defaults or {}))})
+
+    @property
+    def default(self) -> ModelEntry:
+        return self.entry(None)
+
+    def entry(self, name: str | None) -> ModelEntry:
+        spec = self.manifest.get(name)
+        if spec is None:
+            raise OpenAIError(f"the model {name!r} does not exist; this server serves "
+                              f"{', '.join(repr(n) for n in self.manifest.names)}", 404, param="model",
+                              code="model_not_found")
+        with self._lock:
+            e = self._entries.get(spec.name)
+            if e is not None and e.spec.path == spec.path:
+                if e.spec != spec:  # same weights, new settings (aliases, version, pinning)
+                    e = self._entries[spec.name] = ModelEntry(spec, e.tokenizer, e.generation_defaults)
+                return e
+            try:
+                tok = load_tokenizer(spec.path)
+            except Exception as err:  # noqa: BLE001 - the client must hear why the model cannot serve
+                log.warning("model %s: cannot load its tokenizer from %s: %s", spec.name, spec.path, err)
+                raise OpenAIError(f"the model {spec.name!r} cannot be served: its tokenizer does not load from "
+                                  f"{spec.path}: {err}", 500, type="server_error", code="model_load_failed") from None
+            e = self._entries[spec.name] = ModelEntry(spec, tok, generation_defaults(spec.path))
+            return e
+
+    def reload(self) -> Manifest:
+        """Re-reads the manifest file (raises ManifestError, keeping the old one, when it is bad)."""
+        if self.path is None:
+            raise OpenAIError("this gateway was started without --models: there is no manifest to reload", 400,
+                              code="no_manifest")
+        m = load_manifest(self.path)
+        with self._lock:
+            self.manifest = m
+            names = set(m.names)
+            for n in [n for n in self._entries if n not in names]:
+                del self._entries[n]
+        log.info("manifest reloaded from %s: %s", self.path, ", ".join(m.names))
+        return m

@@ -1,0 +1,87 @@
+"""A worker changing model, the way it changes role: no process restart.
+
+The scheduler sends `ModelSwitch` to a worker it has stopped routing to; the worker applies it at an
+iteration boundary once its engine has nothing left to run (its sequences finish first), then:
+asks its node's loader for the model's weights (the loader counts it off the model it mapped
+before), checks that the model's KV shape fits the node's arena, builds the model and a new engine
+on the same arena, gives the old engine's blocks back to the kv-pool and leases new ones. A switch
+that fails leaves the worker on the model it had (mapped again: the loader keeps it in use) and the
+reply says why; the scheduler then fails that model's queued requests with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from meshserve.shared import node_memory, shm
+from meshserve.shared.engine.llm_engine import EngineConfig, LLMEngine
+from meshserve.shared.engine.scheduler import SchedulerConfig
+from meshserve.shared.model.config import ModelConfig
+from meshserve.shared.model.llama import LlamaModel
+from meshserve.shared.schemas import LoadRequest, ModelSwitch, ModelSwitchReply, WeightsDescriptor
+
+log = logging.getLogger("meshserve.worker")
+
+
+def kv_mismatch(cfg: ModelConfig, dtype: str, arena) -> str | None:
+    """Why the model cannot keep its KV in the node's arena, or None when it can."""
+    layers, _, _, heads, dim = arena.shape
+    if dtype != arena.dtype:
+        return f"its dtype {dtype} differs from the node's KV arena's ({arena.dtype})"
+    if (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim) != (layers, heads, dim):
+        return (f"its KV shape ({cfg.num_hidden_layers} layers x {cfg.num_key_value_heads} KV heads x "
+                f"{cfg.head_dim}) differs from the node's KV arena ({layers} x {heads} x {dim}); the models of "
+                "one node share one arena shape")
+    return None
+
+
+async def build_engine(worker, load: LoadRequest, served: str) -> tuple[LLMEngine, WeightsDescriptor]:
+    """The model's weights mapped from the loader and an engine over them on the worker's arena."""
+    a, bus = worker.args, worker.bus
+    w = await bus.request(bus.subjects.models("load", a.node_id), load, WeightsDescriptor, timeout=900)
+    node_memory.check_backend("weights", w.backend, getattr(a, "device", "cpu"))
+    cfg = ModelConfig(**w.config)
+    problem = kv_mismatch(cfg, load.dtype, worker.arena)
+    if problem:
+        raise ValueError(problem)
+    buf = node_memory.open_buffer(w.backend, w.path, w.ipc)  # the loader's memory: no copy
+    weights = {t.name: shm.view(buf, t.offset, t.dtype, t.shape) for t in w.tensors}
+    # Built on the step thread, like everything that runs torch ops in parallel: OpenMP keeps a
+    # thread team per thread that opens parallel regions, and once the main thread had one
+    # (from building the model) the step thread's ran on ~1.6 of 2 cores (bench-mesh: the
+    # decode worker's CPU over the run's wall time, 1.55 before and 1.91 after this change).
+    loop = asyncio.get_running_loop()
+    model = await loop.run_in_executor(worker.stepper, lambda: LlamaModel(cfg, weights))
+    from meshserve.shared.models_repo import load_tokenizer
+
+    tokenizer = load_tokenizer(w.tokenizer_path)  # for structured output's grammars
+    sched = SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
+                            prefill_chunk_size=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
+                            policy=a.scheduling, preemption_mode=a.preemption_mode)
+    config = EngineConfig(block_size=worker.arena.block_size, max_model_len=a.max_model_len, scheduler=sched)
+    engine = await loop.run_in_executor(worker.stepper, lambda: LLMEngine(
+        model, config, model_name=served, kv_cache=worker.kv, tokenizer=tokenizer))
+    return engine, w
+
+
+async def switch_model(worker, m: ModelSwitch) -> ModelSwitchReply:
+    """Applied by the worker's loop when its engine is empty (see the module docstring)."""
+    t0, old = time.perf_counter(), worker.served
+    load = LoadRequest(model=m.path, dtype=m.dtype, quantization=m.quantization, worker_id=worker.id, name=m.name)
+    try:
+        engine, w = await build_engine(worker, load, m.name)
+    except Exception as e:  # noqa: BLE001 - the scheduler must hear why
+        log.warning("worker %s: cannot switch %s -> %s: %s", worker.id, old, m.name, e)
+        try:  # still mapped by this worker: tell the loader so it is not evicted under it
+            await worker.bus.request(worker.bus.subjects.models("load", worker.args.node_id), worker.load,
+                                     WeightsDescriptor, timeout=900)
+        except Exception as again:  # noqa: BLE001
+            log.warning("worker %s: could not re-register %s with the loader: %s", worker.id, old, again)
+        return ModelSwitchReply(ok=False, error=str(e), seconds=time.perf_counter() - t0)
+    await worker.replace_engine(engine, m.name, load)
+    took = time.perf_counter() - t0
+    log.info("worker %s model %s -> %s in %.3f s (weights from %s in %.3f s): %s", worker.id, old, m.name, took,
+             w.tier, w.load_s, m.reason)
+    return ModelSwitchReply(ok=True, seconds=took, tier=w.tier)
