@@ -227,12 +227,15 @@ class ModelLoader:
 
     async def serve(self) -> None:
         async def on_load(msg):
+            what = repr(msg.data[:200])
             try:
-                desc = await self.get(LoadRequest.decode(msg.data))
+                req = LoadRequest.decode(msg.data)
+                what = f"{req.model} ({req.dtype}{', ' + req.quantization if req.quantization else ''})"
+                desc = await self.get(req)
                 await msg.respond(desc.encode())
             except Exception as e:  # noqa: BLE001 - the asker must hear why
                 log.exception("load failed")
-                await self.bus.respond_error(msg, f"cannot load {msg.data[:200]!r}: {e}")
+                await self.bus.respond_error(msg, f"cannot load {what}: {type(e).__name__}: {e}")
 
         async def on_list(msg):
             import orjson
