@@ -167,7 +167,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
             ("bench-sched", "bench.sched_bench", "scheduling: priority vs fcfs, interactive TTFT under a batch, "
                                                  "swap vs recompute"),
             ("bench-soak", "bench.soak_bench", "minutes of load with a fault every few minutes: nothing lost"),
-            ("bench-busy", "bench.busy_bench", "one stream's speed beside a CPU burner: fixed threads vs tuned")):
+            ("bench-busy", "bench.busy_bench", "one stream's speed beside a CPU burner: fixed threads vs tuned"),
+            ("bench-models", "bench.models_bench", "many models on one mesh: a weights budget against every model "
+                                                   "resident (hit rate, loads, evictions, TTFT per model)")):
         sp = sub.add_parser(name, add_help=False, help=text)
         sp.set_defaults(func=lambda a, m=module: __import__(f"meshserve.{m}", fromlist=["main"]).main(a.rest),
                         passthrough=True)

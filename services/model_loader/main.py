@@ -142,6 +142,7 @@ class ModelLoader:
         else:
             self.tiers.touch(e)
         if e.tier == "mapped":
+            e.hits += 1
             return e.desc
         if e.loading is None:
             e.loading = asyncio.ensure_future(self._bring_in(e, spec.memory_quota_gb if spec else None))

@@ -35,6 +35,7 @@ class Entry:
     loads: dict[str, int] = field(default_factory=dict)  # tier it came from -> count
     load_s: dict[str, float] = field(default_factory=dict)  # tier it came from -> seconds, the last time
     evictions: int = 0
+    hits: int = 0  # asks that found it mapped
 
 
 class Tiers:
@@ -125,5 +126,6 @@ class Tiers:
                 "over_budget_loads": self.over_budget,
                 "models": [{"name": e.name, "model": e.key[0], "dtype": e.key[1], "quantization": e.key[2],
                             "tier": e.tier, "bytes": e.nbytes, "pinned": e.pinned, "users": sorted(e.users),
-                            "loads": e.loads, "load_s": e.load_s, "evictions": e.evictions, "error": e.error}
+                            "loads": e.loads, "load_s": e.load_s, "evictions": e.evictions, "hits": e.hits,
+                            "error": e.error}
                            for e in self.entries.values()]}

@@ -245,6 +245,7 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - the worker is gone or did not answer
             reply = ModelSwitchReply(ok=False, error=f"worker {wid} did not switch: {e}")
         self.placement.finished(wid, spec.name, old, reply.ok, time.monotonic() - t0, reply.tier, reply.error)
+        await self.refresh_loaders()  # the tiers just changed: the models' states say so at once
         if reply.ok:
             if wid in self.workers:
                 self.workers[wid].hb = self.workers[wid].hb.model_copy(update={"model": spec.name})
