@@ -296,7 +296,7 @@ def worker_models(a):
 
     def opts(i: int) -> list[str]:
         m = models[i % len(models)]
-        out = ["--model", m.path, "--served-model-name", m.name, "--dtype", m.dtype or a.dtype]
+        out = ["--model", m.path, "--served-model-name", m.id, "--dtype", m.dtype or a.dtype]
         return out + (["--quantization", m.quantization] if m.quantization else [])
     return opts
 

@@ -10,6 +10,8 @@ A YAML list of models (or a mapping with the list under `models`), each:
       quantization: int8            # optional (docs/quantization.md)
       pinned: true                  # never evicted from the loader's hot tier
       memory_quota_gb: 1.0          # the most its weights may take (a load above it fails)
+      share: 90                     # canary: two or more entries of one name, each with a version and
+                                    # its percent of the name's requests (they sum to 100)
 
 `--model M` is the one-model manifest (`Manifest.single`). One module parses and checks it for every
 service (the gateway, the scheduler, the model-loader and the launcher read it; none imports torch
@@ -42,6 +44,13 @@ class ServedModel(BaseModel):
     quantization: Quantization | None = None
     pinned: bool = False
     memory_quota_gb: float | None = Field(default=None, gt=0)
+    share: float | None = Field(default=None, ge=0, le=100)
+
+    @property
+    def id(self) -> str:
+        """What the mesh calls it inside (queues, workers, the loader): the served name, or
+        name@version for a version with a traffic share (a canary)."""
+        return f"{self.name}@{self.version}" if self.share is not None else self.name
 
     @field_validator("version", mode="before")
     @classmethod
@@ -64,12 +73,24 @@ class Manifest(BaseModel):
     @model_validator(mode="after")
     def _unique_names(self) -> "Manifest":
         seen: dict[str, str] = {}
+        groups: dict[str, list[ServedModel]] = {}
         for m in self.models:
+            groups.setdefault(m.name, []).append(m)
             for n in m.names():
-                if n in seen:
+                if seen.get(n, m.name) != m.name:
                     raise ValueError(f"the name {n!r} is given twice (models {seen[n]!r} and {m.name!r}); "
                                      "each served name and alias must be unique")
                 seen[n] = m.name
+        for name, group in groups.items():
+            if len(group) == 1 and group[0].share is None:
+                continue
+            if any(m.share is None or m.version is None for m in group):
+                raise ValueError(f"the model {name!r} is listed {len(group)} times: versions of one name each need "
+                                 "a `version` and a `share`")
+            if len({m.version for m in group}) != len(group):
+                raise ValueError(f"the model {name!r} lists a version twice")
+            if abs(sum(m.share for m in group) - 100) > 1e-6:
+                raise ValueError(f"the shares of {name!r}'s versions sum to {sum(m.share for m in group):g}, not 100")
         return self
 
     @classmethod
@@ -80,14 +101,39 @@ class Manifest(BaseModel):
                                      quantization=quantization),))
 
     def get(self, name: str | None) -> ServedModel | None:
-        """The model a request's `model` names (its name or an alias); None names the first."""
+        """The model an id names (ServedModel.id), or a served name or alias (of a name with
+        versions: its first); None names the first model."""
         if name is None:
             return self.models[0]
-        return next((m for m in self.models if name in m.names()), None)
+        return next((m for m in self.models if m.id == name), None) or \
+            next((m for m in self.models if name in m.names()), None)
+
+    def versions(self, name: str) -> list[ServedModel]:
+        """The entries a served name or alias reaches (one, or its versions)."""
+        return [m for m in self.models if name in m.names()]
+
+    def pick(self, name: str | None, u: float) -> ServedModel | None:
+        """The version a request for `name` runs on, by the versions' shares (`u` uniform in [0, 1))."""
+        if name is None:
+            name = self.models[0].name
+        vs = self.versions(name)
+        if len(vs) <= 1 or vs[0].share is None:
+            return vs[0] if vs else self.get(name)
+        total = 0.0
+        for m in vs:
+            total += m.share / 100
+            if u < total:
+                return m
+        return next((m for m in reversed(vs) if m.share), vs[-1])
 
     @property
     def names(self) -> list[str]:
-        return [m.name for m in self.models]
+        """The served names, each once."""
+        return list(dict.fromkeys(m.name for m in self.models))
+
+    @property
+    def ids(self) -> list[str]:
+        return [m.id for m in self.models]
 
     def by_weights(self, default_dtype: str) -> dict[tuple[str, str, str | None], ServedModel]:
         return {m.weights_key(default_dtype): m for m in self.models}

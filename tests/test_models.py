@@ -38,10 +38,21 @@ def test_manifest_parses_and_refuses_what_it_does_not_know(tmp_path, tiny_llama)
     assert m.names == ["a", "b"] and m.get("first").name == "a" and m.get(None).name == "a"
     assert m.models[0].pinned and m.models[0].version == "2" and m.models[1].memory_quota_gb == 0.5
     assert Manifest.single("x").models[0].name == "x"
+    f.write_text(f"- {{name: c, version: a, path: {tiny_llama}, share: 25}}\n"
+                 f"- {{name: c, version: b, path: {tiny_llama}, share: 75}}\n")
+    c = load_manifest(f)
+    assert c.ids == ["c@a", "c@b"] and c.names == ["c"] and c.get("c@b").version == "b"
+    assert [c.pick("c", u).version for u in (0.0, 0.24, 0.25, 0.99)] == ["a", "a", "b", "b"]
     for text, words in ((f"- {{name: a, path: {tiny_llama}, compute_share: 3}}", "compute_share: unknown key"),
-                        (f"- {{name: a, path: {tiny_llama}}}\n- {{name: a, path: {tiny_llama}}}", "given twice"),
+                        (f"- {{name: a, path: {tiny_llama}}}\n- {{name: a, path: {tiny_llama}}}", "listed 2 times"),
+                        (f"- {{name: a, path: {tiny_llama}, aliases: [b]}}\n- {{name: b, path: {tiny_llama}}}",
+                         "'b' is given twice"),
                         ("- {name: a, path: no-such-model}", "unknown model"),
-                        ("[]", "at least 1"), ("name: a", "expected a list")):
+                        ("[]", "at least 1"), ("name: a", "expected a list"),
+                        (f"- {{name: c, version: a, path: {tiny_llama}, share: 20}}\n"
+                         f"- {{name: c, version: b, path: {tiny_llama}, share: 20}}", "sum to 40"),
+                        (f"- {{name: c, path: {tiny_llama}}}\n- {{name: c, version: b, path: {tiny_llama}, share: 20}}",
+                         "each need a `version` and a `share`")):
         f.write_text(text)
         with pytest.raises(ManifestError, match=words):
             load_manifest(f)
@@ -88,10 +99,16 @@ def test_tiers_evict_least_recently_used_never_pinned_or_in_use():
 # -- the mesh
 
 
-def _manifest(path: Path, models: dict[str, Path], pinned: str) -> Path:
+def _manifest(path: Path, models: dict[str, Path], pinned: str, canary: dict[str, tuple[Path, float]] = None) -> Path:
     lines = [f"- {{name: {n}, path: '{p}', pinned: {'true' if n == pinned else 'false'}}}" for n, p in models.items()]
+    lines += [f"- {{name: canary, version: '{v}', path: '{p}', share: {share}}}" for v, (p, share) in (canary or {}).items()]
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def _canary(models, v1: float) -> dict[str, tuple[Path, float]]:
+    copies = models[2]
+    return {"1": (copies["1"], v1), "2": (copies["2"], 100 - v1)}
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +118,12 @@ def models(tmp_path_factory):
            for name, seed, width in (("alpha", 11, 128), ("beta", 12, 96), ("gamma", 13, 160))}
     broken = make_tiny_llama(root / "broken", seed=14)
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
-    return out, broken
+    import shutil
+
+    # the canary's versions: beta's and gamma's weights under other paths (other models to the loader)
+    canary = {v: Path(shutil.copytree(out[src], root / f"canary-{v}", copy_function=os.link))
+              for v, src in (("1", "beta"), ("2", "gamma"))}
+    return out, broken, canary
 
 
 @pytest.fixture(scope="module")
@@ -109,17 +131,17 @@ def oracle(models):
     from meshserve.shared.engine.llm import LLM
     from meshserve.shared.engine.sequence import SamplingParams
 
-    good, _ = models
+    good = models[0]
     return {n: LLM(str(p), "float32").generate([PROMPT], SamplingParams(max_tokens=TOKENS, temperature=0))[0].text
             for n, p in good.items()}
 
 
 @pytest.fixture(scope="module")
 def mesh(models, tmp_path_factory):
-    good, broken = models
+    good, broken, _ = models
     tmp = tmp_path_factory.mktemp("mesh")
     size = max(os.path.getsize(p / "model.safetensors") for p in good.values())
-    manifest = _manifest(tmp / "models.yaml", {**good, "broken": broken}, pinned="alpha")
+    manifest = _manifest(tmp / "models.yaml", {**good, "broken": broken}, pinned="alpha", canary=_canary(models, 100))
     gb = 1 << 30
     m = Mesh(good["alpha"], tmp, prefill=0, decode=1, extra=[
         "--models", str(manifest), "--weights-memory-gb", f"{2.5 * size / gb:.9f}",
@@ -150,7 +172,7 @@ def _wait_state(m: Mesh, model: str, state: str, timeout: float = 10) -> dict:
 
 def test_models_load_on_demand_with_lru_eviction_and_pinning(mesh, oracle):
     st = _states(mesh)
-    assert list(st) == ["alpha", "beta", "gamma", "broken"]
+    assert list(st) == ["alpha", "beta", "gamma", "broken", "canary"]
     assert st["alpha"]["state"] == "mapped" and st["alpha"]["pinned"] and st["alpha"]["workers"] == 1
     assert st["beta"]["state"] == st["gamma"]["state"] == "disk"
     # The one worker switches model for each: each output is that model's alone.
@@ -190,11 +212,44 @@ def test_a_model_that_cannot_load_fails_alone(mesh, oracle):
         _complete(mesh, "no-such-model")
 
 
+def _canary_call(m: Mesh) -> tuple[str | None, str]:
+    r = httpx.post(m.url + "/v1/completions", json={"model": "canary", "prompt": PROMPT, "max_tokens": TOKENS,
+                                                    "temperature": 0}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "canary"
+    return r.headers.get("meshserve-model-version"), r.json()["choices"][0]["text"]
+
+
+def _reload(m: Mesh) -> dict:
+    r = httpx.post(m.url + "/admin/models/reload", timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_canary_versions_follow_their_shares(mesh, models, oracle):
+    good, broken, _ = models
+    assert _canary_call(mesh) == ("1", oracle["beta"])  # share 100/0: version 1, beta's weights
+    card = _states(mesh)["canary"]
+    assert [(v["version"], v["share"]) for v in card["versions"]] == [("1", 100), ("2", 0)]
+    _manifest(mesh.manifest, {**good, "broken": broken}, pinned="alpha", canary=_canary(models, 0))
+    _reload(mesh)
+    assert _canary_call(mesh) == ("2", oracle["gamma"])  # moved to 0/100: at once
+    _manifest(mesh.manifest, {**good, "broken": broken}, pinned="alpha", canary=_canary(models, 50))
+    _reload(mesh)
+    with concurrent.futures.ThreadPoolExecutor(20) as pool:
+        got = list(pool.map(lambda _: _canary_call(mesh), range(20)))
+    assert {v for v, _ in got} == {"1", "2"}  # both (all one version: probability 2 in a million)
+    assert all(text == oracle["beta" if v == "1" else "gamma"] for v, text in got)
+    assert httpx.post(mesh.url + "/v1/completions", json={"model": "alpha", "prompt": "x", "max_tokens": 1},
+                      timeout=60).headers.get("meshserve-model-version") is None  # no version: no header
+
+
 def test_reload_removes_a_model(mesh, models, oracle):
-    good, _ = models
+    good = models[0]
     _manifest(mesh.manifest, {"alpha": good["alpha"], "beta": good["beta"]}, pinned="alpha")
     r = httpx.post(mesh.url + "/admin/models/reload", timeout=30)
-    assert r.status_code == 200 and r.json()["scheduler"]["removed"] == ["gamma", "broken"], r.text
+    assert r.status_code == 200 and r.json()["scheduler"]["removed"] == ["gamma", "broken", "canary@1", "canary@2"], \
+        r.text
     assert list(_states(mesh)) == ["alpha", "beta"]
     with pytest.raises(openai.NotFoundError):
         _complete(mesh, "gamma")

@@ -22,7 +22,7 @@ from meshserve.shared.openai_responses import ResponsesRequest
 
 from . import openapi, responses, tokenize
 from .auth import AUTH_HEADER
-from .handler import Gateway, Generation, Kind
+from .handler import VERSION_HEADER, Gateway, Generation, Kind
 
 log = logging.getLogger(__name__)
 
@@ -150,13 +150,19 @@ def create_app(gw: Gateway) -> FastAPI:
         gen = await _unless_disconnected(request, gw.submit(kind, body, getattr(request.state, "tenant", None)))
         if gen is None:
             return Response(status_code=CLIENT_CLOSED)
+        version = gen.prepared.model.spec.version
+        extra = {VERSION_HEADER: version} if version is not None else {}
         if gen.stream:
-            return StreamingResponse(_sse_stream(gen), media_type="text/event-stream", headers=SSE_HEADERS)
+            return StreamingResponse(_sse_stream(gen), media_type="text/event-stream", headers=SSE_HEADERS | extra)
         try:
             result = await _unless_disconnected(request, gen.body())
         finally:
             gen.close()
-        return json_response(result) if result is not None else Response(status_code=CLIENT_CLOSED)
+        if result is None:
+            return Response(status_code=CLIENT_CLOSED)
+        response = json_response(result)
+        response.headers.update(extra)
+        return response
 
     @app.post("/v1/completions", responses=openapi.responses(openapi.Completion, openapi.CompletionChunk,
                                                              ", then `data: [DONE]`"))

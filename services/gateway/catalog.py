@@ -9,6 +9,7 @@ error (404 for a name not in the manifest, 500 naming the cause when its tokeniz
 from __future__ import annotations
 
 import logging
+import random
 import threading
 from dataclasses import dataclass, field
 
@@ -28,7 +29,13 @@ class ModelEntry:
 
     @property
     def name(self) -> str:
+        """The served name (what the response says)."""
         return self.spec.name
+
+    @property
+    def id(self) -> str:
+        """What the mesh calls it: the name, or name@version for a canary version."""
+        return self.spec.id
 
 
 class Catalog:
@@ -48,16 +55,20 @@ class Catalog:
         return self.entry(None)
 
     def entry(self, name: str | None) -> ModelEntry:
-        spec = self.manifest.get(name)
+        """The model (of a name with versions: one of them, by their shares) a request runs on."""
+        spec = self.manifest.pick(name, random.random())
         if spec is None:
             raise OpenAIError(f"the model {name!r} does not exist; this server serves "
                               f"{', '.join(repr(n) for n in self.manifest.names)}", 404, param="model",
                               code="model_not_found")
+        return self.entry_of(spec)
+
+    def entry_of(self, spec: ServedModel) -> ModelEntry:
         with self._lock:
-            e = self._entries.get(spec.name)
+            e = self._entries.get(spec.id)
             if e is not None and e.spec.path == spec.path:
-                if e.spec != spec:  # same weights, new settings (aliases, version, pinning)
-                    e = self._entries[spec.name] = ModelEntry(spec, e.tokenizer, e.generation_defaults)
+                if e.spec != spec:  # same weights, new settings (aliases, share, pinning)
+                    e = self._entries[spec.id] = ModelEntry(spec, e.tokenizer, e.generation_defaults)
                 return e
             try:
                 tok = load_tokenizer(spec.path)
@@ -65,7 +76,7 @@ class Catalog:
                 log.warning("model %s: cannot load its tokenizer from %s: %s", spec.name, spec.path, err)
                 raise OpenAIError(f"the model {spec.name!r} cannot be served: its tokenizer does not load from "
                                   f"{spec.path}: {err}", 500, type="server_error", code="model_load_failed") from None
-            e = self._entries[spec.name] = ModelEntry(spec, tok, generation_defaults(spec.path))
+            e = self._entries[spec.id] = ModelEntry(spec, tok, generation_defaults(spec.path))
             return e
 
     def reload(self) -> Manifest:
@@ -76,7 +87,7 @@ class Catalog:
         m = load_manifest(self.path)
         with self._lock:
             self.manifest = m
-            names = set(m.names)
+            names = set(m.ids)
             for n in [n for n in self._entries if n not in names]:
                 del self._entries[n]
         log.info("manifest reloaded from %s: %s", self.path, ", ".join(m.names))

@@ -37,6 +37,8 @@ Kind = Literal["completions", "chat"]
 STATUS_TIMEOUT = 1.0
 READY_POLL = 0.25  # how often a request waiting for the mesh to start asks the scheduler
 RETRY_AFTER_S = 5  # the Retry-After of a 503 for a mesh that is not ready
+STATE_ORDER = ("mapped", "loading", "host", "disk", "failed", "unknown")  # a name's versions: the hottest shows
+VERSION_HEADER = "meshserve-model-version"  # the version of the model that served a request
 
 
 @dataclass
@@ -183,11 +185,12 @@ class Gateway:
             raise
         arrival = time.time()
         rid = uuid.uuid4().hex
-        span = telemetry.start("gateway.request", None, request_id=rid, model=p.model.name,
+        span = telemetry.start("gateway.request", None, request_id=rid, model=p.model.id,
+                               model_version=p.model.spec.version,
                                prompt_tokens=len(p.prompt_token_ids))
         trace = telemetry.inject_span(span)
         requests = [GenerateRequest(
-            request_id=rid if i == 0 else f"{rid}-{i}", model=p.model.name,
+            request_id=rid if i == 0 else f"{rid}-{i}", model=p.model.id,
             prompt_token_ids=p.prompt_token_ids, sampling=p.choice_sampling(i), priority=p.priority,
             stream_subject=self.streams.subject, arrival_time=arrival, trace=trace,
             tenant=tenant and tenant.name, after=None if i == 0 else rid) for i in range(p.n)]
@@ -304,19 +307,28 @@ class Gateway:
         scheduler's status; without an answer they are "unknown"."""
         status = await self.scheduler_status()
         states = (status or {}).get("models", {})
+        manifest = self.catalog.manifest
         data = []
-        for spec in self.catalog.manifest.models:
-            st = states.get(spec.name, {})
+        for name in manifest.names:
+            versions = manifest.versions(name)
+            spec = versions[0]
+            sts = [states.get(v.id, {}) for v in versions]
+            hottest = min(sts, key=lambda x: STATE_ORDER.index(x.get("state", "unknown")))
             try:
-                defaults = self.catalog.entry(spec.name).generation_defaults
+                defaults = self.catalog.entry_of(spec).generation_defaults
             except OpenAIError:
                 defaults = {}
-            data.append({"id": spec.name, "object": "model", "created": self.created, "owned_by": "meshserve",
-                         "root": spec.path if len(self.catalog.manifest.models) > 1 else spec.name, "parent": None,
-                         "max_model_len": self.max_model_len, "generation_defaults": defaults,
-                         "state": st.get("state", "unknown"), "error": st.get("error"),
-                         "workers": st.get("workers", 0), "aliases": list(spec.aliases), "version": spec.version,
-                         "pinned": spec.pinned, "load_times_s": st.get("load_times_s", {})})
+            card = {"id": name, "object": "model", "created": self.created, "owned_by": "meshserve",
+                    "root": spec.path if len(manifest.models) > 1 else name, "parent": None,
+                    "max_model_len": self.max_model_len, "generation_defaults": defaults,
+                    "state": hottest.get("state", "unknown"), "error": hottest.get("error"),
+                    "workers": sum(x.get("workers", 0) for x in sts), "aliases": list(spec.aliases),
+                    "version": spec.version, "pinned": spec.pinned, "load_times_s": hottest.get("load_times_s", {})}
+            if spec.share is not None:  # a canary: each version, its share and its state
+                card["versions"] = [{"version": v.version, "share": v.share, "path": v.path,
+                                     "state": x.get("state", "unknown"), "error": x.get("error"),
+                                     "workers": x.get("workers", 0)} for v, x in zip(versions, sts)]
+            data.append(card)
         return {"object": "list", "data": data}
 
     async def reload_models(self) -> dict:

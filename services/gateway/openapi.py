@@ -257,6 +257,7 @@ class ModelCard(BaseModel):
     aliases: list[str] = []
     version: str | None = None
     pinned: bool = False
+    versions: list[dict[str, Any]] | None = Field(None, description="a canary: each version, its share and state")
 
 
 class ModelList(BaseModel):

@@ -134,7 +134,7 @@ class ModelLoader:
     async def get(self, req: LoadRequest) -> WeightsDescriptor:
         key = (req.model, req.dtype, req.quantization)
         spec = self._spec(key)
-        e = self.tiers.entry(key, req.name or (spec.name if spec else req.model))
+        e = self.tiers.entry(key, req.name or (spec.id if spec else req.model))
         e.pinned = bool(spec and spec.pinned)
         if req.worker_id:
             self.seen[req.worker_id] = time.monotonic()
@@ -299,7 +299,7 @@ async def main(args) -> None:
             loop.add_signal_handler(signal.SIGHUP, lambda: _logged(loader.reload, loader.manifest_path))
         if args.preload:
             first = [LoadRequest(model=args.model, dtype=args.dtype, quantization=args.quantization)]
-            pinned = [LoadRequest(model=m.path, dtype=m.dtype or args.dtype, quantization=m.quantization, name=m.name)
+            pinned = [LoadRequest(model=m.path, dtype=m.dtype or args.dtype, quantization=m.quantization, name=m.id)
                       for m in (manifest.models if manifest else ()) if m.pinned]
             for req in first + [r for r in pinned if r.model != args.model]:
                 try:

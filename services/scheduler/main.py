@@ -147,7 +147,7 @@ class Scheduler:
                 "preemptions_by_mode": {"swap": 0, "recompute": 0} | _by_priority(w.hb.preemptions_by_mode for w in ws),
                 "running_by_priority": _by_priority(w.hb.running_by_priority for w in ws),
                 "waiting_by_priority": _by_priority(w.hb.waiting_by_priority for w in ws),
-                "models": model_states(self.manifest.names if self.manifest else sorted(models), ws, self.placement,
+                "models": model_states(self.manifest.ids if self.manifest else sorted(models), ws, self.placement,
                                        self.loaders),
                 "model_switches": self.placement.switches, "recent_model_switches": self.placement.history,
                 "loaders": self.loaders,
@@ -179,8 +179,8 @@ class Scheduler:
             if why is not None:
                 return self._unavailable(req.model, why)
         elif not cands:
-            known = sorted({w.hb.model for w in self.workers.values()} | set(self.manifest.names if self.manifest
-                                                                              else ()))
+            known = sorted({w.hb.model for w in self.workers.values()} | set(self.manifest.ids if self.manifest
+                                                                            else ()))
             if known and req.model not in known:
                 return SubmitReply(ok=False, status_code=404, error=f"the model {req.model!r} does not exist; "
                                    f"served: {known}")
@@ -235,25 +235,25 @@ class Scheduler:
     async def _switch(self, w: WorkerView, spec: ServedModel) -> None:
         wid, old = w.hb.worker_id, w.hb.model
         dtype = spec.dtype or self.args.dtype
-        log.info("switching worker %s from model %s to %s (%d queued)", wid, old, spec.name,
-                 len(self.queues.get(spec.name, ())))
+        log.info("switching worker %s from model %s to %s (%d queued)", wid, old, spec.id,
+                 len(self.queues.get(spec.id, ())))
         t0 = time.monotonic()
         try:
             reply = await self.bus.request(self.bus.subjects.worker(wid, "model"), ModelSwitch(
-                name=spec.name, path=spec.path, dtype=dtype, quantization=spec.quantization,
-                reason=f"{len(self.queues.get(spec.name, ()))} requests queued for it"), ModelSwitchReply, timeout=900)
+                name=spec.id, path=spec.path, dtype=dtype, quantization=spec.quantization,
+                reason=f"{len(self.queues.get(spec.id, ()))} requests queued for it"), ModelSwitchReply, timeout=900)
         except Exception as e:  # noqa: BLE001 - the worker is gone or did not answer
             reply = ModelSwitchReply(ok=False, error=f"worker {wid} did not switch: {e}")
-        self.placement.finished(wid, spec.name, old, reply.ok, time.monotonic() - t0, reply.tier, reply.error)
+        self.placement.finished(wid, spec.id, old, reply.ok, time.monotonic() - t0, reply.tier, reply.error)
         await self.refresh_loaders()  # the tiers just changed: the models' states say so at once
         if reply.ok:
             if wid in self.workers:
-                self.workers[wid].hb = self.workers[wid].hb.model_copy(update={"model": spec.name})
-            log.info("worker %s now serves %s (%.3f s, weights from %s)", wid, spec.name, reply.seconds, reply.tier)
-            await self.dispatch(spec.name)
+                self.workers[wid].hb = self.workers[wid].hb.model_copy(update={"model": spec.id})
+            log.info("worker %s now serves %s (%.3f s, weights from %s)", wid, spec.id, reply.seconds, reply.tier)
+            await self.dispatch(spec.id)
         else:
-            log.warning("model %s failed to load on worker %s: %s", spec.name, wid, reply.error)
-            self._fail_queued(spec.name, reply.error or "unknown error")
+            log.warning("model %s failed to load on worker %s: %s", spec.id, wid, reply.error)
+            self._fail_queued(spec.id, reply.error or "unknown error")
             await self.dispatch(old)
         self.place_models()
 
@@ -289,7 +289,7 @@ class Scheduler:
             m = load_manifest(self.manifest_path)
         except Exception as e:  # noqa: BLE001 - a bad file keeps the old manifest
             return {"ok": False, "error": str(e)}
-        removed = [n for n in (self.manifest.names if self.manifest else []) if n not in m.names]
+        removed = [n for n in (self.manifest.ids if self.manifest else []) if n not in m.ids]
         self.manifest = m
         for n in removed:
             self._fail_queued(n, "it was removed from the manifest")
@@ -300,9 +300,9 @@ class Scheduler:
                 loaders[node] = orjson.loads(msg.data)
             except Exception as e:  # noqa: BLE001
                 loaders[node] = {"ok": False, "error": str(e)}
-        log.info("manifest reloaded: %s (removed: %s)", ", ".join(m.names), ", ".join(removed) or "none")
+        log.info("manifest reloaded: %s (removed: %s)", ", ".join(m.ids), ", ".join(removed) or "none")
         self.place_models()
-        return {"ok": True, "models": m.names, "removed": removed, "loaders": loaders}
+        return {"ok": True, "models": m.ids, "removed": removed, "loaders": loaders}
 
     async def dispatch(self, model: str) -> None:
         """Sends queued requests of the model to workers while some worker may take one."""
