@@ -253,6 +253,11 @@ def test_reload_removes_a_model(mesh, models, oracle):
     assert list(_states(mesh)) == ["alpha", "beta"]
     with pytest.raises(openai.NotFoundError):
         _complete(mesh, "gamma")
+    # The worker left on a removed model moves to a listed one; the loader then unloads the removed ones.
+    deadline = time.monotonic() + 20
+    while {x["name"] for x in mesh.ask("models.node0.status")["models"]} - {"alpha", "beta"}:
+        assert time.monotonic() < deadline, mesh.ask("models.node0.status")
+        time.sleep(0.2)
     assert _complete(mesh, "beta") == oracle["beta"]
     mesh.manifest.write_text("- {name: alpha, path: nowhere-at-all}\n")
     bad = httpx.post(mesh.url + "/admin/models/reload", timeout=30)

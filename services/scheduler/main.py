@@ -56,7 +56,7 @@ from meshserve.shared.tenants import load_tenants
 from meshserve.shared.manifest import Manifest, ServedModel, load_manifest
 
 from .admission import Admission, waiting_by_class
-from .models import Placement, model_states, pick_worker
+from .models import Placement, idle, model_states, pick_worker
 from .queues import ClassQueues
 from .roles import ElasticRoles, Load
 from .routing import (WorkerView, pick_admission, pick_decode, pick_idle_for_short_prompt, pick_soonest,
@@ -228,8 +228,25 @@ class Scheduler:
             w = pick_worker(list(self.workers.values()), {m: len(x) for m, x in self.queues.items()},
                             self.placement.last_used, set(self.placement.switching))
             if w is None:
-                return  # every worker is busy: the next that idles is asked (done, reap)
+                break  # every worker is busy: the next that idles is asked (done, reap)
             self.placement.switching[w.hb.worker_id] = model
+            self._spawn(self._switch(w, spec))
+        self._retire_removed()
+
+    def _retire_removed(self) -> None:
+        """A worker left on a model the manifest no longer lists, once idle (its requests drained),
+        switches to the listed model with the fewest workers, so the loader can unload the old one."""
+        if self.manifest is None:
+            return
+        ids = self.manifest.ids
+        for w in list(self.workers.values()):
+            if w.hb.model in ids or w.hb.worker_id in self.placement.switching or not idle(w):
+                continue
+            serving = {m: sum(1 for x in self.workers.values() if x.hb.model == m) for m in ids}
+            live = [m for m in self.manifest.models if self.placement.failure(m.id) is None] or list(self.manifest.models)
+            spec = min(live, key=lambda m: (serving[m.id] + list(self.placement.switching.values()).count(m.id),
+                                            ids.index(m.id)))
+            self.placement.switching[w.hb.worker_id] = spec.id
             self._spawn(self._switch(w, spec))
 
     async def _switch(self, w: WorkerView, spec: ServedModel) -> None:
