@@ -326,6 +326,7 @@ class ModelSwitchReply(Message):
     error: str | None = None
     seconds: float = 0.0
     tier: str | None = None  # where the loader found the weights
+    refused: bool = False  # the worker did not try (it is draining): not the model's failure
 
 
 class SwapRequest(Message):

@@ -261,6 +261,10 @@ class Scheduler:
                 reason=f"{len(self.queues.get(spec.id, ()))} requests queued for it"), ModelSwitchReply, timeout=900)
         except Exception as e:  # noqa: BLE001 - the worker is gone or did not answer
             reply = ModelSwitchReply(ok=False, error=f"worker {wid} did not switch: {e}")
+        if reply.refused:  # not the model's failure: another worker is asked
+            self.placement.switching.pop(wid, None)
+            self.place_models()
+            return
         self.placement.finished(wid, spec.id, old, reply.ok, time.monotonic() - t0, reply.tier, reply.error)
         await self.refresh_loaders()  # the tiers just changed: the models' states say so at once
         if reply.ok:

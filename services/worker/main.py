@@ -38,7 +38,7 @@ from meshserve.shared.engine.scheduler import SchedulerConfig
 from meshserve.shared.model.config import ModelConfig
 from meshserve.shared.model.llama import LlamaModel
 from meshserve.shared.schemas import (Abort, Done, GenerateRequest, Handoff, Heartbeat, LoadRequest, ModelSwitch,
-                                      RoleSwitch, TokenChunk)
+                                      ModelSwitchReply, RoleSwitch, TokenChunk)
 from meshserve.shared.service import run_service
 from meshserve.shared import telemetry
 
@@ -182,6 +182,9 @@ class Worker:
             return
         m, msg = self.pending_model
         self.pending_model = None
+        if self.draining:  # about to exit: it serves nothing new
+            await msg.respond(ModelSwitchReply(ok=False, refused=True, error=f"worker {self.id} is draining").encode())
+            return
         reply = await model_switch.switch_model(self, m)
         await self._heartbeat()  # the scheduler routes by the model a heartbeat names
         await msg.respond(reply.encode())
