@@ -127,6 +127,20 @@ class Grammars:
             seq.grammar_tokens += len(out)
         return seq.grammar
 
+    def valid_prefix(self, seq, tokens: list[int]) -> int:
+        """How many of `tokens` (proposed to follow seq's output) its grammar accepts, in order."""
+        return self.advance(seq).validate_tokens(tokens)
+
+    def lookahead(self, seq, tokens: list[int]) -> list:
+        """The sequence's matcher and copies of it after each of `tokens` in turn (which it accepts:
+        valid_prefix): the masks of a speculative step's positions. seq's own matcher is untouched."""
+        out = [self.advance(seq)]
+        for t in tokens:
+            m = out[-1].deep_copy()
+            m.consume_token(t)
+            out.append(m)
+        return out
+
     def fill(self, matchers: list):
         """The allowed tokens of each matcher (already advanced), as a bool tensor [rows, >= vocab].
         Runs in llguidance's thread pool without the GIL, so it can overlap the model's forward."""

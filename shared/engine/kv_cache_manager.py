@@ -52,12 +52,12 @@ class KVCacheManager:
             hits.append(bid)
         return hits
 
-    def _plan(self, seq: Sequence, num_new_tokens: int) -> tuple[bool, list[int], int, int]:
+    def _plan(self, seq: Sequence, num_new_tokens: int, lookahead: int = 0) -> tuple[bool, list[int], int, int]:
         """(first allocation, prefix-cache hits, new blocks to take, how many more free blocks that needs)."""
         first = not seq.block_table and seq.num_computed_tokens == 0
         hits = self._match_prefix(seq) if first else []
         cached = len(hits) * self.block_size  # a chunk sized before the hits were known ends at the same place
-        need = self.blocks_needed(seq.num_computed_tokens + min(cached + num_new_tokens, seq.num_tokens))
+        need = self.blocks_needed(seq.num_computed_tokens + min(cached + num_new_tokens, seq.num_tokens) + lookahead)
         new = need - len(seq.block_table) - len(hits)
         reclaim = sum(1 for b in hits if self.pool.is_free(b))  # hits sitting in the free queue
         return first, hits, new, max(0, new - (self.pool.num_free - reclaim))
@@ -70,10 +70,11 @@ class KVCacheManager:
         """Blocks free(seq) would put back in the free queue (those no one else holds)."""
         return sum(1 for b in seq.block_table if self.pool.is_exclusive(b))
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Gives seq the blocks to hold num_new_tokens more computed tokens; False if there are too few.
+    def allocate(self, seq: Sequence, num_new_tokens: int, lookahead: int = 0) -> bool:
+        """Gives seq the blocks to hold num_new_tokens more computed tokens, and `lookahead` more
+        (proposed tokens a speculative step verifies); False if there are too few.
         The first allocation of a sequence starts it on its cached prefix."""
-        first, hits, new, short = self._plan(seq, num_new_tokens)
+        first, hits, new, short = self._plan(seq, num_new_tokens, lookahead)
         if short:
             return False
         pool = self.pool
@@ -101,6 +102,13 @@ class KVCacheManager:
         for i in range(seq.num_published_blocks, full):
             self.pool.cache(seq.block_table[i], keys[i])
         seq.num_published_blocks = full
+
+    def trim(self, seq: Sequence) -> None:
+        """Frees the blocks past what the sequence's tokens need (those a speculative step took for
+        proposed tokens that were rejected). They were taken for this step and never published."""
+        keep = self.blocks_needed(seq.num_tokens)
+        while len(seq.block_table) > keep:
+            self.pool.unref(seq.block_table.pop())
 
     def free(self, seq: Sequence) -> None:
         """Releases seq's blocks; the tail goes to the free queue first since it is the least shared."""

@@ -80,7 +80,14 @@ class LLM:
         eos = sorted(set(cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids))
         self.model_name = model
         self.generation_defaults = generation_defaults(model)  # generation_config.json's sampling fields
-        self.engine = LLMEngine(net, config, eos_token_ids=eos, model_name=str(model), tokenizer=self.tokenizer)
+        draft = None
+        spec = config.speculative if config is not None else None
+        if spec is not None and spec.method == "draft":  # the draft model, in the same dtype and on the same device
+            dcfg, dsd, _ = load_model_files(spec.model)
+            draft = LlamaModel.from_hf(dcfg, dsd, DTYPES[dtype], device=device)
+            del dsd
+        self.engine = LLMEngine(net, config, eos_token_ids=eos, model_name=str(model), tokenizer=self.tokenizer,
+                                draft_model=draft)
         self.outputs = OutputProcessor(self.engine, self.tokenizer)
         self._next_id = 0
 

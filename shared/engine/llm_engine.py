@@ -25,6 +25,7 @@ from .model_runner import ModelRunner
 from .sampler import TokenLogprobs
 from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from .sequence import NORMAL, PRIORITIES, SamplingParams, Sequence, SequenceStatus, priority_level
+from .speculative import SpeculativeConfig, Speculator
 from .swap import HostSwap
 
 
@@ -39,6 +40,8 @@ class EngineConfig:
     # Host memory for the KV of sequences preempted by swap (0: preemption recomputes). In the
     # mesh the worker puts the kv-pool's host tier there instead (set_swapper).
     swap_space_bytes: int = 1 << 30
+    # Speculative decoding (speculative.py; None: off). A draft model is given to LLMEngine.
+    speculative: SpeculativeConfig | None = None
 
 
 @dataclass
@@ -63,12 +66,13 @@ class RequestError(ValueError):
 
 class LLMEngine:
     def __init__(self, model, config: EngineConfig | None = None, eos_token_ids: list[int] | None = None,
-                 model_name: str = "", kv_cache: torch.Tensor | None = None, tokenizer=None):
+                 model_name: str = "", kv_cache: torch.Tensor | None = None, tokenizer=None, draft_model=None):
         """kv_cache: an arena mapped from the kv-pool (the mesh); then the engine starts holding no
         blocks and its owner leases them (block_pool.add_free). The engine runs on the model's
         device (LlamaModel.from_hf(..., device="cuda")); its own arena is allocated there.
         tokenizer: the model's (shared/tokenizer.py), for structured output; without it a request
-        with a constraint is refused."""
+        with a constraint is refused. draft_model: for config.speculative with method "draft" (the
+        same vocabulary as model)."""
         self.model = model
         self.config = config = config or EngineConfig()
         cfg = model.cfg
@@ -94,6 +98,14 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.kv_cache, config.block_size, sorted(self.eos_token_ids), self.grammars)
         self.requests: dict[str, Sequence] = {}
         self.last_step_tokens = 0  # tokens computed by the last step
+        self.speculator = None
+        if config.speculative is not None:
+            if draft_model is not None and draft_model.cfg.vocab_size != cfg.vocab_size:
+                raise ValueError(f"the draft model's vocabulary ({draft_model.cfg.vocab_size}) is not the model's "
+                                 f"({cfg.vocab_size}): it needs the same tokenizer")
+            self.speculator = Speculator(config.speculative, self.max_model_len, config.block_size, draft_model,
+                                         self.grammars)
+            self.scheduler.max_draft_tokens = config.speculative.num_speculative_tokens
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, output_token_ids: list[int] | None = None,
@@ -202,6 +214,14 @@ class LLMEngine:
         return ScheduledBatch([s for s, _ in keep], [n for _, n in keep], sum(1 for _, n in keep if n == 1))
 
     def step(self) -> list[RequestOutput]:
+        proposed = self.speculator.propose(self.scheduler.running, self.requests) if self.speculator else []
+        try:
+            return self._step()
+        finally:
+            for seq in proposed:  # a proposal lives for one step
+                seq.draft = None
+
+    def _step(self) -> list[RequestOutput]:
         batch: ScheduledBatch = self.scheduler.schedule()
         if batch.swap_out or batch.swap_in:
             batch = self._swap(batch)
@@ -210,17 +230,21 @@ class LLMEngine:
             return []
         t0 = time.perf_counter()
         results = self.runner.run(batch)
-        if 2 * sum(n for n in batch.num_tokens if n > 1) >= sum(batch.num_tokens):  # mostly prefill: what recomputing costs
+        prompt = sum(n for s, n in zip(batch.seqs, batch.num_tokens) if n > 1 and s.draft is None)
+        if 2 * prompt >= sum(batch.num_tokens):  # mostly prefill: what recomputing costs
             self.scheduler.costs.observe_prefill(sum(batch.num_tokens), time.perf_counter() - t0)
         now = time.monotonic()
         outputs = []
         for seq, n, res in zip(batch.seqs, batch.num_tokens, results):
+            if seq.draft is not None:
+                outputs += self._verified(seq, res, now)
+                continue
             if res.prompt_logprobs:  # a recompute (preemption) may cover positions it has already
                 have = len(seq.prompt_logprobs) - (seq.num_computed_tokens + 1)
                 seq.prompt_logprobs += res.prompt_logprobs[have:] if have >= 0 else []
             seq.num_computed_tokens += n
             self.kv_cache_manager.cache_computed_blocks(seq)
-            if res.token is None:
+            if not res.tokens:
                 continue
             prompt_lps, seq.prompt_logprobs = seq.prompt_logprobs, None
             if seq.params.max_tokens == 0:  # echo only: the prompt is computed, nothing generated
@@ -229,7 +253,7 @@ class LLMEngine:
                 outputs.append(RequestOutput(seq.request_id, [], [], True, "length", seq.num_prompt_tokens, 0,
                                              seq.num_cached_tokens, prompt_lps))
                 continue
-            token = res.token
+            token = res.tokens[0]
             seq.token_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -237,10 +261,32 @@ class LLMEngine:
             if reason:
                 self.scheduler.finish(seq, reason)
                 del self.requests[seq.request_id]
-            outputs.append(RequestOutput(seq.request_id, [token], [res.logprobs], reason is not None, reason,
+            outputs.append(RequestOutput(seq.request_id, [token], res.logprobs, reason is not None, reason,
                                          seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens,
                                          prompt_lps))
         return outputs
+
+    def _verified(self, seq: Sequence, res, now: float) -> list[RequestOutput]:
+        """A decode that verified its proposal: its accepted tokens and the next one are appended
+        up to a stop (eos, stop token, grammar end, max_tokens: the rest are dropped); its KV is kept
+        for the positions whose tokens stand, and the blocks past its tokens are freed."""
+        c = seq.num_computed_tokens
+        self.speculator.record(len(seq.draft.tokens), len(res.tokens) - 1)
+        reason, kept = None, 0
+        for token in res.tokens:
+            seq.token_ids.append(token)
+            kept += 1
+            reason = self._stop_reason(seq, token)
+            if reason:
+                break
+        seq.num_computed_tokens = c + kept  # positions c .. c + kept - 1 hold tokens that stand
+        self.kv_cache_manager.cache_computed_blocks(seq)
+        self.kv_cache_manager.trim(seq)
+        if reason:
+            self.scheduler.finish(seq, reason)
+            del self.requests[seq.request_id]
+        return [RequestOutput(seq.request_id, res.tokens[:kept], res.logprobs[:kept], reason is not None, reason,
+                              seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens)]
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -274,7 +320,8 @@ class LLMEngine:
                 "num_priority_preemptions": sched.num_priority_preemptions,
                 "preemptions_by_mode": dict(sched.preemptions_by_mode),
                 "running_by_priority": dict(zip(PRIORITIES, running)),
-                "waiting_by_priority": dict(zip(PRIORITIES, sched.waiting.counts()))}
+                "waiting_by_priority": dict(zip(PRIORITIES, sched.waiting.counts())),
+                "spec_decode": self.speculator.stats.as_dict() if self.speculator else {}}
 
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestError", "RequestOutput", "SamplingParams", "SequenceStatus"]

@@ -2,6 +2,9 @@
 
 Structured-output masks are computed while the model runs (llguidance's pool, without the GIL);
 a prompt chunk whose request wants its prompt's logprobs has logits for every position.
+A decode with a proposal (seq.draft, speculative.py) is a chunk of 1 + k tokens over its cached
+context (the prefill-chunk path), with logits at each position for the verifier
+(rejection_sampler.py), which returns the accepted tokens and the one after them.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 from meshserve.kernels.paged_attention import (AttentionMetadata, PrefillChunk, decode_slots_and_mask,
                                                use_decode_kernel)
 
+from .rejection_sampler import verify
 from .sampler import TokenLogprobs, logprobs_of, sample
 from .scheduler import ScheduledBatch
 
@@ -24,8 +28,10 @@ PROMPT_LOGITS_ROWS = 256  # prompt positions turned into logits at a time (vocab
 class StepResult:
     """What the step computed for one sequence of the batch."""
 
-    token: int | None = None  # None: a chunk that ends mid-prompt
-    logprobs: TokenLogprobs | None = None
+    # The new tokens: none for a chunk that ends mid-prompt, one, or (verifying a proposal) the
+    # accepted proposed tokens and the target's next one; their logprobs (None: not asked for).
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     # Logprobs of the prompt tokens after this chunk's positions (the token at position c + 1 ...),
     # when the request asked for them.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -54,10 +60,12 @@ class ModelRunner:
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             start, c = len(ids), seq.num_computed_tokens
             ids.extend(seq.token_ids[c:c + n])
+            if c + n > seq.num_tokens:  # a decode verifying its proposal: the proposed tokens follow
+                ids.extend(seq.draft.tokens)
             pos.extend(range(c, c + n))
             bt = seq.block_table
             slot_mapping.extend(bt[p // bs] * bs + p % bs for p in range(c, c + n))
-            sample_rows.append(start + n - 1 if c + n == seq.num_tokens else -1)
+            sample_rows.append(start + n - 1 if c + n >= seq.num_tokens else -1)
             if i >= batch.num_decodes:
                 slots = None if c == 0 else _slots(torch.tensor(bt), torch.arange(c + n), bs)
                 meta.prefills.append(PrefillChunk(start, n, c + n, slots))
@@ -90,12 +98,18 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> list[StepResult]:
         """What the step computes for each sequence of the batch, in its order."""
         ids, pos, meta, rows = self.prepare(batch)
-        which = [i for i, r in enumerate(rows) if r >= 0]
+        spec = {i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
+                if s.draft is not None and s.num_computed_tokens + n > s.num_tokens}
+        which = [i for i, r in enumerate(rows) if r >= 0 and i not in spec]
         constrained = [i for i in which if batch.seqs[i].params.constraint is not None]
         masks = None
-        if constrained:  # masks depend only on the tokens so far: compute them while the model runs
-            matchers = [self.grammars.advance(batch.seqs[i]) for i in constrained]
-            masks = self._masker.submit(self.grammars.fill, matchers)
+        # Masks depend only on the tokens so far (and, verifying, the proposed ones): computed while
+        # the model runs. A proposal has one mask per position, each after the tokens before it.
+        matchers = [self.grammars.advance(batch.seqs[i]) for i in constrained]
+        ahead = {i: self.grammars.lookahead(batch.seqs[i], batch.seqs[i].draft.tokens) for i in sorted(spec)
+                 if batch.seqs[i].params.constraint is not None}
+        if matchers or ahead:
+            masks = self._masker.submit(self.grammars.fill, matchers + [m for ms in ahead.values() for m in ms])
         hidden = self.model(ids, pos, meta, self.kv_cache)
         out = [StepResult() for _ in rows]
         start = 0
@@ -103,16 +117,31 @@ class ModelRunner:
             if seq.wants_prompt_logprobs:
                 out[i].prompt_logprobs = self._prompt_logprobs(hidden, start, n, seq)
             start += n
-        if not which:
+        if not which and not spec:
             return out
-        logits = self.model.logits(hidden[[rows[i] for i in which]])
-        seqs = [batch.seqs[i] for i in which]
-        row_masks = None
-        if masks is not None:  # rows of the logits (which) that are constrained, and their masks
-            row_masks = ([which.index(i) for i in constrained], masks.result())
-        tokens, logprobs = sample(logits, seqs, self.eos_token_ids, row_masks)
-        for i, t, lp in zip(which, tokens, logprobs):
-            out[i].token, out[i].logprobs = t, lp
+        # One logits row per sampling sequence's last position, then every position of each proposal.
+        idx = [rows[i] for i in which]
+        for i in sorted(spec):
+            n = batch.num_tokens[i]
+            idx += range(rows[i] - n + 1, rows[i] + 1)
+        logits = self.model.logits(hidden[idx])
+        allowed = masks.result() if masks is not None else None
+        if which:
+            row_masks = None
+            if constrained:  # rows of the logits (which) that are constrained, and their masks
+                row_masks = ([which.index(i) for i in constrained], allowed[:len(constrained)])
+            tokens, logprobs = sample(logits[:len(which)], [batch.seqs[i] for i in which], self.eos_token_ids,
+                                      row_masks)
+            for i, t, lp in zip(which, tokens, logprobs):
+                out[i].tokens, out[i].logprobs = [t], [lp]
+        r, m = len(which), len(constrained)
+        for i in sorted(spec):
+            n = batch.num_tokens[i]
+            pos_masks = None
+            if i in ahead:
+                pos_masks, m = allowed[m:m + n], m + n
+            out[i].tokens, out[i].logprobs = verify(logits[r:r + n], batch.seqs[i], self.eos_token_ids, pos_masks)
+            r += n
         return out
 
     def _prompt_logprobs(self, hidden: torch.Tensor, start: int, n: int, seq) -> list[TokenLogprobs]:

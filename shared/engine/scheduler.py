@@ -173,6 +173,7 @@ class Scheduler:
         self.num_priority_preemptions = 0
         self.preemptions_by_mode = {"swap": 0, "recompute": 0}
         self.last_interactive = float("-inf")  # when an interactive request last came (the clock's time)
+        self.max_draft_tokens = 0  # speculative decoding: most proposed tokens a decode may verify
 
     def add(self, seq: Sequence, after: Sequence | None = None) -> None:
         """after: a sequence with the same prompt, added before: seq waits until its prompt is cached."""
@@ -227,12 +228,14 @@ class Scheduler:
         engine's owner keeps free (and uncached) before a step."""
         prefilling = sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens > 1) + len(self.waiting)
         prefilling += new_prompts
+        # A decode that verifies proposed tokens takes blocks for them too.
+        per_seq = 1 + (self.kv.blocks_needed(self.max_draft_tokens) if self.max_draft_tokens else 0)
         if not prefilling:
-            return len(self.running)
+            return per_seq * len(self.running)
         cfg = self.config
         swapped = sum(len(s.swap_keys) for s in self.waiting if s.swapped_tokens)
-        return (len(self.running) + cfg.max_num_batched_tokens // self.kv.block_size + min(prefilling, cfg.max_num_seqs)
-                + swapped)
+        return (per_seq * len(self.running) + cfg.max_num_batched_tokens // self.kv.block_size
+                + min(prefilling, cfg.max_num_seqs) + swapped)
 
     # -- preemption
 
@@ -316,6 +319,11 @@ class Scheduler:
         if step.room(seq) <= 0 or seq.status is not SequenceStatus.RUNNING or id(seq) in step.scheduled:
             return
         n = self._chunk(seq, step.room(seq))
+        if seq.draft is not None and not self._verify(step, seq):
+            seq.draft = None
+        if seq.draft is not None:  # blocks for the proposed tokens too: they are computed in this step
+            step.add(seq, 1 + len(seq.draft.tokens))
+            return
         while not self.kv.allocate(seq, n):
             victim = self._victim([s for s in self.running if id(s) not in step.scheduled])
             self._preempt(victim, step)
@@ -323,6 +331,15 @@ class Scheduler:
             if victim is seq:
                 return
         step.add(seq, n)
+
+    def _verify(self, step: _Step, seq: Sequence) -> bool:
+        """A decoding sequence with a proposal: it verifies what of it fits the step's budget and the
+        free blocks (without preempting anyone for it); False: it decodes one token as usual."""
+        k = min(len(seq.draft.tokens), step.room(seq) - 1)
+        if k <= 0 or seq.num_tokens - seq.num_computed_tokens != 1:
+            return False
+        seq.draft = seq.draft.truncate(k)
+        return self.kv.allocate(seq, 1, lookahead=k)
 
     def _admit(self, step: _Step, before: Sequence | None = None) -> None:
         """Admits waiting sequences in the policy's order while the step has room (with `before`, a

@@ -49,6 +49,19 @@ class SamplingParams:
         check_sampling(self)
 
 
+@dataclass
+class Draft:
+    """Tokens proposed to follow a sequence, verified by the target model in its next step
+    (speculative.py). probs: the distribution each was drawn from ([len(tokens), vocab]), or None
+    when each is a point mass (prompt lookup, or a greedy draft model)."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+
+    def truncate(self, k: int) -> "Draft":
+        return Draft(self.tokens[:k], None if self.probs is None else self.probs[:k])
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -92,6 +105,9 @@ class Sequence:
         self.grammar = None  # the constraint's matcher (constraints.py), built on first use ...
         self.grammar_tokens = 0  # ... and how many output tokens it has consumed
         self.after: "Sequence | None" = None  # a sibling (n > 1): admitted once this one's prompt is cached
+        # Speculative decoding: this step's proposal, set before the step is scheduled and cleared
+        # after it (nothing of it survives a step, so nothing crosses a handoff or a preemption).
+        self.draft: Draft | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,153 @@
+"""Speculative decoding: who proposes, for which sequences, and how many tokens; the counters.
+
+Before each step the engine asks the Speculator for proposals (seq.draft) for its decoding
+sequences; the scheduler gives each one that fits its budget and free blocks a chunk of 1 + k
+tokens (scheduler.py), the target verifies them in that one step (model_runner.py,
+rejection_sampler.py), and the engine keeps the accepted tokens and rolls the rest back
+(num_computed_tokens, and the blocks past the tokens freed). Proposals live for one step only.
+
+- Proposers: prompt lookup (`method="ngram"`, ngram_proposer.py) or a draft model with the same
+  vocabulary (`method="draft"`, draft_proposer.py).
+- Per request class: only the classes in `classes` speculate (default interactive and normal:
+  a background batch runs where throughput, not latency, matters).
+- Turned down when the batch is large: above `disable_by_batch_size` running sequences nobody
+  speculates. A step of B decodes then costs B rows; verifying k tokens each makes it B(k + 1),
+  which on a CPU stops being nearly free once the step's matrix products leave the memory-bound
+  regime (docs/speculative.md has the measurement behind the default).
+- A structured-output request's proposal is cut where its grammar rejects a token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .sequence import PRIORITIES, Sequence, SequenceStatus, priority_level
+
+METHODS = ("ngram", "draft")
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str = "ngram"  # "ngram" (prompt lookup) or "draft" (a draft model)
+    num_speculative_tokens: int = 4  # k: most tokens proposed per step
+    prompt_lookup_min: int = 1  # n-gram sizes prompt lookup matches, longest first
+    prompt_lookup_max: int = 3
+    model: str | None = None  # the draft model (a path or name the model loaders know), for "draft"
+    classes: tuple[str, ...] = ("interactive", "normal")  # request classes that speculate
+    disable_by_batch_size: int = 4  # nobody speculates while more sequences run
+    draft_kv_blocks: int = 1024  # the draft model's own KV cache, in blocks
+
+    def validate(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(METHODS)}, not {self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be at least 1")
+        bad = [c for c in self.classes if c not in PRIORITIES]
+        if bad:
+            raise ValueError(f"unknown request class {bad[0]!r} in speculative classes; one of {', '.join(PRIORITIES)}")
+
+
+@dataclass
+class SpecStats:
+    """Counters: tokens proposed and verified, of those accepted, and verifications (one per
+    sequence per step). Tokens per verification = (accepted + verifications) / verifications."""
+
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verification_steps: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"num_draft_tokens": self.num_draft_tokens, "num_accepted_tokens": self.num_accepted_tokens,
+                "num_verification_steps": self.num_verification_steps}
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, block_size: int, draft_model=None,
+                 grammars=None):
+        config.validate()
+        self.config, self.max_model_len, self.grammars = config, max_model_len, grammars
+        self.levels = {priority_level(c) for c in config.classes}
+        if config.method == "ngram":
+            from .ngram_proposer import NgramProposer
+
+            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        else:
+            if draft_model is None:
+                raise ValueError("speculative method 'draft' needs a draft model")
+            from .draft_proposer import DraftModelProposer
+
+            self.proposer = DraftModelProposer(draft_model, config.draft_kv_blocks, block_size)
+        self.stats = SpecStats()
+
+    def _room(self, seq: Sequence) -> int:
+        """Tokens seq may propose: k, less what would pass max_tokens or the context."""
+        p = seq.params
+        return min(self.config.num_speculative_tokens, p.max_tokens - seq.num_output_tokens - 1,
+                   self.max_model_len - seq.num_tokens - 1)
+
+    def propose(self, running: list[Sequence], live_ids) -> list[Sequence]:
+        """Sets seq.draft on the decoding sequences that speculate this step; returns them."""
+        self.proposer.retain(live_ids)
+        if len(running) > self.config.disable_by_batch_size:
+            return []
+        seqs, ks = [], []
+        for s in running:
+            if (s.priority in self.levels and s.status is SequenceStatus.RUNNING and s.num_output_tokens
+                    and s.num_tokens - s.num_computed_tokens == 1 and self._room(s) > 0):
+                seqs.append(s)
+                ks.append(self._room(s))
+        out = []
+        for s, d in zip(seqs, self.proposer.propose(seqs, ks) if seqs else []):
+            if d is not None and s.params.constraint is not None:
+                d = d.truncate(self.grammars.valid_prefix(s, d.tokens))
+            if d is not None and d.tokens:
+                s.draft = d
+                out.append(s)
+        return out
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        st = self.stats
+        st.num_draft_tokens += num_draft
+        st.num_accepted_tokens += num_accepted
+        st.num_verification_steps += 1
+
+
+def add_speculative_arguments(p) -> None:
+    """The workers' (and `meshserve up`'s) speculative decoding flags."""
+    p.add_argument("--speculative", choices=["ngram"], default=None,
+                   help="speculative decoding by prompt lookup (n-gram, no second model); see docs/speculative.md")
+    p.add_argument("--speculative-model", default=None,
+                   help="speculative decoding with this draft model (same tokenizer as --model)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens proposed per step (k)")
+    p.add_argument("--prompt-lookup-min", type=int, default=1, help="smallest n-gram prompt lookup matches")
+    p.add_argument("--prompt-lookup-max", type=int, default=3, help="largest n-gram prompt lookup matches")
+    p.add_argument("--speculative-classes", default="interactive,normal",
+                   help="request classes that speculate (comma-separated; default: %(default)s)")
+    p.add_argument("--speculative-disable-by-batch-size", type=int, default=SpeculativeConfig.disable_by_batch_size,
+                   help="no speculation while more sequences than this run (default: %(default)s)")
+
+
+def speculative_options(a) -> list[str]:
+    """The flags again, for a command line (the launcher passes them to the workers)."""
+    if not (getattr(a, "speculative", None) or getattr(a, "speculative_model", None)):
+        return []
+    out = ["--speculative", a.speculative] if a.speculative else ["--speculative-model", a.speculative_model]
+    return out + ["--num-speculative-tokens", str(a.num_speculative_tokens),
+                  "--prompt-lookup-min", str(a.prompt_lookup_min), "--prompt-lookup-max", str(a.prompt_lookup_max),
+                  "--speculative-classes", a.speculative_classes,
+                  "--speculative-disable-by-batch-size", str(a.speculative_disable_by_batch_size)]
+
+
+def config_from_args(a) -> SpeculativeConfig | None:
+    """The flags as a config (None: no speculation); raises ValueError for a bad combination."""
+    if a.speculative and a.speculative_model:
+        raise ValueError("--speculative ngram and --speculative-model are alternatives: give one")
+    if not (a.speculative or a.speculative_model):
+        return None
+    cfg = SpeculativeConfig(method="ngram" if a.speculative else "draft", model=a.speculative_model,
+                            num_speculative_tokens=a.num_speculative_tokens, prompt_lookup_min=a.prompt_lookup_min,
+                            prompt_lookup_max=a.prompt_lookup_max,
+                            classes=tuple(c.strip() for c in a.speculative_classes.split(",") if c.strip()),
+                            disable_by_batch_size=a.speculative_disable_by_batch_size)
+    cfg.validate()
+    return cfg

@@ -1,0 +1,192 @@
+"""Speculative decoding: greedy output equals Transformers' (the oracle) with prompt lookup and with
+a draft model, through chunking, prefix caching and preemption; sampled output keeps the target's
+distribution (the rejection rule alone, and the engine against sampling without speculation);
+stops, max_tokens, logprobs and structured output hold; per-class and batch-size turn-down."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from oracle import hf_greedy
+
+from meshserve.shared.engine.llm import LLM
+from meshserve.shared.engine.llm_engine import EngineConfig, LLMEngine
+from meshserve.shared.engine.ngram_proposer import NgramProposer
+from meshserve.shared.engine.rejection_sampler import verify
+from meshserve.shared.engine.scheduler import SchedulerConfig
+from meshserve.shared.engine.sequence import Draft, SamplingParams, Sequence
+from meshserve.shared.engine.speculative import SpeculativeConfig
+from meshserve.shared.model.llama import LlamaModel
+from meshserve.shared.model.weights import load_hf_dir
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def models(tiny_llama):
+    """The target, a draft (the target's weights with noise: it agrees with the target often, not
+    always), Transformers' reference outputs."""
+    from transformers import AutoModelForCausalLM
+
+    cfg, sd = load_hf_dir(tiny_llama)
+    target = LlamaModel.from_hf(cfg, sd, torch.float32)
+    g = torch.Generator().manual_seed(3)
+    draft = LlamaModel.from_hf(cfg, {k: v + 0.1 * v.std() * torch.randn(v.shape, generator=g) for k, v in sd.items()},
+                               torch.float32)
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist() for n in (1, 6, 17, 40)]
+    prompts = base + [b * 3 for b in base[1:]]  # prompts that repeat themselves: lookups match
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
+    return target, draft, prompts, hf_greedy(hf, prompts, MAX_NEW, cfg.eos_token_ids)
+
+
+def spec_engine(target, spec, draft=None, blocks=4096, chunk=64, prefix=True) -> LLMEngine:
+    sched = SchedulerConfig(max_num_batched_tokens=64, prefill_chunk_size=chunk)
+    return LLMEngine(target, EngineConfig(block_size=8, num_kv_blocks=blocks, enable_prefix_caching=prefix,
+                                          scheduler=sched, speculative=spec), draft_model=draft)
+
+
+@pytest.mark.parametrize("method,chunk,prefix,pool", [("ngram", 64, True, "large"), ("ngram", 7, False, "small"),
+                                                      ("draft", 64, True, "small"), ("draft-self", 7, True, "large")])
+def test_greedy_matches_transformers(models, method, chunk, prefix, pool):
+    target, draft, prompts, ref = models
+    spec = SpeculativeConfig("ngram" if method == "ngram" else "draft", num_speculative_tokens=3,
+                             disable_by_batch_size=64)
+    # "small": 24 blocks of 8 tokens cannot hold every sequence at once: some are preempted.
+    eng = spec_engine(target, spec, target if method == "draft-self" else draft if method == "draft" else None,
+                      blocks=4096 if pool == "large" else 24, chunk=chunk, prefix=prefix)
+    assert eng.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0)) == ref
+    st = eng.stats
+    assert st["spec_decode"]["num_verification_steps"] > 0 and st["spec_decode"]["num_accepted_tokens"] > 0
+    if method == "draft-self":  # the target as its own draft: every proposed token is accepted
+        assert st["spec_decode"]["num_accepted_tokens"] == st["spec_decode"]["num_draft_tokens"]
+    if pool == "small":
+        assert st["num_preemptions"] > 0
+    assert eng.block_pool.num_free == eng.block_pool.num_blocks  # nothing leaked, rejected blocks included
+
+
+def test_handoff_carries_only_tokens(models):
+    """A sequence detached mid-decode and adopted again continues exactly; the draft's state for it
+    is dropped when it leaves and rebuilt from its tokens."""
+    target, draft, prompts, ref = models
+    eng = spec_engine(target, SpeculativeConfig("draft", num_speculative_tokens=3), draft)
+    seq = eng.add_request("h", prompts[3], SamplingParams(max_tokens=MAX_NEW, temperature=0))
+    while seq.num_output_tokens < 6:
+        eng.step()
+    seq, blocks, shared = eng.detach("h")
+    eng.step()  # nothing runs; the draft forgets it
+    assert "h" not in eng.speculator.proposer.mirrors and seq.draft is None
+    eng.adopt(seq, blocks, shared, seq.num_computed_tokens)
+    while eng.has_unfinished():
+        eng.step()
+    assert seq.output_token_ids == ref[3]
+
+
+def test_rejection_rule_keeps_the_target_distribution():
+    """The first token of a verification is distributed as p_0 whatever the proposal (a point mass or
+    a draft distribution q); the second, when the first proposed token was kept, as p_1."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 6, generator=g) * 1.5
+    p = logits.softmax(-1)
+    q = torch.softmax(torch.randn(2, 6, generator=g), -1)
+    n = 4000
+    for probs in (None, q):
+        seq = Sequence("r", [1, 2, 3], SamplingParams(max_tokens=8, temperature=1.0, seed=7))
+        first, second = torch.zeros(6), torch.zeros(6)
+        for _ in range(n):
+            # a point mass on the likeliest tokens (often kept, so the second is often reached); or drawn from q
+            d = [int(p[0].argmax()), int(p[1].argmax())] if probs is None else \
+                torch.multinomial(q, 1, generator=g).flatten().tolist()
+            seq.draft = Draft(d, probs)
+            tokens, _ = verify(logits, seq)
+            first[tokens[0]] += 1
+            if tokens[0] == d[0]:
+                second[tokens[1]] += 1
+        for emp, ref in ((first, p[0]), (second, p[1])):
+            # three times the total variation distance a sample of this size is expected to show
+            tv, bound = 0.5 * float((emp / emp.sum() - ref).abs().sum()), 1.5 * (2 * 6 / (torch.pi * emp.sum())) ** 0.5
+            assert emp.sum() > 1000 and tv < bound, (probs is None, emp / emp.sum(), ref)
+    # a rule that kept every proposed token would be far off: the test can fail
+    assert 0.5 * float((torch.eye(6)[0] - p[0]).abs().sum()) > 0.3
+
+
+def test_sampling_with_speculation_matches_sampling_without(models):
+    """The engine end to end: the distribution of the first token after a proposal (the second
+    output token; a draft model proposes) over many seeded requests, with and without speculation."""
+    target, draft, prompts, _ = models
+    n = 300
+    params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=3, seed=s) for s in range(n)]
+    spec = SpeculativeConfig("draft", num_speculative_tokens=2, disable_by_batch_size=n)
+    counts = []
+    for eng in (spec_engine(target, None), spec_engine(target, spec, draft)):
+        eng.scheduler.config.max_num_seqs = n
+        eng.scheduler.config.max_num_batched_tokens = 4096
+        outs = eng.generate([prompts[2]] * n, params)
+        counts.append(torch.bincount(torch.tensor([o[1] for o in outs]), minlength=target.cfg.vocab_size).float())
+    st = eng.stats["spec_decode"]
+    assert st["num_verification_steps"] >= n and 0 < st["num_accepted_tokens"] < st["num_draft_tokens"]
+    a, b = (c / n for c in counts)
+    # 2.5 times the total variation distance two samples of this size from one distribution show
+    support = int(((a > 0) | (b > 0)).sum())
+    bound = 2.5 * 0.5 * (2 * support / torch.pi * (2 / n)) ** 0.5
+    assert 0.5 * float((a - b).abs().sum()) < bound, (a[a > 0], b[b > 0])
+
+
+def test_stops_logprobs_and_structured_output_hold(tiny_llama):
+    """With prompt lookup on a prompt that repeats, each request's tokens and logprobs equal those
+    of the engine without speculation: max_tokens, a stop token inside the accepted tokens, penalties,
+    min_tokens and a grammar included."""
+    phrase = "the quick brown fox jumps over the lazy dog. "
+    spec = SpeculativeConfig("ngram", num_speculative_tokens=4, disable_by_batch_size=64)
+    plain, fast = LLM(str(tiny_llama), "float32"), LLM(str(tiny_llama), "float32", EngineConfig(speculative=spec))
+    prompt = plain.tokenizer.encode(phrase * 4)
+    base = plain.generate([prompt], SamplingParams(max_tokens=MAX_NEW, temperature=0))[0].token_ids
+    choice = json.dumps([phrase * 2, "hello world"])
+    cases = [SamplingParams(max_tokens=MAX_NEW, temperature=0, logprobs=2),
+             SamplingParams(max_tokens=7, temperature=0),
+             SamplingParams(max_tokens=MAX_NEW, temperature=0, stop_token_ids=[base[5]]),
+             SamplingParams(max_tokens=MAX_NEW, temperature=0, repetition_penalty=1.3, min_tokens=4),
+             SamplingParams(max_tokens=MAX_NEW, temperature=0, constraint=("choice", choice)),
+             SamplingParams(max_tokens=MAX_NEW, temperature=0, constraint=("regex", "(the quick brown )+fox"))]
+    want = plain.generate([prompt] * len(cases), cases)
+    got = fast.generate([prompt] * len(cases), cases)
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason and g.text == w.text
+    assert [lp.logprob for lp in got[0].logprobs] == pytest.approx([lp.logprob for lp in want[0].logprobs], abs=1e-4)
+    assert [lp.top[0][0] for lp in got[0].logprobs] == [lp.top[0][0] for lp in want[0].logprobs]
+    st = fast.engine.stats["spec_decode"]
+    assert st["num_accepted_tokens"] > 0
+    assert fast.engine.block_pool.num_free == fast.engine.block_pool.num_blocks
+
+
+def test_classes_and_batch_size_turn_speculation_down(models):
+    target, _, prompts, ref = models
+    spec = SpeculativeConfig("ngram", num_speculative_tokens=3, classes=("interactive",), disable_by_batch_size=2)
+    eng = spec_engine(target, spec)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0)
+    eng.add_request("bg", prompts[6], params, priority="background")
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.stats["spec_decode"]["num_verification_steps"] == 0  # background does not speculate
+    for i in range(3):  # more running than disable_by_batch_size: nobody speculates
+        eng.add_request(f"i{i}", prompts[4], params, priority="interactive")
+    eng.step()
+    assert len(eng.scheduler.running) == 3
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.stats["spec_decode"]["num_verification_steps"] == 0
+    eng.add_request("alone", prompts[4], params, priority="interactive")
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.stats["spec_decode"]["num_verification_steps"] > 0
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match():
+    ng = NgramProposer(prompt_lookup_min=1, prompt_lookup_max=3)
+    assert ng.lookup([5, 6, 7, 8, 9, 1, 6, 7, 8, 2, 3, 6, 7], 3).tokens == [8, 2, 3]  # "6 7" latest with 3 after
+    assert ng.lookup([5, 6, 7, 8, 9, 6, 7], 4).tokens == [8, 9, 6, 7]
+    assert ng.lookup([1, 2, 3, 4], 2) is None  # no earlier occurrence of any suffix
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        NgramProposer(3, 2)
