@@ -168,6 +168,9 @@ class Launcher:
                                              "--swap-space", str(a.swap_space)))
         worker_opts = ["--max-num-batched-tokens", str(a.max_num_batched_tokens), "--max-num-seqs", str(a.max_num_seqs),
                        "--scheduling", a.scheduling, "--preemption-mode", a.preemption_mode]
+        from meshserve.shared.engine.speculative import speculative_options
+
+        worker_opts += speculative_options(a)
         threads = worker_threads(a)
         if threads:
             worker_opts += ["--threads", str(threads)]
@@ -232,6 +235,13 @@ class Launcher:
 
 
 def run(args) -> int:
+    from meshserve.cli.errors import CLIError
+    from meshserve.shared.engine.speculative import config_from_args
+
+    try:
+        config_from_args(args)  # a bad combination of the speculative flags fails here, not in each worker
+    except ValueError as e:
+        raise CLIError(str(e)) from None
     launcher = Launcher(args)
     stopping = []
 
@@ -352,6 +362,9 @@ def add_arguments(p) -> None:
     from meshserve.shared.engine.policy import add_scheduling_arguments
 
     add_scheduling_arguments(p, preemption=True)
+    from meshserve.shared.engine.speculative import add_speculative_arguments
+
+    add_speculative_arguments(p)
     p.add_argument("--worker-threads", type=int, default=None,
                    help="torch threads per worker (default on the CPU backend: the cores divided among the workers)")
     p.add_argument("--fixed-threads", action="store_true",

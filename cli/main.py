@@ -169,7 +169,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
             ("bench-soak", "bench.soak_bench", "minutes of load with a fault every few minutes: nothing lost"),
             ("bench-busy", "bench.busy_bench", "one stream's speed beside a CPU burner: fixed threads vs tuned"),
             ("bench-models", "bench.models_bench", "many models on one mesh: a weights budget against every model "
-                                                   "resident (hit rate, loads, evictions, TTFT per model)")):
+                                                   "resident (hit rate, loads, evictions, TTFT per model)"),
+            ("bench-spec", "bench.spec_bench", "speculative decoding: batch-1 decode with and without prompt "
+                                               "lookup, bf16 and int8, copy and chat workloads")):
         sp = sub.add_parser(name, add_help=False, help=text)
         sp.set_defaults(func=lambda a, m=module: __import__(f"meshserve.{m}", fromlist=["main"]).main(a.rest),
                         passthrough=True)

@@ -186,6 +186,9 @@ class Heartbeat(Message):
     # and has not heard of yet as waiting there (admission does not wait for a heartbeat).
     received_by_priority: dict[str, int] = Field(default_factory=dict)
     preemptions_by_mode: dict[str, int] = Field(default_factory=dict)  # {"swap": n, "recompute": m}
+    # Speculative decoding's counters (shared/engine/speculative.py SpecStats): num_draft_tokens,
+    # num_accepted_tokens, num_verification_steps; empty when the worker does not speculate.
+    spec_decode: dict[str, int] = Field(default_factory=dict)
     # CPU seconds of the worker's event-loop thread so far (NATS in and out, the token messages,
     # block leases): what the mesh adds around the engine's steps; and the tokens it streamed.
     io_cpu_s: float = 0.0

@@ -6,6 +6,7 @@ stops, max_tokens, logprobs and structured output hold; per-class and batch-size
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -190,3 +191,34 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
     assert ng.lookup([1, 2, 3, 4], 2) is None  # no earlier occurrence of any suffix
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         NgramProposer(3, 2)
+
+
+def test_meshserve_up_speculative_ngram(tiny_llama, tmp_path):
+    """`meshserve up --speculative ngram` (a prefill and a decode worker: the decode worker speculates
+    on the sequences handed to it) gives the text of the engine without speculation, and /metrics
+    counts the accepted tokens of a prompt that repeats itself."""
+    import httpx
+    from mesh_util import Mesh
+    from openai import OpenAI
+
+    prompt = "the quick brown fox jumps over the lazy dog. " * 4
+    want = LLM(str(tiny_llama), "float32").generate([prompt], SamplingParams(max_tokens=MAX_NEW, temperature=0))[0]
+    with Mesh(tiny_llama, tmp_path, prefill=1, decode=1,
+              extra=["--speculative", "ngram", "--num-speculative-tokens", "4"]) as m:
+        r = OpenAI(base_url=m.url + "/v1", api_key="unused").completions.create(
+            model=m.model, prompt=prompt, max_tokens=MAX_NEW, temperature=0)
+        assert r.choices[0].text == want.text
+        deadline, values = time.monotonic() + 30, {}
+        while time.monotonic() < deadline:  # the counters come with the workers' heartbeats
+            text = httpx.get(m.url + "/metrics").text
+            values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                      if line.startswith("meshserve:spec_decode_")}
+            if values.get("meshserve:spec_decode_num_accepted_tokens_total", 0) > 0:
+                break
+            time.sleep(0.2)
+        assert values["meshserve:spec_decode_num_accepted_tokens_total"] > 0, values
+        assert values["meshserve:spec_decode_num_draft_tokens_total"] >= \
+            values["meshserve:spec_decode_num_accepted_tokens_total"]
+        assert values["meshserve:spec_decode_num_verification_steps_total"] > 0
+        status = m.ask("scheduler.status")
+        assert status["spec_decode"]["num_accepted_tokens"] > 0

@@ -56,18 +56,34 @@ class WorkerRoles:
                                        labels=["model_name"])
         switches.add_metric([self.model], float(self.status.get("role_switches") or 0))
         return [role, switches]
+# scheduler status "spec_decode" key -> counter name (vLLM's, without _total, which the client adds)
+SPEC_DECODE_COUNTERS = {
+    "num_accepted_tokens": ("meshserve:spec_decode_num_accepted_tokens",
+                            "Proposed tokens the target accepted (speculative decoding)."),
+    "num_draft_tokens": ("meshserve:spec_decode_num_draft_tokens", "Tokens proposed and verified."),
+    "num_verification_steps": ("meshserve:spec_decode_num_verification_steps",
+                               "Verifications: one per speculating sequence per step."),
+}
+
+
 class _StatusCounters:
     """Counters the workers keep and the scheduler sums (from their heartbeats), exposed as
-    Prometheus counters with labels: `meshserve:preemptions_total{mode="swap"|"recompute"}`."""
+    Prometheus counters: `meshserve:preemptions_total{mode="swap"|"recompute"}` and speculative
+    decoding's `meshserve:spec_decode_*_total`. Each is the largest sum seen: a worker gone must
+    not make it drop."""
 
     def __init__(self, model_name: str):
         self.model_name = model_name
         self.by_mode: dict[str, float] = {"swap": 0, "recompute": 0}
+        self.spec: dict[str, float] = dict.fromkeys(SPEC_DECODE_COUNTERS, 0)
 
     def update(self, status: dict) -> None:
         for mode, n in (status.get("preemptions_by_mode") or {}).items():
             if isinstance(n, (int, float)):
-                self.by_mode[mode] = max(self.by_mode.get(mode, 0), n)  # a worker gone must not make it drop
+                self.by_mode[mode] = max(self.by_mode.get(mode, 0), n)
+        for key, n in (status.get("spec_decode") or {}).items():
+            if key in self.spec and isinstance(n, (int, float)):
+                self.spec[key] = max(self.spec[key], n)
 
     def collect(self):
         c = CounterMetricFamily("meshserve:preemptions", "Preemptions on the workers, by how the KV was kept "
@@ -76,6 +92,10 @@ class _StatusCounters:
         for mode, n in self.by_mode.items():
             c.add_metric([self.model_name, mode], n)
         yield c
+        for key, (name, doc) in SPEC_DECODE_COUNTERS.items():
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([self.model_name], self.spec[key])
+            yield c
 
 
 class GatewayMetrics:

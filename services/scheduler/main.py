@@ -145,6 +145,7 @@ class Scheduler:
                 "num_preemptions": sum(w.hb.num_preemptions for w in ws),
                 "num_priority_preemptions": sum(w.hb.num_priority_preemptions for w in ws),
                 "preemptions_by_mode": {"swap": 0, "recompute": 0} | _by_priority(w.hb.preemptions_by_mode for w in ws),
+                "spec_decode": _by_priority(w.hb.spec_decode for w in ws),
                 "running_by_priority": _by_priority(w.hb.running_by_priority for w in ws),
                 "waiting_by_priority": _by_priority(w.hb.waiting_by_priority for w in ws),
                 "models": model_states(self.manifest.ids if self.manifest else sorted(models), ws, self.placement,

@@ -35,6 +35,7 @@ from meshserve.shared.engine.llm_engine import (EngineConfig, LLMEngine, Request
                                                 SequenceStatus)
 from meshserve.shared.engine.policy import PRIORITIES, add_scheduling_arguments
 from meshserve.shared.engine.scheduler import SchedulerConfig
+from meshserve.shared.engine.speculative import add_speculative_arguments
 from meshserve.shared.model.config import ModelConfig
 from meshserve.shared.model.llama import LlamaModel
 from meshserve.shared.schemas import (Abort, Done, GenerateRequest, Handoff, Heartbeat, LoadRequest, ModelSwitch,
@@ -475,7 +476,7 @@ class Worker:
             num_preemptions=stats["num_preemptions"], num_priority_preemptions=stats["num_priority_preemptions"],
             running_by_priority=stats["running_by_priority"], waiting_by_priority=self._waiting_by_priority(stats),
             received_by_priority=dict(self.received_by_priority), preemptions_by_mode=stats["preemptions_by_mode"],
-            io_cpu_s=time.thread_time(), tokens_streamed=self.tokens_streamed,
+            spec_decode=stats["spec_decode"], io_cpu_s=time.thread_time(), tokens_streamed=self.tokens_streamed,
             pending_prefill_tokens=pending_prefill, pending_decode_tokens=pending_decode, draining=self.draining,
             time=time.time()))
 
@@ -492,6 +493,7 @@ def add_arguments(p) -> None:
     p.add_argument("--fixed-threads", action="store_true",
                    help="every step on --threads threads (default: each kind of step on 1 or --threads threads, "
                         "whichever measures faster; a busy core makes 1 faster)")
+    add_speculative_arguments(p)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores, or "
                    "$MESHSERVE_WORKER_THREADS)")
 

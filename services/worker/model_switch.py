@@ -18,6 +18,7 @@ import time
 from meshserve.shared import node_memory, shm
 from meshserve.shared.engine.llm_engine import EngineConfig, LLMEngine
 from meshserve.shared.engine.scheduler import SchedulerConfig
+from meshserve.shared.engine.speculative import config_from_args
 from meshserve.shared.model.config import ModelConfig
 from meshserve.shared.model.llama import LlamaModel
 from meshserve.shared.schemas import LoadRequest, ModelSwitch, ModelSwitchReply, WeightsDescriptor
@@ -60,9 +61,19 @@ async def build_engine(worker, load: LoadRequest, served: str) -> tuple[LLMEngin
     sched = SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
                             prefill_chunk_size=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
                             policy=a.scheduling, preemption_mode=a.preemption_mode)
-    config = EngineConfig(block_size=worker.arena.block_size, max_model_len=a.max_model_len, scheduler=sched)
+    # The speculative flags are the worker's --model's: a model switched to runs without speculation.
+    spec = config_from_args(a) if load.model == a.model else None
+    draft = None
+    if spec is not None and spec.method == "draft":  # the draft's weights from the node's loader too
+        dw = await bus.request(bus.subjects.models("load", a.node_id), LoadRequest(model=spec.model, dtype=load.dtype),
+                               WeightsDescriptor, timeout=900)  # no worker_id: that would move it off its model
+        dbuf = node_memory.open_buffer(dw.backend, dw.path, dw.ipc)
+        dweights = {t.name: shm.view(dbuf, t.offset, t.dtype, t.shape) for t in dw.tensors}
+        draft = await loop.run_in_executor(worker.stepper, lambda: LlamaModel(ModelConfig(**dw.config), dweights))
+    config = EngineConfig(block_size=worker.arena.block_size, max_model_len=a.max_model_len, scheduler=sched,
+                          speculative=spec)
     engine = await loop.run_in_executor(worker.stepper, lambda: LLMEngine(
-        model, config, model_name=served, kv_cache=worker.kv, tokenizer=tokenizer))
+        model, config, model_name=served, kv_cache=worker.kv, tokenizer=tokenizer, draft_model=draft))
     return engine, w
 
 

@@ -15,13 +15,19 @@ rejection_sampler.py), and the engine keeps the accepted tokens and rolls the re
   which on a CPU stops being nearly free once the step's matrix products leave the memory-bound
   regime (docs/speculative.md has the measurement behind the default).
 - A structured-output request's proposal is cut where its grammar rejects a token.
+
+Torch-free at import (the launcher reads the flags here); the proposers load on use.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .sequence import PRIORITIES, Sequence, SequenceStatus, priority_level
+from meshserve.shared.limits import PRIORITIES, priority_level
+
+if TYPE_CHECKING:
+    from .sequence import Sequence
 
 METHODS = ("ngram", "draft")
 
@@ -79,21 +85,20 @@ class Speculator:
             self.proposer = DraftModelProposer(draft_model, config.draft_kv_blocks, block_size)
         self.stats = SpecStats()
 
-    def _room(self, seq: Sequence) -> int:
+    def _room(self, seq: "Sequence") -> int:
         """Tokens seq may propose: k, less what would pass max_tokens or the context."""
         p = seq.params
         return min(self.config.num_speculative_tokens, p.max_tokens - seq.num_output_tokens - 1,
                    self.max_model_len - seq.num_tokens - 1)
 
-    def propose(self, running: list[Sequence], live_ids) -> list[Sequence]:
-        """Sets seq.draft on the decoding sequences that speculate this step; returns them."""
+    def propose(self, running: list["Sequence"], live_ids) -> list["Sequence"]:
+        """Sets seq.draft on the running sequences that decode and speculate this step; returns them."""
         self.proposer.retain(live_ids)
         if len(running) > self.config.disable_by_batch_size:
             return []
         seqs, ks = [], []
         for s in running:
-            if (s.priority in self.levels and s.status is SequenceStatus.RUNNING and s.num_output_tokens
-                    and s.num_tokens - s.num_computed_tokens == 1 and self._room(s) > 0):
+            if (s.priority in self.levels and s.num_output_tokens and s.num_tokens - s.num_computed_tokens == 1 and self._room(s) > 0):
                 seqs.append(s)
                 ks.append(self._room(s))
         out = []
