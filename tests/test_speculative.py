@@ -201,8 +201,11 @@ def test_meshserve_up_speculative_ngram(tiny_llama, tmp_path):
     from mesh_util import Mesh
     from openai import OpenAI
 
-    prompt = "the quick brown fox jumps over the lazy dog. " * 4
+    prompt = "def add(a, b):\n    return a + b\n" * 3
     want = LLM(str(tiny_llama), "float32").generate([prompt], SamplingParams(max_tokens=MAX_NEW, temperature=0))[0]
+    spec = LLM(str(tiny_llama), "float32", EngineConfig(speculative=SpeculativeConfig("ngram", 4)))
+    assert spec.generate([prompt], SamplingParams(max_tokens=MAX_NEW, temperature=0))[0].text == want.text
+    assert spec.engine.stats["spec_decode"]["num_accepted_tokens"] > 0  # the prompt the mesh gets has acceptances
     with Mesh(tiny_llama, tmp_path, prefill=1, decode=1,
               extra=["--speculative", "ngram", "--num-speculative-tokens", "4"]) as m:
         r = OpenAI(base_url=m.url + "/v1", api_key="unused").completions.create(
