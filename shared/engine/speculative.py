@@ -13,7 +13,7 @@ rejection_sampler.py), and the engine keeps the accepted tokens and rolls the re
 - Turned down when the batch is large: above `disable_by_batch_size` running sequences nobody
   speculates. A step of B decodes then costs B rows; verifying k tokens each makes it B(k + 1),
   which on a CPU stops being nearly free once the step's matrix products leave the memory-bound
-  regime (docs/speculative.md has the measurement behind the default).
+  regime (docs/speculative.md: how the default was chosen and how to measure it).
 - A structured-output request's proposal is cut where its grammar rejects a token.
 
 Torch-free at import (the launcher reads the flags here); the proposers load on use.
