@@ -119,7 +119,9 @@ class NATSTarget:
             pass
 
         try:
-            self.nc = await nats.connect(self.nats_url, max_reconnect_attempts=2, error_cb=quiet)
+            from meshserve.shared.nats_auth import connect_options  # the public user: $MESHSERVE_NATS_USER/_PASSWORD
+
+            self.nc = await nats.connect(self.nats_url, max_reconnect_attempts=2, error_cb=quiet, **connect_options())
         except Exception as e:  # noqa: BLE001 - nats raises several kinds for an unreachable server
             raise CLIError(f"cannot reach NATS at {self.nats_url}: {e or type(e).__name__}") from None
         return self

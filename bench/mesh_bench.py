@@ -20,7 +20,9 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -73,13 +75,16 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
     return {"start": t0, "times": times, "tokens": tokens}
 
 
-async def _worker_io(nats_port: int) -> dict[str, tuple[float, int]]:
+async def _worker_io(nats_port: int, credentials: Path) -> dict[str, tuple[float, int]]:
     """Each worker's event-loop CPU seconds and tokens streamed so far (their heartbeats, via the
     scheduler): the worker's side of the token stream, apart from its engine steps."""
     import nats
     import orjson
 
-    nc = await nats.connect(f"nats://127.0.0.1:{nats_port}")
+    from meshserve.shared.nats_auth import connect_options, read_credentials
+
+    nc = await nats.connect(f"nats://127.0.0.1:{nats_port}",
+                            **connect_options(read_credentials(credentials / "admin.env")))
     try:
         r = orjson.loads((await nc.request("meshserve.scheduler.status", b"", timeout=10)).data)
     finally:
@@ -122,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     port, nats_port = _port(), _port()
     cmd = [sys.executable, "-m", "meshserve.cli.main", "up", "--model", a.model, "--dtype", a.dtype,
            "--port", str(port), "--nats-port", str(nats_port), "--prefill", str(a.prefill), "--decode", str(a.decode)] + a.up_args.split()
+    credentials = Path(tempfile.mkdtemp(prefix="meshserve-bench-creds-"))  # the admin user asks for worker stats
+    cmd += ["--nats-credentials", str(credentials)]
     if a.quantization:
         cmd += ["--quantization", a.quantization]
     env = dict(os.environ)
@@ -144,10 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         work = mixed_workload(a.num_requests, a.seed, tok.vocab_size, set(tok.eos_token_ids) | {0})
         kids = _children(up.pid)
         cpu0 = {p: _cpu_seconds(p) for p in kids}
-        io0 = asyncio.run(_worker_io(nats_port))
+        io0 = asyncio.run(_worker_io(nats_port, credentials))
         res["meshserve_mesh"] = asyncio.run(mesh_mixed(url, a.model, work))
         time.sleep(1.2)  # two heartbeats: the workers' counters as of the end of the run
-        io1 = asyncio.run(_worker_io(nats_port))
+        io1 = asyncio.run(_worker_io(nats_port, credentials))
         metrics = httpx.get(url + "/metrics", timeout=10).text
         res["meshserve_mesh"]["preemptions"] = sum(
             float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()

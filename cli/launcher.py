@@ -1,7 +1,9 @@
 """`meshserve up`: the whole mesh on this machine, one process per service.
 
 Starts its own nats-server (loopback only, JetStream on, max_payload raised) unless --nats-url
-names one, then model-loader, kv-pool, the workers, scheduler and gateway, waits until the
+names one: with authentication (a user and a fresh password per service, plus `public` and
+`admin`, their subject permissions from shared/nats_auth.py; the credentials in 0600 files, given
+to each child in its environment) and optionally TLS. Then model-loader, kv-pool, the workers, scheduler and gateway, waits until the
 gateway's /health says a request can be served, and prints where it serves. Any child that dies
 (core services and the nats-server included) is restarted, with a backoff that grows while it keeps
 dying soon after each start; after RESTART_LIMIT such quick failures in a row the launcher gives up
@@ -23,6 +25,8 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from meshserve.shared import nats_auth
 
 log = logging.getLogger("meshserve.up")
 
@@ -102,7 +106,10 @@ class Launcher:
         self.cmds: dict[str, list[str]] = {}
         self.envs: dict[str, dict | None] = {}
         self.restarts: dict[str, Restarts] = {}
-        self.tmp = Path(tempfile.mkdtemp(prefix="meshserve-up-"))
+        self.tmp = Path(tempfile.mkdtemp(prefix="meshserve-up-"))  # 0700: the server's config and credentials
+        self.credentials: dict[str, dict[str, str]] = {}  # user -> its environment (empty: the launcher's own)
+        self.credentials_dir: Path | None = None
+        self.tls_env: dict[str, str] = {}
 
     def spawn(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
         log.info("starting %s: %s", name, " ".join(cmd))
@@ -153,19 +160,52 @@ class Launcher:
             cmd += ["--quantization", a.quantization]
         return cmd + list(extra)
 
+    def start_nats(self) -> None:
+        """The embedded nats-server, every connection authenticated (and TLS when a certificate is
+        given); or, with --nats-url, the credentials each service brings (--nats-credentials)."""
+        a = self.args
+        creds = getattr(a, "nats_credentials", None)
+        cert, key, ca = (getattr(a, f"nats_tls_{k}", None) for k in ("cert", "key", "ca"))
+        if a.nats_url:
+            if creds:
+                self.credentials_dir = Path(creds).expanduser()
+                self.credentials = {u: nats_auth.read_credentials(self.credentials_dir / f"{u}.env")
+                                    for u in nats_auth.SERVICE_USERS}
+            self.tls_env = {k: str(Path(v).resolve()) for k, v in ((nats_auth.ENV_TLS_CA, ca),
+                            (nats_auth.ENV_TLS_CERT, cert), (nats_auth.ENV_TLS_KEY, key)) if v}
+            return
+        passwords = nats_auth.generate_passwords()
+        self.credentials_dir = Path(creds).expanduser() if creds else self.tmp / "credentials"
+        nats_auth.write_credentials(self.credentials_dir, passwords)
+        self.credentials = {u: nats_auth.env_for(u, passwords[u]) for u in nats_auth.SERVICE_USERS}
+        text = NATS_CONF.format(port=a.nats_port, store=self.tmp / "jetstream")
+        if cert:
+            if not key:
+                raise ValueError("--nats-tls-cert needs --nats-tls-key")
+            text += f'tls {{\n  cert_file: "{Path(cert).resolve()}"\n  key_file: "{Path(key).resolve()}"\n}}\n'
+            # services check the server against the CA, else against the (self-signed) certificate itself
+            self.tls_env = {nats_auth.ENV_TLS_CA: str(Path(ca or cert).resolve())}
+        conf = self.tmp / "nats.conf"
+        nats_auth.write_private(conf, text + nats_auth.authorization_block(a.namespace, passwords))
+        self.spawn("nats-server", [nats_server_binary(), "-c", str(conf)])
+        a.nats_url = f"{'tls' if cert else 'nats'}://127.0.0.1:{a.nats_port}"
+
+    def service_env(self, role: str) -> dict[str, str]:
+        """A service's NATS credentials and TLS settings, for its environment (never its argv)."""
+        return {**self.credentials.get(nats_auth.ROLE_USER[role], {}), **self.tls_env}
+
+    def spawn_service(self, name: str, role: str, *extra: str) -> None:
+        self.spawn(name, self.serve_cmd(role, *extra), self.service_env(role))
+
     def start(self) -> None:
         a = self.args
-        if not a.nats_url:
-            conf = self.tmp / "nats.conf"
-            conf.write_text(NATS_CONF.format(port=a.nats_port, store=self.tmp / "jetstream"))
-            self.spawn("nats-server", [nats_server_binary(), "-c", str(conf)])
-            a.nats_url = f"nats://127.0.0.1:{a.nats_port}"
+        self.start_nats()
         models = ["--models", a.models] if getattr(a, "models", None) else []
         budgets = (["--weights-memory-gb", str(a.weights_memory_gb)] if getattr(a, "weights_memory_gb", None) else []) \
             + (["--host-cache-gb", str(a.host_cache_gb)] if getattr(a, "host_cache_gb", None) else [])
-        self.spawn("model-loader", self.serve_cmd("model-loader", "--preload", *models, *budgets))
-        self.spawn("kv-pool", self.serve_cmd("kv-pool", "--kv-cache-gb", str(a.kv_cache_gb),
-                                             "--swap-space", str(a.swap_space)))
+        self.spawn_service("model-loader", "model-loader", "--preload", *models, *budgets)
+        self.spawn_service("kv-pool", "kv-pool", "--kv-cache-gb", str(a.kv_cache_gb),
+                           "--swap-space", str(a.swap_space))
         worker_opts = ["--max-num-batched-tokens", str(a.max_num_batched_tokens), "--max-num-seqs", str(a.max_num_seqs),
                        "--scheduling", a.scheduling, "--preemption-mode", a.preemption_mode]
         from meshserve.shared.engine.speculative import speculative_options
@@ -179,18 +219,18 @@ class Launcher:
         serving = worker_models(a)
         if a.prefill == 0:  # no dedicated prefill workers: decode workers do both
             for i in range(a.decode):
-                self.spawn(f"decode-{i}", self.serve_cmd("decode", *worker_opts, *serving(i)))
+                self.spawn_service(f"decode-{i}", "decode", *worker_opts, *serving(i))
         else:
             for i in range(a.prefill):
-                self.spawn(f"prefill-{i}", self.serve_cmd("prefill", *worker_opts, *serving(i)))
+                self.spawn_service(f"prefill-{i}", "prefill", *worker_opts, *serving(i))
             for i in range(a.decode):
-                self.spawn(f"decode-{i}", self.serve_cmd("decode", *worker_opts, *serving(i)))
+                self.spawn_service(f"decode-{i}", "decode", *worker_opts, *serving(i))
         tenants = ["--tenants", str(Path(a.tenants).expanduser().resolve())] if getattr(a, "tenants", None) else []
         fixed = ["--fixed-roles"] if getattr(a, "fixed_roles", False) else []
-        self.spawn("scheduler", self.serve_cmd("scheduler", "--scheduling", a.scheduling, *tenants, *fixed, *models))
-        self.spawn("gateway", self.serve_cmd("gateway", "--host", a.host, "--port", str(a.port),
-                                             "--ready-timeout", str(a.ready_timeout), *gateway_log_options(a), *tenants,
-                                             *models))
+        self.spawn_service("scheduler", "scheduler", "--scheduling", a.scheduling, *tenants, *fixed, *models)
+        self.spawn_service("gateway", "gateway", "--host", a.host, "--port", str(a.port),
+                           "--ready-timeout", str(a.ready_timeout), *gateway_log_options(a), *gateway_limit_options(a),
+                           *tenants, *models)
 
     def wait_healthy(self, timeout: float) -> bool:
         url = f"http://{self.args.host}:{self.args.port}/health"
@@ -276,8 +316,9 @@ def run(args) -> int:
         # The one line that says the mesh is ready: printed once the scheduler has the workers a
         # request needs (/health), so a request sent now is served. (Requests sent earlier wait.)
         print(f"meshserve is ready in {time.monotonic() - started:.1f} s: serving {args.model} at "
-              f"http://{args.host}:{args.port}/v1 (NATS {args.nats_url}, namespace {args.namespace!r}); "
-              "Ctrl-C stops it", flush=True)
+              f"http://{args.host}:{args.port}/v1 (NATS {args.nats_url}, namespace {args.namespace!r}"
+              + (f", NATS credentials in {launcher.credentials_dir}" if launcher.credentials_dir else "")
+              + "); Ctrl-C stops it", flush=True)
         while True:
             try:
                 launcher.supervise()
@@ -330,6 +371,18 @@ def gateway_log_options(a) -> list[str]:
     if getattr(a, "no_request_log", False):
         return ["--no-request-log"]
     return ["--request-log", a.request_log] if getattr(a, "request_log", None) else []
+
+
+def gateway_limit_options(a) -> list[str]:
+    """The gateway's request limits (services/gateway/main.py), as `meshserve up` was given them."""
+    from meshserve.shared.limits import REQUEST_LIMIT_FLAGS
+
+    out = []
+    for flag in REQUEST_LIMIT_FLAGS:
+        value = getattr(a, flag.replace("-", "_"), None)
+        if value is not None:
+            out += [f"--{flag}", str(value)]
+    return out
 
 
 def add_device_argument(p) -> None:
@@ -388,3 +441,16 @@ def add_arguments(p) -> None:
                    help="the model-loader's budget of mapped weights (docs/models.md; default: no limit)")
     p.add_argument("--host-cache-gb", type=float, default=None,
                    help="the model-loader's host-memory tier for evicted weights (default: none)")
+    p.add_argument("--nats-credentials", default=None, metavar="DIR",
+                   help="NATS credentials, one DIR/<user>.env per user (docs/security.md): written here for the "
+                        "embedded nats-server (default: the run directory, removed at exit); with --nats-url, read "
+                        "from here (default: the services inherit MESHSERVE_NATS_USER/_PASSWORD, or none)")
+    p.add_argument("--nats-tls-cert", default=None, metavar="PEM",
+                   help="TLS certificate of the embedded nats-server (with --nats-url: the services' client "
+                        "certificate, for a server that asks for one)")
+    p.add_argument("--nats-tls-key", default=None, metavar="PEM", help="the key of --nats-tls-cert")
+    p.add_argument("--nats-tls-ca", default=None, metavar="PEM",
+                   help="CA the services verify the NATS server with (default with --nats-tls-cert: that "
+                        "certificate itself, self-signed)")
+    from meshserve.shared.limits import add_request_limit_arguments
+    add_request_limit_arguments(p, defaults=False)

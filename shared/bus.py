@@ -11,6 +11,10 @@ A restarted nats-server is reconnected to without end (nats-py re-creates the su
 sends what was published meanwhile, up to its pending buffer); what the server held when it died
 is lost, so a service that must know registers `on_reconnect` (the gateway re-submits its open
 requests).
+
+Credentials, the reply prefix and TLS come from the environment (shared/nats_auth.py); a message
+larger than the server's max_payload is refused here at once, naming the limit, instead of being
+dropped into a timeout.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import nats
 import nats.errors
 from nats.aio.client import Client
 
+from . import nats_auth
 from .schemas import Message
 from .subjects import DEFAULT_NAMESPACE, Subjects
 
@@ -47,7 +52,22 @@ def reply_error(msg) -> str | None:
 
 
 async def _on_error(e: Exception) -> None:
-    log.debug("nats: %s", e)
+    if "permissions violation" in str(e).lower():  # a subject this service's user may not use: a bug or an attack
+        log.error("%s", e)
+    else:
+        log.debug("nats: %s", e)
+
+
+async def _quiet(e: Exception) -> None:
+    pass
+
+
+class PayloadTooLarge(ValueError):
+    """A message over the server's max_payload: NATS would drop the connection's write, never deliver it."""
+
+    def __init__(self, size: int, subject: str, limit: int):
+        super().__init__(f"message of {size} bytes on {subject} exceeds the NATS server's max_payload ({limit} bytes)")
+        self.size, self.limit = size, limit
 
 
 async def _on_disconnect() -> None:
@@ -84,16 +104,23 @@ class Bus:
             if bus:
                 bus[0]._reconnected()
 
-        while True:
-            try:
-                nc = await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.25,
-                                        connect_timeout=2, allow_reconnect=True, error_cb=_on_error,
-                                        disconnected_cb=_on_disconnect, reconnected_cb=reconnected)
+        options = nats_auth.connect_options()
+        while True:  # a probe without reconnection first: nats-py's reconnecting connect would retry refused
+            try:     # credentials (or an absent server) forever
+                probe = await nats.connect(url, name=name, connect_timeout=2, allow_reconnect=False,
+                                           error_cb=_quiet, **options)
+                await probe.close()
                 break
             except Exception as e:  # noqa: BLE001 - nats raises several kinds while the server starts
+                if "authorization violation" in str(e).lower():  # wrong credentials never become right
+                    raise ConnectionError(f"NATS at {url} refused the credentials of user "
+                                          f"{options.get('user') or '(none given)'}: {e}") from e
                 if asyncio.get_running_loop().time() > deadline:
                     raise ConnectionError(f"cannot reach NATS at {url}: {e}") from e
                 await asyncio.sleep(0.2)
+        nc = await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.25,
+                                connect_timeout=2, allow_reconnect=True, error_cb=_on_error,
+                                disconnected_cb=_on_disconnect, reconnected_cb=reconnected, **options)
         bus.append(cls(nc, namespace or os.environ.get("MESHSERVE_NAMESPACE", DEFAULT_NAMESPACE)))
         return bus[0]
 
@@ -101,11 +128,14 @@ class Bus:
     def max_payload(self) -> int:
         return self.nc.max_payload
 
-    async def publish(self, subject: str, msg: Message | bytes, headers: dict[str, str] | None = None) -> None:
-        data = msg if isinstance(msg, bytes) else msg.encode()
+    def check_size(self, subject: str, data: bytes) -> bytes:
+        """`data`, or PayloadTooLarge when the server would refuse it."""
         if len(data) > self.nc.max_payload:
-            raise ValueError(f"message of {len(data)} bytes on {subject} exceeds the server's max_payload "
-                             f"({self.nc.max_payload}); it must be sent in chunks")
+            raise PayloadTooLarge(len(data), subject, self.nc.max_payload)
+        return data
+
+    async def publish(self, subject: str, msg: Message | bytes, headers: dict[str, str] | None = None) -> None:
+        data = self.check_size(subject, msg if isinstance(msg, bytes) else msg.encode())
         await self.nc.publish(subject, data, headers=headers or None)
 
     async def request(self, subject: str, msg: Message, reply: type[M], timeout: float = 10.0,
@@ -150,6 +180,7 @@ class Bus:
     async def _request(self, subject: str, data: bytes, timeout: float, headers: dict[str, str] | None):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        self.check_size(subject, data)
         while True:
             try:
                 return await self.nc.request(subject, data, timeout=max(0.05, deadline - loop.time()),

@@ -9,6 +9,7 @@ OpenAI's error code where there is one; callers turn it into their own error typ
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 # Scheduling priorities, best first; a lower level is served first (shared/engine/scheduler.py).
@@ -88,3 +89,87 @@ def check_context_length(num_prompt_tokens: int, max_tokens: int | None, max_mod
         raise LimitError(f"this model's maximum context length is {max_model_len} tokens; the request asks for "
                          f"{n} ({num_prompt_tokens} in the prompt, {max_tokens} to generate)", param=param,
                          code="context_length_exceeded")
+
+
+# -- the size of a request: what the gateway accepts before any work is done (all configurable:
+# `meshserve serve gateway` and `meshserve up` take each as a flag, docs/security.md)
+
+MAX_LOGPROBS = 20  # the engine's own bound (check_sampling above): a configured limit may only be lower
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_body_bytes: int = 4 * 1024 * 1024  # HTTP 413 above it
+    max_messages: int = 2048  # OpenAI's own bound on a chat's messages
+    max_stop: int = 16  # stop sequences
+    max_logprobs: int = MAX_LOGPROBS  # logprobs / top_logprobs
+    max_json_depth: int = 64  # nesting of arrays and objects in the body (JSON schemas included)
+
+
+REQUEST_LIMIT_FLAGS = ("max-body-bytes", "max-messages", "max-stop", "max-logprobs", "max-json-depth")
+_HELP = {"max-body-bytes": "largest request body in bytes; larger ones get HTTP 413",
+         "max-messages": "most messages in a chat request",
+         "max-stop": "most stop sequences in a request",
+         "max-logprobs": f"most logprobs / top_logprobs a request may ask for (at most {MAX_LOGPROBS})",
+         "max-json-depth": "deepest nesting of arrays and objects in a request body"}
+
+
+def add_request_limit_arguments(parser, defaults: bool = True) -> None:
+    """The limits as flags; defaults=False leaves them None (the launcher passes on only those given)."""
+    base = RequestLimits()
+    for flag in REQUEST_LIMIT_FLAGS:
+        value = getattr(base, flag.replace("-", "_"))
+        parser.add_argument(f"--{flag}", type=_bounded(flag), default=value if defaults else None,
+                            help=f"{_HELP[flag]} (default: {value})")
+
+
+def _bounded(flag: str):
+    def parse(text: str) -> int:
+        import argparse
+
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if n < (0 if flag == "max-logprobs" else 1) or (flag == "max-logprobs" and n > MAX_LOGPROBS):
+            raise argparse.ArgumentTypeError(f"--{flag} must be {'0-' + str(MAX_LOGPROBS) if flag == 'max-logprobs' else 'positive'}")
+        return n
+    return parse
+
+
+def limits_from_args(args) -> RequestLimits:
+    base = RequestLimits()
+    return RequestLimits(**{f: getattr(args, f, None) if getattr(args, f, None) is not None else getattr(base, f)
+                            for f in (flag.replace("-", "_") for flag in REQUEST_LIMIT_FLAGS)})
+
+
+def json_depth_exceeds(value, limit: int) -> bool:
+    """Whether arrays and objects nest deeper than `limit` in a decoded JSON value (iterative: a
+    hostile body cannot exhaust the stack)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return False
+
+
+def check_request_size(body, limits: RequestLimits) -> None:
+    """A decoded body's shape against the limits, before it is validated field by field."""
+    if json_depth_exceeds(body, limits.max_json_depth):
+        raise LimitError(f"the request body nests arrays and objects deeper than {limits.max_json_depth} levels",
+                         code="json_too_deep")
+    if not isinstance(body, dict):
+        return
+    messages = body.get("messages")
+    if isinstance(messages, list) and len(messages) > limits.max_messages:
+        raise LimitError(f"{len(messages)} messages; at most {limits.max_messages} are accepted", param="messages")
+    stop = body.get("stop")
+    if isinstance(stop, list) and len(stop) > limits.max_stop:
+        raise LimitError(f"{len(stop)} stop sequences; at most {limits.max_stop} are accepted", param="stop")
+    for name in ("logprobs", "top_logprobs"):
+        n = body.get(name)
+        if isinstance(n, int) and not isinstance(n, bool) and n > limits.max_logprobs:
+            raise LimitError(f"{name} must be at most {limits.max_logprobs}", param=name)

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .limits import LimitError, RequestLimits, check_request_size
 from .schemas import Logprob, Sampling
 
 
@@ -148,11 +149,7 @@ class _SamplingFields(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, v):
-        if isinstance(v, str):
-            v = [v]
-        if v is not None and len(v) > 16:
-            raise ValueError("at most 16 stop sequences")
-        return v
+        return [v] if isinstance(v, str) else v  # how many: limits.check_request_size
 
     def check(self, vocab_size: int | None = None) -> None:
         """What pydantic cannot say: raises OpenAIError(400) naming the field."""
@@ -393,14 +390,18 @@ class ChatCompletionRequest(_SamplingFields):
         return [m.template() for m in self.messages]
 
 
-def parse_request(kind: Literal["completions", "chat"], body: Any,
-                  vocab_size: int | None = None) -> CompletionRequest | ChatCompletionRequest:
+def parse_request(kind: Literal["completions", "chat"], body: Any, vocab_size: int | None = None,
+                  limits: RequestLimits | None = None) -> CompletionRequest | ChatCompletionRequest:
     """Validates a request body; raises OpenAIError(400) saying what is wrong, naming the field."""
     from pydantic import ValidationError
 
     cls = CompletionRequest if kind == "completions" else ChatCompletionRequest
     if not isinstance(body, dict):
         raise OpenAIError("the request body must be a JSON object")
+    try:
+        check_request_size(body, limits or RequestLimits())
+    except LimitError as e:
+        raise OpenAIError(str(e), param=e.param, code=e.code) from None
     try:
         req = cls.model_validate(body)
     except ValidationError as e:

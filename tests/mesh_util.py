@@ -36,16 +36,33 @@ class Mesh:
         # Tests written for a topology pin it (`--fixed-roles`); elastic=True lets roles follow the traffic.
         self.port, self.nats_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.nats_url = f"nats://127.0.0.1:{self.nats_port}"
+        self.nats_address = f"127.0.0.1:{self.nats_port}"
+        self.credentials = tmp / f"nats-credentials-{self.port}"  # the launcher writes one <user>.env per user
         self.namespace, self.model = namespace, str(model)
         self.log = tmp / f"mesh-{self.port}.log"
         cmd = [sys.executable, "-m", "meshserve.cli.main", "up", "--model", str(model), "--dtype", "float32",
                "--port", str(self.port), "--nats-port", str(self.nats_port), "--namespace", namespace,
                "--prefill", str(prefill), "--decode", str(decode), "--kv-cache-gb", "0.02",
-               "--startup-timeout", "240", *([] if elastic else ["--fixed-roles"]), *(extra or [])]
+               "--startup-timeout", "240", "--nats-credentials", str(self.credentials),
+               *([] if elastic else ["--fixed-roles"]), *(extra or [])]
         self.proc = subprocess.Popen(cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
                                      env={**os.environ, "MESHSERVE_SHM_DIR": str(tmp / "shm"), **(env or {})})
         self.shm_dir = tmp / "shm"
+
+    def user_env(self, user: str) -> dict[str, str]:
+        """The environment that connects a process as `user` (the launcher's credentials)."""
+        from meshserve.shared.nats_auth import read_credentials
+
+        return read_credentials(self.credentials / f"{user}.env")
+
+    def user_url(self, user: str) -> str:
+        env = self.user_env(user)
+        return f"nats://{env['MESHSERVE_NATS_USER']}:{env['MESHSERVE_NATS_PASSWORD']}@{self.nats_address}"
+
+    @property
+    def nats_url(self) -> str:
+        """The mesh's NATS as its operator (`admin`: every subject), for tests that watch the bus."""
+        return self.user_url("admin")
 
     def wait_ready(self, timeout: float = 240) -> "Mesh":
         deadline = time.monotonic() + timeout
@@ -119,10 +136,14 @@ class Node:
         env = {**os.environ, "MESHSERVE_SHM_DIR": str(mesh.shm_dir)}
 
         def spawn(role: str, *extra: str) -> None:
-            cmd = [*(prefix or []), sys.executable, "-m", "meshserve.cli.main", "serve", role, "--nats-url", mesh.nats_url,
+            from meshserve.shared.nats_auth import ROLE_USER
+
+            cmd = [*(prefix or []), sys.executable, "-m", "meshserve.cli.main", "serve", role, "--nats-url",
+                   mesh.service_nats_url,
                    "--namespace", mesh.namespace, "--model", mesh.model, "--dtype", "float32", "--node-id", node_id,
                    *extra]
-            self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+            self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                               env={**env, **mesh.user_env(ROLE_USER[role])},
                                                preexec_fn=_die_with_parent))
 
         spawn("model-loader", "--preload")

@@ -15,7 +15,8 @@ import orjson
 
 from meshserve.shared import telemetry
 from meshserve.shared.bus import Bus
-from meshserve.shared.limits import LimitError, check_context_length, check_token_ids
+from meshserve.shared.limits import (LimitError, RequestLimits, check_context_length, check_token_ids,
+                                     json_depth_exceeds)
 from meshserve.shared import tool_calls
 from meshserve.shared.openai_protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, chat_choice,
                                               chat_chunk, chat_logprobs, chat_response, completion_choice,
@@ -88,7 +89,8 @@ class Gateway:
     def __init__(self, bus: Bus, tokenizer: Tokenizer, served_model_name: str, streams: TokenStreams,
                  metrics: GatewayMetrics, max_model_len: int = 8192, stream_timeout: float = 300.0,
                  request_log: RequestLog | None = None, auth: Auth | None = None, ready_timeout: float = 120.0,
-                 generation_defaults: dict | None = None, catalog: Catalog | None = None):
+                 generation_defaults: dict | None = None, catalog: Catalog | None = None,
+                 limits: RequestLimits | None = None):
         """generation_defaults: the model's own sampling defaults (models_repo.generation_defaults),
         for what a request leaves unset. catalog: the models served (a manifest); none: this one."""
         self.bus, self.tokenizer, self.served_model_name = bus, tokenizer, served_model_name
@@ -99,6 +101,7 @@ class Gateway:
         self.request_log = request_log  # a line per ended request (request_log.py); None: off
         self.max_model_len, self.stream_timeout = max_model_len, stream_timeout
         self.ready_timeout = ready_timeout  # how long a request waits for a starting mesh
+        self.limits = limits or RequestLimits()  # body size, messages, stops, logprobs, nesting
         self.created = int(time.time())
         self._background: set[asyncio.Task] = set()
 
@@ -112,12 +115,29 @@ class Gateway:
             self.metrics.tenant_rejected(None, rejection_reason(e))
             raise
 
+    def body_too_large(self, size: int) -> OpenAIError:
+        return OpenAIError(f"the request body has {size} bytes; this server accepts at most "
+                           f"{self.limits.max_body_bytes} (--max-body-bytes)", 413, code="request_too_large")
+
+    def decode_body(self, data: bytes):
+        """A request body as JSON, within the size and nesting limits; raises OpenAIError(413/400)."""
+        if len(data) > self.limits.max_body_bytes:
+            raise self.body_too_large(len(data))
+        try:
+            body = orjson.loads(data)
+        except orjson.JSONDecodeError as e:
+            raise OpenAIError(f"the request body is not valid JSON: {e}") from None
+        if json_depth_exceeds(body, self.limits.max_json_depth):
+            raise OpenAIError(f"the request body nests arrays and objects deeper than {self.limits.max_json_depth} "
+                              "levels (--max-json-depth)", code="json_too_deep")
+        return body
+
     def prepare(self, kind: Kind, body, tenant: Tenant | None = None) -> Prepared:
         """Raises OpenAIError(4xx) for anything wrong with the request."""
         named = body.get("model") if isinstance(body, dict) else None
         model = self.check_model(named if isinstance(named, str) else None)
         tokenizer = model.tokenizer
-        req = parse_request(kind, body, tokenizer.vocab_size)
+        req = parse_request(kind, body, tokenizer.vocab_size, self.limits)
         priority = self.auth.request_class(body.get("priority"), tenant)
         if isinstance(req, ChatCompletionRequest):
             prompt = self.chat_prompt_ids(req, model=model)

@@ -16,6 +16,7 @@ import sys
 
 # Only light imports here: the CLI imports this module to build its parser.
 from meshserve.shared.models_repo import DEFAULT_MODEL, generation_defaults, load_tokenizer
+from meshserve.shared.limits import add_request_limit_arguments, limits_from_args
 from meshserve.shared.subjects import DEFAULT_NAMESPACE
 
 from .request_log import DEFAULT_BACKUPS as REQUEST_LOG_BACKUPS
@@ -55,6 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tenants", default=None, metavar="FILE",
                         help="tenants file (docs/tenants.md): API keys, classes and quotas; every endpoint but /health "
                              "then needs a key. Give the scheduler the same file (default: none, the API is open)")
+    add_request_limit_arguments(parser)
 
 
 def _server(config):
@@ -142,7 +144,8 @@ async def run(args) -> int:
         log.info("request log: %s", request_log.path)
     gw = Gateway(bus, tokenizer, served, streams, GatewayMetrics(served), max_model_len=args.max_model_len,
                  stream_timeout=args.stream_timeout, request_log=request_log, auth=auth,
-                 ready_timeout=args.ready_timeout, generation_defaults=defaults, catalog=catalog)
+                 ready_timeout=args.ready_timeout, generation_defaults=defaults, catalog=catalog,
+                 limits=limits_from_args(args))
     nats_api = NatsAPI(gw)
     await nats_api.start()
 

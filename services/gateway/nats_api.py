@@ -76,13 +76,13 @@ class NatsAPI:
         gen: Generation | None = None
         try:
             try:
-                body, bad_json = orjson.loads(msg.data), None
-            except orjson.JSONDecodeError as e:
-                body, bad_json = None, e
+                body, bad_body = self.gw.decode_body(msg.data), None
+            except OpenAIError as e:
+                body, bad_body = None, e
             streaming = isinstance(body, dict) and body.get("stream") is True
             tenant = self.gw.authenticate(_header(msg, AUTH_HEADER))  # first, as on HTTP
-            if bad_json is not None:
-                raise OpenAIError(f"the request body is not valid JSON: {bad_json}")
+            if bad_body is not None:
+                raise bad_body
             gen = await self.gw.submit(kind, body, tenant)
             if not gen.stream:
                 await self._send(msg.reply, await gen.body())

@@ -22,7 +22,7 @@ import uuid
 
 import nats.errors
 
-from meshserve.shared.bus import Bus
+from meshserve.shared.bus import Bus, PayloadTooLarge
 from meshserve.shared.openai_protocol import OpenAIError
 from meshserve.shared.schemas import (NOT_READY, Abort, GenerateRequest, ServiceHello, SubmitReply,
                                       TokenChunk)
@@ -72,6 +72,9 @@ async def submit(bus: Bus, request: GenerateRequest) -> SubmitReply:
     """Hands a request to the scheduler; raises OpenAIError when it is refused or nobody answers."""
     try:
         reply = await bus.request(bus.subjects.submit, request, SubmitReply, timeout=SUBMIT_TIMEOUT)
+    except PayloadTooLarge as e:  # a prompt too long for the bus: the client's to shorten
+        raise OpenAIError(f"the request is too large for the mesh's message bus: {e}", 413,
+                          code="request_too_large") from None
     except nats.errors.NoRespondersError:
         raise NotSubmitted("no scheduler is available to serve the request") from None
     except (nats.errors.TimeoutError, asyncio.TimeoutError):

@@ -1,0 +1,168 @@
+"""Who may connect to the mesh's NATS and what each may publish and subscribe to: one user per
+service, a `public` user for the public NATS API and an `admin` user for operators, defined once
+here; `meshserve up` renders them into its nats-server's config and deploy/nats.conf carries the
+same block for namespace "meshserve" (tests/test_deploy.py keeps them equal).
+
+A process gets its credentials from the environment (never its command line, which `ps` shows):
+MESHSERVE_NATS_USER, MESHSERVE_NATS_PASSWORD and MESHSERVE_NATS_INBOX (its reply-subject prefix:
+each service user has its own, so no other user can read the replies to its requests), plus
+MESHSERVE_NATS_TLS_CA/_CERT/_KEY for TLS. Credentials in the URL (nats://user:pw@host) work too.
+
+The rules (docs/security.md): workers cannot publish on the public API nor on scheduler.submit;
+only the kv-pool subscribes to (answers) kv subjects, other services hear only its broadcasts
+(hello, pressure, host_events) and the scheduler the KV events; the public user may only send
+requests on `<ns>.v1.*` and read replies on _INBOX; a connection without credentials is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import ssl
+import stat
+from pathlib import Path
+
+from .subjects import Subjects
+
+ENV_USER, ENV_PASSWORD, ENV_INBOX = "MESHSERVE_NATS_USER", "MESHSERVE_NATS_PASSWORD", "MESHSERVE_NATS_INBOX"
+ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY = "MESHSERVE_NATS_TLS_CA", "MESHSERVE_NATS_TLS_CERT", "MESHSERVE_NATS_TLS_KEY"
+
+SERVICE_USERS = ("gateway", "scheduler", "model-loader", "kv-pool", "worker")
+PUBLIC, ADMIN = "public", "admin"
+USERS = (*SERVICE_USERS, PUBLIC, ADMIN)
+PUBLIC_INBOX = "_INBOX"  # nats clients' default reply prefix: what a public client uses
+
+# `meshserve serve ROLE` -> the user it connects as
+ROLE_USER = {"gateway": "gateway", "scheduler": "scheduler", "model-loader": "model-loader",
+             "kv-pool": "kv-pool", "prefill": "worker", "decode": "worker"}
+
+
+def inbox(user: str) -> str:
+    """A service user's own reply-subject prefix (one subject token)."""
+    return PUBLIC_INBOX if user in (PUBLIC, ADMIN) else f"_INBOX_{user}"
+
+
+def permissions(namespace: str) -> dict[str, dict]:
+    """Each user's {"publish": [...], "subscribe": [...], "allow_responses": bool}; admin: none
+    (everything). A request's reply goes to the requester's inbox: a responder may publish there
+    through allow_responses (one reply per request); the gateway streams many chunks to a public
+    client's reply subject, so it may publish on _INBOX.> itself."""
+    s = Subjects(namespace)
+    ns = namespace
+    kv = lambda verb: s.kv(verb, "*")  # noqa: E731 - every node's subject
+    worker = lambda verb: s.worker("*", verb)  # noqa: E731
+    own = lambda user: f"{inbox(user)}.>"  # noqa: E731
+    return {
+        "gateway": {
+            "publish": [s.submit, s.abort, s.usage, s.scheduler_status, f"{PUBLIC_INBOX}.>"],
+            "subscribe": [s.completions, s.chat_completions, s.tokens("*"), s.scheduler_hello, own("gateway")],
+            "allow_responses": False},
+        "scheduler": {
+            "publish": [*(worker(v) for v in ("prefill", "adopt", "abort", "role")), kv("release"), kv("transfer"),
+                        s.tokens("*"), s.scheduler_hello],
+            "subscribe": [*(s.scheduler(e) for e in ("submit", "handoff", "done", "abort", "status", "usage")),
+                          s.heartbeat, kv("events"), own("scheduler")],
+            "allow_responses": True},
+        "worker": {
+            "publish": [s.tokens("*"), s.handoff, s.done, s.heartbeat, s.models("load", "*"),
+                        *(kv(v) for v in ("arena", "lease", "release", "retain", "events", "swap", "import"))],
+            "subscribe": [*(worker(v) for v in ("prefill", "adopt", "abort", "role")), s.abort,
+                          *(kv(v) for v in ("hello", "pressure", "host_events")), own("worker")],
+            "allow_responses": False},
+        "kv-pool": {
+            "publish": [f"{ns}.kv.>", s.models("load", "*")],
+            "subscribe": [f"{ns}.kv.>", s.heartbeat, own("kv-pool")],
+            "allow_responses": True},
+        "model-loader": {
+            "publish": [],
+            "subscribe": [s.models("load", "*"), s.models("list", "*"), own("model-loader")],
+            "allow_responses": True},
+        PUBLIC: {
+            "publish": [s.completions, s.chat_completions],
+            "subscribe": [f"{PUBLIC_INBOX}.>"],
+            "allow_responses": False},
+    }
+
+
+def _quoted(items: list[str]) -> str:
+    return "[" + ", ".join(f'"{x}"' for x in items) + "]"
+
+
+def authorization_block(namespace: str, passwords: dict[str, str], indent: str = "") -> str:
+    """nats-server's `authorization { users = [...] }` for these passwords. A password that starts
+    with `$` is left unquoted: the server reads it from its environment (deploy/nats.conf)."""
+    perms = permissions(namespace)
+    lines = ["authorization {", "  users = ["]
+    for user in USERS:
+        pw = passwords[user]
+        pw = pw if pw.startswith("$") else f'"{pw}"'
+        entry = f'    {{user: "{user}", password: {pw}'
+        if user in perms:
+            p = perms[user]
+            rules = [f"subscribe: {{allow: {_quoted(p['subscribe'])}}}"]
+            if p["publish"]:  # none at all: allow_responses alone leaves only the replies
+                rules.insert(0, f"publish: {{allow: {_quoted(p['publish'])}}}")
+            entry += ",\n      permissions: {\n        " + ",\n        ".join(rules)
+            if p["allow_responses"]:
+                entry += ",\n        allow_responses: true"
+            entry += "\n      }"
+        lines.append(entry + "}")
+    lines += ["  ]", "}"]
+    return "\n".join(indent + line if line else line for line in lines) + "\n"
+
+
+def password_env(user: str) -> str:
+    """The environment variable deploy/nats.conf reads a user's password from."""
+    return f"NATS_{user.upper().replace('-', '_')}_PASSWORD"
+
+
+def generate_passwords() -> dict[str, str]:
+    return {user: secrets.token_urlsafe(24) for user in USERS}
+
+
+def env_for(user: str, password: str) -> dict[str, str]:
+    """What a process needs in its environment to connect as `user`."""
+    return {ENV_USER: user, ENV_PASSWORD: password, ENV_INBOX: inbox(user)}
+
+
+def write_private(path: Path, text: str) -> None:
+    """A file only its owner may read (0600), created so from the start."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, stat.S_IRUSR | stat.S_IWUSR)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(path, stat.S_IRUSR | stat.S_IWUSR)
+
+
+def write_credentials(directory: Path, passwords: dict[str, str]) -> None:
+    """One env file per user, DIR/<user>.env (MESHSERVE_NATS_USER=... lines): what Compose's
+    env_file and `set -a; . DIR/public.env` read."""
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for user, pw in passwords.items():
+        write_private(directory / f"{user}.env", "".join(f"{k}={v}\n" for k, v in env_for(user, pw).items()))
+
+
+def read_credentials(path: Path) -> dict[str, str]:
+    """A DIR/<user>.env file as environment variables."""
+    out = {}
+    for line in Path(path).read_text().splitlines():
+        if "=" in line and not line.lstrip().startswith("#"):
+            k, v = line.split("=", 1)
+            out[k.strip()] = v.strip()
+    return out
+
+
+def connect_options(env=None) -> dict:
+    """nats.connect() keyword arguments from the environment: user, password, inbox, TLS."""
+    env = os.environ if env is None else env
+    opts: dict = {}
+    if env.get(ENV_USER):
+        opts["user"], opts["password"] = env[ENV_USER], env.get(ENV_PASSWORD, "")
+    if env.get(ENV_INBOX):
+        opts["inbox_prefix"] = env[ENV_INBOX]
+    ca, cert, key = env.get(ENV_TLS_CA), env.get(ENV_TLS_CERT), env.get(ENV_TLS_KEY)
+    if ca or cert:
+        ctx = ssl.create_default_context(cafile=ca or None)
+        if cert:
+            ctx.load_cert_chain(cert, key or None)
+        opts["tls"] = ctx
+    return opts
