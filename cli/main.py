@@ -30,6 +30,17 @@ def _models(args) -> int:
     return 0
 
 
+def _nats_credentials(args) -> int:
+    from pathlib import Path
+
+    from meshserve.shared import nats_auth
+
+    nats_auth.write_credentials(Path(args.dir), nats_auth.generate_passwords())
+    print(f"NATS credentials written to {args.dir}: " + ", ".join(f"{u}.env" for u in nats_auth.USERS)
+          + f", {nats_auth.SERVER_ENV}")
+    return 0
+
+
 ROLES = ("gateway", "scheduler", "prefill", "decode", "kv-pool", "model-loader")
 MANIFEST_ROLES = ("gateway", "scheduler", "model-loader")  # they take --models (the model manifest)
 
@@ -138,6 +149,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         if role in with_options:
             _add_role_arguments(role, rp)
         rp.set_defaults(func=_serve)
+
+    nc = sub.add_parser("nats-credentials", help="generate NATS users and passwords for compose/Kubernetes "
+                                                  "(docs/security.md): DIR/<user>.env and DIR/nats-server.env, 0600")
+    nc.add_argument("dir", help="where to write them (deploy/credentials for compose.yaml and deploy/)")
+    nc.set_defaults(func=_nats_credentials)
 
     m = sub.add_parser("models", help="the local model repository")
     m.add_argument("action", choices=["pull", "list"])

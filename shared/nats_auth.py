@@ -133,12 +133,17 @@ def write_private(path: Path, text: str) -> None:
     os.chmod(path, stat.S_IRUSR | stat.S_IWUSR)
 
 
+SERVER_ENV = "nats-server.env"  # every password as NATS_<USER>_PASSWORD: what deploy/nats.conf reads
+
+
 def write_credentials(directory: Path, passwords: dict[str, str]) -> None:
-    """One env file per user, DIR/<user>.env (MESHSERVE_NATS_USER=... lines): what Compose's
-    env_file and `set -a; . DIR/public.env` read."""
+    """One env file per user, DIR/<user>.env (MESHSERVE_NATS_USER=... lines), and DIR/nats-server.env
+    with every password for a server configured by deploy/nats.conf: what Compose's env_file,
+    kustomize's secretGenerator and `set -a; . DIR/public.env` read."""
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     for user, pw in passwords.items():
         write_private(directory / f"{user}.env", "".join(f"{k}={v}\n" for k, v in env_for(user, pw).items()))
+    write_private(directory / SERVER_ENV, "".join(f"{password_env(u)}={pw}\n" for u, pw in passwords.items()))
 
 
 def read_credentials(path: Path) -> dict[str, str]:

@@ -20,6 +20,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from meshserve.shared import nats_auth
 from meshserve.shared.models_repo import KNOWN_MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,6 +77,11 @@ def _manifests() -> list[dict]:
 def _pod_specs() -> dict[str, dict]:
     return {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in _manifests()
             if d["kind"] in ("Deployment", "DaemonSet", "StatefulSet")}
+
+
+def _generated_secrets() -> dict[str, list[str]]:
+    """kustomization.yaml's secretGenerator: Secret name -> the env files it is made from."""
+    return {g["name"]: g["envs"] for g in _kustomization().get("secretGenerator", [])}
 
 
 def _dockerfile_entrypoint() -> list[str]:
@@ -217,9 +223,14 @@ def _nats_server() -> Path:
 
 def test_nats_config_is_valid_and_the_same_for_compose_and_kubernetes():
     conf = DEPLOY / "nats.conf"
-    proc = subprocess.run([_nats_server(), "-t", "-c", conf], capture_output=True, text=True, timeout=30)
+    passwords = {nats_auth.password_env(u): f"test-{u}" for u in nats_auth.USERS}  # what the Secret gives it
+    proc = subprocess.run([_nats_server(), "-t", "-c", conf], capture_output=True, text=True, timeout=30,
+                          env={"PATH": "/usr/bin:/bin", **passwords})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert re.search(r"^max_payload:\s*8MB\s*$", conf.read_text(), re.M)
+    # every connection authenticates, with the permissions `meshserve up` gives its own server
+    assert nats_auth.authorization_block("meshserve", {u: "$" + nats_auth.password_env(u) for u in nats_auth.USERS}) \
+        in conf.read_text()
     configmap = next(d for d in _manifests() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "nats-config")
     assert configmap["data"]["nats.conf"] == conf.read_text()
     nats = _pod_specs()["nats"]["containers"][0]
@@ -261,14 +272,16 @@ def test_kubernetes_manifests_wire_the_mesh():
             for m in c.get("volumeMounts", []):
                 assert m["name"] in volumes, f"{name}/{c['name']} mounts undeclared volume {m['name']}"
             for ref in c.get("envFrom", []):
-                assert ref["configMapRef"]["name"] in configmaps, (name, c["name"])
+                assert ref["configMapRef"]["name"] in configmaps if "configMapRef" in ref else \
+                    ref["secretRef"]["name"] in _generated_secrets(), (name, c["name"], ref)
             defined = {e["name"] for e in c.get("env", [])}
             for var in re.findall(r"\$\((\w+)\)", " ".join(c.get("command", []) + c.get("args", []))):
                 assert var in defined, f"{name}/{c['name']} uses $({var}) without defining it (k8s would pass it verbatim)"
             if _is_meshserve_image(c["image"]):
                 env = {e["name"]: e.get("value") for e in c.get("env", [])}
                 for ref in c.get("envFrom", []):
-                    env.update(configmaps[ref["configMapRef"]["name"]]["data"])
+                    if "configMapRef" in ref:
+                        env.update(configmaps[ref["configMapRef"]["name"]]["data"])
                 assert OTEL_ENV.items() <= env.items(), f"{name}/{c['name']} does not export traces"
 
     for svc in (d for d in docs if d["kind"] == "Service"):
@@ -351,3 +364,43 @@ def test_every_container_runs_a_role_the_cli_knows(meshserve_help):
     # Init containers only fetch a known model into the (empty) cache volume.
     for where, argv in _k8s_commands("initContainers").items():
         assert argv[:3] == ["meshserve", "models", "pull"] and argv[3] in KNOWN_MODELS, f"{where}: {argv}"
+
+
+# ---------------------------------------------------------------- credentials, restarts, readiness
+
+
+def test_every_service_has_its_nats_credentials_a_restart_policy_and_a_readiness_check():
+    """Compose and Kubernetes give each service its own NATS user (from the files `meshserve
+    nats-credentials deploy/credentials` writes, never in the files themselves), restart what dies,
+    and say when each service is ready."""
+    services = _compose()["services"]
+    commands = _compose_commands()
+    assert services["nats"]["env_file"] == f"deploy/credentials/{nats_auth.SERVER_ENV}"
+    for name, svc in services.items():
+        assert svc.get("restart") == "unless-stopped", name
+    for name, argv in commands.items():
+        user = nats_auth.ROLE_USER[_role(argv)]
+        assert services[name]["env_file"] == f"deploy/credentials/{user}.env", name
+        check = " ".join(services[name]["healthcheck"]["test"])
+        assert "/health" in check or services[name]["environment"]["MESHSERVE_READY_FILE"] in check, name
+    assert services["nats"]["healthcheck"]["test"]
+    assert "deploy/credentials/" in (ROOT / ".gitignore").read_text() and "deploy" in (ROOT / ".dockerignore").read_text()
+
+    secrets = _generated_secrets()
+    assert secrets == {"nats-server-credentials": [f"credentials/{nats_auth.SERVER_ENV}"],
+                       **{f"nats-{u}": [f"credentials/{u}.env"] for u in nats_auth.SERVICE_USERS}}
+    assert not any(d["kind"] == "Secret" for d in _manifests()), "passwords are generated, never committed"
+    env = next(d for d in _manifests() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "meshserve-env")["data"]
+    nats = _pod_specs()["nats"]["containers"][0]
+    assert {"secretRef": {"name": "nats-server-credentials"}} in nats["envFrom"]
+    for workload, spec in _pod_specs().items():
+        assert spec.get("restartPolicy", "Always") == "Always", workload
+        for c in spec["containers"]:
+            assert "readinessProbe" in c, f"{workload}/{c['name']}"
+    for key, argv in _k8s_commands().items():
+        workload, container = key.split("/")
+        c = next(x for x in _pod_specs()[workload]["containers"] if x["name"] == container)
+        assert {"secretRef": {"name": f"nats-{nats_auth.ROLE_USER[_role(argv)]}"}} in c["envFrom"], key
+        probe = c["readinessProbe"]
+        assert probe.get("httpGet", {}).get("path") == "/health" or \
+            probe["exec"]["command"] == ["test", "-f", env["MESHSERVE_READY_FILE"]], key

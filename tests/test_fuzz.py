@@ -109,8 +109,8 @@ def test_auth_on_by_default_serves_end_to_end(mesh):
     with pytest.raises(asyncio.TimeoutError):  # (the server refused the publish: a permissions violation)
         asyncio.run(nats_call(url, public, f"{ns}.scheduler.status", b"{}", timeout=1))
     # credentials travel in the environment, never on a command line
-    passwords = [nats_auth.read_credentials(f)[nats_auth.ENV_PASSWORD] for f in mesh.credentials.glob("*.env")]
-    assert len(passwords) == len(nats_auth.USERS)
+    passwords = [nats_auth.read_credentials(mesh.credentials / f"{u}.env")[nats_auth.ENV_PASSWORD]
+                 for u in nats_auth.USERS]
     for pid in [mesh.proc.pid, *mesh.children()]:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
         assert not any(pw in argv for pw in passwords), argv
