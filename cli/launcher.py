@@ -3,8 +3,8 @@
 Starts its own nats-server (loopback only, JetStream on, max_payload raised) unless --nats-url
 names one: with authentication (a user and a fresh password per service, plus `public` and
 `admin`, their subject permissions from shared/nats_auth.py; the credentials in 0600 files, given
-to each child in its environment) and optionally TLS. Then model-loader, kv-pool, the workers, scheduler and gateway, waits until the
-gateway's /health says a request can be served, and prints where it serves. Any child that dies
+to each child in its environment) and optionally TLS. Then model-loader, kv-pool, the workers,
+scheduler and gateway; waits until the gateway's /health says a request can be served, and prints where it serves. Any child that dies
 (core services and the nats-server included) is restarted, with a backoff that grows while it keeps
 dying soon after each start; after RESTART_LIMIT such quick failures in a row the launcher gives up
 on it, says why, and stops the mesh (docs/faults.md). Ctrl-C or SIGTERM

@@ -157,10 +157,8 @@ def json_depth_exceeds(value, limit: int) -> bool:
 
 
 def check_request_size(body, limits: RequestLimits) -> None:
-    """A decoded body's shape against the limits, before it is validated field by field."""
-    if json_depth_exceeds(body, limits.max_json_depth):
-        raise LimitError(f"the request body nests arrays and objects deeper than {limits.max_json_depth} levels",
-                         code="json_too_deep")
+    """A decoded body's counts against the limits, before it is validated field by field (its size
+    and nesting are checked where it is decoded: the gateway's Gateway.decode_body)."""
     if not isinstance(body, dict):
         return
     messages = body.get("messages")
