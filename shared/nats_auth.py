@@ -45,7 +45,7 @@ def inbox(user: str) -> str:
 def permissions(namespace: str) -> dict[str, dict]:
     """Each user's {"publish": [...], "subscribe": [...], "allow_responses": bool}; admin: none
     (everything). A request's reply goes to the requester's inbox: a responder may publish there
-    through allow_responses (one reply per request); the gateway streams many chunks to a public
+    through allow_responses (one reply per request: answers and acknowledgements, Bus.ack); the gateway streams many chunks to a public
     client's reply subject, so it may publish on _INBOX.> itself."""
     s = Subjects(namespace)
     ns = namespace
@@ -68,7 +68,7 @@ def permissions(namespace: str) -> dict[str, dict]:
                         *(kv(v) for v in ("arena", "lease", "release", "retain", "events", "swap", "import"))],
             "subscribe": [*(worker(v) for v in ("prefill", "adopt", "abort", "role")), s.abort,
                           *(kv(v) for v in ("hello", "pressure", "host_events")), own("worker")],
-            "allow_responses": False},
+            "allow_responses": True},  # it acknowledges the scheduler's prefill and adopt messages (Bus.ack)
         "kv-pool": {
             "publish": [f"{ns}.kv.>", s.models("load", "*")],
             "subscribe": [f"{ns}.kv.>", s.heartbeat, own("kv-pool")],
