@@ -5,7 +5,7 @@ gateway's /openapi.json (schema-valid and schema-breaking bodies) and hypothesis
 API. Every answer must be a 2xx, or a 4xx (or a documented 503) with an OpenAI error body: no 5xx,
 no hang, and afterwards every process is the one that started (none died) and the mesh serves.
 
-CI-sized: FUZZ_EXAMPLES per HTTP operation and per NATS subject; generation is capped at
+CI-sized: HTTP_EXAMPLES per HTTP operation and mode, NATS_EXAMPLES per NATS subject; generation is capped at
 MAX_TOKENS tokens (the fuzzer's max_tokens would otherwise make a run minutes long)."""
 
 from __future__ import annotations
@@ -28,12 +28,16 @@ from meshserve.shared import nats_auth
 
 schemathesis = pytest.importorskip("schemathesis")
 
-FUZZ_EXAMPLES = 40  # per operation (8 HTTP routes with bodies, 2 modes) and per NATS subject
+HTTP_EXAMPLES = 25  # per operation and mode (5 routes with a body x 2 modes, 3 without)
+NATS_EXAMPLES = 75  # per NATS API subject
 MAX_TOKENS = 4
 LIMITS = {"max-body-bytes": 65536, "max-messages": 8, "max-stop": 4, "max-logprobs": 5, "max-json-depth": 16}
 COUNTS: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)  # printed at the end
-FUZZ_SETTINGS = settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, derandomize=True,
-                         suppress_health_check=list(HealthCheck))
+
+
+def fuzz_settings(examples: int):
+    return settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+                    suppress_health_check=list(HealthCheck))
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +156,7 @@ def test_fuzz_http_with_schemathesis(mesh):
             if op.method.upper() == "GET" and mode == schemathesis.GenerationMode.NEGATIVE:
                 continue  # nothing to break in a request without a body
 
-            @FUZZ_SETTINGS
+            @fuzz_settings(HTTP_EXAMPLES)
             @given(case=op.as_strategy(generation_mode=mode))
             def fuzz(case):
                 if op.method.upper() == "POST":
@@ -192,7 +196,7 @@ def test_fuzz_nats_api_with_hypothesis(mesh):
         for endpoint in ("completions", "chat.completions"):
             subject = f"{mesh.namespace}.v1.{endpoint}"
 
-            @FUZZ_SETTINGS
+            @fuzz_settings(NATS_EXAMPLES)
             @given(body=_bodies())
             def fuzz(body):
                 status, msgs = loop.run_until_complete(nats_call(url, public, subject, body))
