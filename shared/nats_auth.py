@@ -45,8 +45,8 @@ def inbox(user: str) -> str:
 def permissions(namespace: str) -> dict[str, dict]:
     """Each user's {"publish": [...], "subscribe": [...], "allow_responses": bool}; admin: none
     (everything). A request's reply goes to the requester's inbox: a responder may publish there
-    through allow_responses (one reply per request: answers and acknowledgements, Bus.ack); the gateway streams many chunks to a public
-    client's reply subject, so it may publish on _INBOX.> itself."""
+    through allow_responses (one reply per request: answers and acknowledgements, Bus.ack); the
+    gateway streams many chunks to a public client's reply subject, so it may publish on _INBOX.>."""
     s = Subjects(namespace)
     ns = namespace
     kv = lambda verb: s.kv(verb, "*")  # noqa: E731 - every node's subject
