@@ -30,7 +30,10 @@ ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY = "MESHSERVE_NATS_TLS_CA", "MESHSERVE_NATS
 SERVICE_USERS = ("gateway", "scheduler", "model-loader", "kv-pool", "worker")
 PUBLIC, ADMIN = "public", "admin"
 USERS = (*SERVICE_USERS, PUBLIC, ADMIN)
-PUBLIC_INBOX = "_INBOX"  # nats clients' default reply prefix: what a public client uses
+PUBLIC_INBOX = "_INBOX"
+# How long a responder may still answer a request it received: nats' default (2 min) is shorter
+# than a model-loader's first load of a large model.
+RESPONSE_EXPIRES = "1h"  # nats clients' default reply prefix: what a public client uses
 
 # `meshserve serve ROLE` -> the user it connects as
 ROLE_USER = {"gateway": "gateway", "scheduler": "scheduler", "model-loader": "model-loader",
@@ -104,7 +107,7 @@ def authorization_block(namespace: str, passwords: dict[str, str], indent: str =
                 rules.insert(0, f"publish: {{allow: {_quoted(p['publish'])}}}")
             entry += ",\n      permissions: {\n        " + ",\n        ".join(rules)
             if p["allow_responses"]:
-                entry += ",\n        allow_responses: true"
+                entry += f',\n        allow_responses: {{max: 1, expires: "{RESPONSE_EXPIRES}"}}'
             entry += "\n      }"
         lines.append(entry + "}")
     lines += ["  ]", "}"]
