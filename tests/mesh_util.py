@@ -49,11 +49,19 @@ class Mesh:
                                      env={**os.environ, "MESHSERVE_SHM_DIR": str(tmp / "shm"), **(env or {})})
         self.shm_dir = tmp / "shm"
 
-    def user_env(self, user: str) -> dict[str, str]:
-        """The environment that connects a process as `user` (the launcher's credentials)."""
-        from meshserve.shared.nats_auth import read_credentials
+    def user_env(self, user: str, timeout: float = 60) -> dict[str, str]:
+        """The environment that connects a process as `user` (the launcher's credentials, which it
+        writes as it starts: waited for)."""
+        from meshserve.shared.nats_auth import ENV_PASSWORD, read_credentials
 
-        return read_credentials(self.credentials / f"{user}.env")
+        path, deadline = self.credentials / f"{user}.env", time.monotonic() + timeout
+        while True:
+            env = read_credentials(path) if path.exists() else {}
+            if env.get(ENV_PASSWORD):
+                return env
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"no NATS credentials for {user} from meshserve up:\n{self.log.read_text()[-4000:]}")
+            time.sleep(0.05)
 
     def user_url(self, user: str) -> str:
         env = self.user_env(user)
