@@ -339,7 +339,7 @@ def test_a_failed_transfer_is_recomputed_on_the_decode_node(two_nodes, reference
         nc = await nats.connect(mesh.nats_url)
         workers = (await _request(nc, f"{mesh.namespace}.scheduler.status"))["workers"]
         decode = next(w["id"] for w in workers if w["node_id"] == "node1")
-        inbox = nc.new_inbox()
+        inbox = f"{mesh.namespace}.tokens.test-cross-node-lost"  # workers may publish only on token subjects
         sub = await nc.subscribe(inbox)
         req = GenerateRequest(request_id="cross-node-lost", model=mesh.model, prompt_token_ids=prompt,
                               sampling=Sampling(max_tokens=6, temperature=0, ignore_eos=True), stream_subject=inbox,
