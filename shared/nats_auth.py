@@ -57,28 +57,29 @@ def permissions(namespace: str) -> dict[str, dict]:
     own = lambda user: f"{inbox(user)}.>"  # noqa: E731
     return {
         "gateway": {
-            "publish": [s.submit, s.abort, s.usage, s.scheduler_status, f"{PUBLIC_INBOX}.>"],
+            "publish": [s.submit, s.abort, s.usage, s.scheduler_status, s.scheduler("reload"), f"{PUBLIC_INBOX}.>"],
             "subscribe": [s.completions, s.chat_completions, s.tokens("*"), s.scheduler_hello, own("gateway")],
             "allow_responses": False},
         "scheduler": {
-            "publish": [*(worker(v) for v in ("prefill", "adopt", "abort", "role")), kv("release"), kv("transfer"),
-                        s.tokens("*"), s.scheduler_hello],
-            "subscribe": [*(s.scheduler(e) for e in ("submit", "handoff", "done", "abort", "status", "usage")),
+            "publish": [*(worker(v) for v in ("prefill", "adopt", "abort", "role", "model")), kv("release"),
+                        kv("transfer"), s.models("status", "*"), s.models("reload", "*"), s.tokens("*"),
+                        s.scheduler_hello],
+            "subscribe": [*(s.scheduler(e) for e in ("submit", "handoff", "done", "abort", "status", "usage", "reload")),
                           s.heartbeat, kv("events"), own("scheduler")],
             "allow_responses": True},
         "worker": {
             "publish": [s.tokens("*"), s.handoff, s.done, s.heartbeat, s.models("load", "*"),
                         *(kv(v) for v in ("arena", "lease", "release", "retain", "events", "swap", "import"))],
-            "subscribe": [*(worker(v) for v in ("prefill", "adopt", "abort", "role")), s.abort,
+            "subscribe": [*(worker(v) for v in ("prefill", "adopt", "abort", "role", "model")), s.abort,
                           *(kv(v) for v in ("hello", "pressure", "host_events")), own("worker")],
-            "allow_responses": True},  # it acknowledges the scheduler's prefill and adopt messages (Bus.ack)
+            "allow_responses": True},  # it acknowledges the scheduler's deliveries (Bus.ack), answers model switches
         "kv-pool": {
             "publish": [f"{ns}.kv.>", s.models("load", "*")],
             "subscribe": [f"{ns}.kv.>", s.heartbeat, own("kv-pool")],
             "allow_responses": True},
         "model-loader": {
             "publish": [],
-            "subscribe": [s.models("load", "*"), s.models("list", "*"), own("model-loader")],
+            "subscribe": [*(s.models(v, "*") for v in ("load", "list", "status", "reload")), own("model-loader")],
             "allow_responses": True},
         PUBLIC: {
             "publish": [s.completions, s.chat_completions],

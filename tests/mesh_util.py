@@ -38,12 +38,16 @@ class Mesh:
         self.url = f"http://127.0.0.1:{self.port}"
         self.nats_address = f"127.0.0.1:{self.nats_port}"
         self.credentials = tmp / f"nats-credentials-{self.port}"  # the launcher writes one <user>.env per user
+        # --nats-url: an external server, no credentials (a test that sets one up sets nats_url too)
+        self.external_nats = "--nats-url" in (extra or [])
+        self._nats_url: str | None = None
         self.namespace, self.model = namespace, str(model)
         self.log = tmp / f"mesh-{self.port}.log"
         cmd = [sys.executable, "-m", "meshserve.cli.main", "up", "--model", str(model), "--dtype", "float32",
                "--port", str(self.port), "--nats-port", str(self.nats_port), "--namespace", namespace,
                "--prefill", str(prefill), "--decode", str(decode), "--kv-cache-gb", "0.02",
-               "--startup-timeout", "240", "--nats-credentials", str(self.credentials),
+               "--startup-timeout", "240",
+               *([] if self.external_nats else ["--nats-credentials", str(self.credentials)]),
                *([] if elastic else ["--fixed-roles"]), *(extra or [])]
         self.proc = subprocess.Popen(cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
                                      env={**os.environ, "MESHSERVE_SHM_DIR": str(tmp / "shm"), **(env or {})})
@@ -54,6 +58,8 @@ class Mesh:
         writes as it starts: waited for)."""
         from meshserve.shared.nats_auth import ENV_PASSWORD, read_credentials
 
+        if self.external_nats:
+            return {}
         path, deadline = self.credentials / f"{user}.env", time.monotonic() + timeout
         while True:
             env = read_credentials(path) if path.exists() else {}
@@ -70,7 +76,16 @@ class Mesh:
     @property
     def nats_url(self) -> str:
         """The mesh's NATS as its operator (`admin`: every subject), for tests that watch the bus."""
-        return self.user_url("admin")
+        return self._nats_url or self.user_url("admin")
+
+    @nats_url.setter
+    def nats_url(self, url: str) -> None:
+        self._nats_url = url
+
+    @property
+    def service_nats_url(self) -> str:
+        """The server's URL without credentials: services bring theirs in the environment."""
+        return self._nats_url or f"nats://{self.nats_address}"
 
     def wait_ready(self, timeout: float = 240) -> "Mesh":
         deadline = time.monotonic() + timeout
