@@ -13,7 +13,8 @@ scheduler, nats-server or gateway; the launcher restarts what died.
 Each request ends as one of: `identical` (the reference text), `different` (a wrong text: must be
 0), `failed` (an HTTP error or an SSE error event: a clear failure), `connection_lost` (its
 connection dropped: allowed only for a killed gateway's clients), `cut` (the stream ended with no
-finish and no error: must be 0) or `hung` (no end within --request-timeout: must be 0). Prints
+finish and no error: must be 0) or `hung` (no end within --request-timeout: must be 0); one that
+could not connect (a gateway restarting) is `refused`, not accepted. Prints
 one JSON object: the counts, TTFT and end-to-end p50/p99 before the first fault, within --window
 seconds after a fault, and otherwise after; per fault, the time until a request that started
 after it completed; the memory (RSS, PSS) of every process at the start and at the end.
@@ -75,7 +76,9 @@ async def one(client, url: str, body: dict, timeout: float) -> dict:
                 out["outcome"] = "ok" if finished else "cut"
     except TimeoutError:
         out["outcome"] = "hung"
-    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.ConnectError, httpx.WriteError) as e:
+    except httpx.ConnectError as e:  # nobody listening (a gateway restarting): never accepted
+        out["outcome"], out["error"] = "refused", type(e).__name__
+    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
         out["outcome"], out["error"] = "connection_lost", type(e).__name__
     finally:
         out["e2e"] = time.monotonic() - t0
@@ -146,7 +149,7 @@ def report(a, refs: list[dict], results: list[dict], faults: list[dict], start: 
            mem_start: dict, mem_end: dict) -> dict:
     first = faults[0]["at"] if faults else float("inf")
     gateway_kills = [f["at"] for f in faults if f["fault"] == "kill9:gateway"]
-    counts = dict.fromkeys(("identical", "different", "failed", "connection_lost", "cut", "hung"), 0)
+    counts = dict.fromkeys(("identical", "different", "failed", "connection_lost", "cut", "hung", "refused"), 0)
     phases: dict[str, dict[str, list]] = {p: {"ttft": [], "e2e": []} for p in ("before", "during", "after")}
     unexplained_lost = 0
     for r in results:
@@ -169,7 +172,7 @@ def report(a, refs: list[dict], results: list[dict], faults: list[dict], start: 
     return {
         "command": "meshserve bench-soak " + " ".join(a.argv),
         "minutes": a.minutes, "fault_every_s": a.fault_every, "rate": a.rate, "pool": len(refs),
-        "accepted": len(results), "outcomes": counts,
+        "sent": len(results), "accepted": len(results) - counts["refused"], "outcomes": counts,
         "connection_lost_not_at_a_gateway_kill": unexplained_lost,
         "ok": all(counts[k] == 0 for k in MUST_BE_ZERO) and unexplained_lost == 0,
         "latency": {p: {"n": len(v["e2e"]), "ttft_p50": _percentile(v["ttft"], 0.5),

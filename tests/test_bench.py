@@ -373,7 +373,8 @@ def test_soak_report_counts_every_outcome_and_flags_the_bad_ones():
     good = [r(0, 1, "ok"), r(11, 2, "ok", 1, "xyz"), r(50, 1, "ok"), r(99, 5, "connection_lost"), r(12, 1, "failed")]
     out = report(a, refs, good, faults, 0.0, {}, {})
     assert out["ok"] and out["accepted"] == 5
-    assert out["outcomes"] == {"identical": 3, "different": 0, "failed": 1, "connection_lost": 1, "cut": 0, "hung": 0}
+    assert out["outcomes"] == {"identical": 3, "different": 0, "failed": 1, "connection_lost": 1, "cut": 0, "hung": 0,
+                               "refused": 0}
     assert [out["latency"][p]["n"] for p in ("before", "during", "after")] == [1, 1, 1]
     assert out["faults"][0]["serving_again_after_s"] == 3.0  # the request started at 11 ended at 13
     for bad in (r(20, 1, "ok", 1, "abc"), r(20, 1, "cut"), r(20, 1, "hung"), r(20, 1, "connection_lost")):
