@@ -16,6 +16,17 @@ tables; the gather + SDPA below stays as its oracle and as the fallback when it 
 MESHSERVE_DISABLE_CPU_KERNELS=1. On a CUDA arena, write_kv and the decodes go to the CuPy kernels
 of kernels/cuda_ops.py (same call), prefill chunks run the torch code below on the GPU, and the
 torch path is again the fallback (no CuPy, MESHSERVE_DISABLE_CUDA_KERNELS=1).
+
+An int8 arena (`--kv-cache-dtype int8`, shared/kv_layout.py) holds each (slot, KV head) row as
+head_dim int8 values and their float32 scale in the row's last 4 bytes: `write_kv` quantizes
+(`quantize_kv`: symmetric, scale = max|row| / 127, per token and head), and every read
+dequantizes (`dequantize_kv` here; the CPU kernel in its registers). Per token rather than per
+block: a block fills one token at a time, and a block-wide scale would have to be fixed before
+its later tokens are known (or the block requantized as they come); a token's own scale costs 4
+bytes per head (6% at head_dim 64) and makes a row's bytes depend on that row alone, so prefill
+chunking, prefix-cache hits and batches never change what is stored. A prefill chunk with no
+cached context also reads its keys and values back from the arena, so every token attends over
+exactly the quantized cache, however the prompt was chunked.
 """
 
 from __future__ import annotations
@@ -67,7 +78,7 @@ def decode_kernel(kv: torch.Tensor):
     arena run it, else None (the gather + SDPA reference, which needs decode_slots/decode_mask)."""
     if cuda_ops.handles(kv):
         return cuda_ops if cuda_ops.decode_supported(kv.shape[-1], kv.dtype) else None
-    if kv.device.type != "cpu" or kv.dtype not in (torch.float32, torch.bfloat16) or not kv.is_contiguous():
+    if kv.device.type != "cpu" or kv.dtype not in (torch.float32, torch.bfloat16, torch.int8) or not kv.is_contiguous():
         return None
     return cpu_build.load("meshserve_paged_attention_cpu", "paged_attention.cpp")
 
@@ -85,13 +96,39 @@ def decode_slots_and_mask(block_tables: torch.Tensor, context_lens: torch.Tensor
     return slots, (pos.unsqueeze(0) < context_lens.unsqueeze(1)).view(nd, 1, 1, t)
 
 
+SCALE_BYTES = 4  # an int8 row's float32 scale (shared/kv_layout.py INT8_SCALE_BYTES)
+
+
+def quantize_kv(x: torch.Tensor) -> torch.Tensor:
+    """x [..., head_dim] -> int8 rows [..., head_dim + 4]: round(x / s) and s = max|x| / 127 (float32,
+    its bytes appended). An all-zero row gets s = 0."""
+    xf = x.float()
+    s = xf.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(xf / torch.where(s > 0, s, 1)).clamp_(-127, 127).to(torch.int8)
+    return torch.cat([q, s.view(torch.int8)], -1)
+
+
+def dequantize_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 rows [..., head_dim + 4] -> [..., head_dim] in `dtype` (computed in float32)."""
+    s = rows[..., -SCALE_BYTES:].contiguous().view(torch.float32)
+    return (rows[..., :-SCALE_BYTES].float() * s).to(dtype)
+
+
 def write_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """kv: one layer's arena [2, num_slots, kv_heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim]."""
+    """kv: one layer's arena [2, num_slots, kv_heads, row]; k, v: [num_tokens, kv_heads, head_dim]."""
     if cuda_ops.handles(kv):
         cuda_ops.write_kv(kv, k, v, slot_mapping)
         return
+    if kv.dtype == torch.int8:
+        k, v = quantize_kv(k), quantize_kv(v)
     kv[0].index_copy_(0, slot_mapping, k)
     kv[1].index_copy_(0, slot_mapping, v)
+
+
+def _read(kv: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K and V of `slots` [T], [2, T, kv_heads, head_dim] in `dtype`."""
+    rows = kv.index_select(1, slots)
+    return dequantize_kv(rows, dtype) if kv.dtype == torch.int8 else rows
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
@@ -101,6 +138,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch
     Returns [num_tokens, q_heads * head_dim]."""
     n, hq, d = q.shape
     hkv = kv.shape[2]
+    quantized = kv.dtype == torch.int8
     nd = meta.num_decodes
     kernel = decode_kernel(kv) if nd and meta.decode_block_tables is not None else None
     if kernel is not None:
@@ -120,7 +158,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch
         # Grouped-query trick: the query heads sharing a KV head become the "query length" axis,
         # so no KV head is ever repeated. Keys and values come out of the arena in one gather.
         qd = q[:nd].view(nd, hkv, hq // hkv, d)
-        kvd = kv.index_select(1, slots.flatten()).view(2, *slots.shape, hkv, d).transpose(2, 3)  # [2, nd, hkv, T, d]
+        kvd = _read(kv, slots.flatten(), q.dtype).view(2, *slots.shape, hkv, d).transpose(2, 3)  # [2, nd, hkv, T, d]
         o = F.scaled_dot_product_attention(qd, kvd[0], kvd[1], attn_mask=mask, scale=scale)
         if nd == n:
             return o.reshape(nd, hq * d)
@@ -130,14 +168,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch
         out = torch.empty(n, hq * d, dtype=q.dtype, device=q.device)
     for p in meta.prefills:
         qp = q[p.start:p.start + p.length].transpose(0, 1).unsqueeze(0)  # [1, hq, L, d]
-        if p.slots is None:
+        slots = p.slots
+        if slots is None and quantized:  # attend over what the cache holds, as later chunks will
+            slots = meta.slot_mapping[p.start:p.start + p.length]
+        if slots is None:
             kp = k[p.start:p.start + p.length].transpose(0, 1).unsqueeze(0)
             vp = v[p.start:p.start + p.length].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
         else:
             # index_select copies whole [kv_heads, head_dim] rows; indexing (kv[:, slots]) goes
             # element by element and was a tenth of a mixed workload's time.
-            kvp = kv.index_select(1, p.slots).transpose(1, 2).unsqueeze(1)  # [2, 1, hkv, T, d]
+            kvp = _read(kv, slots, q.dtype).transpose(1, 2).unsqueeze(1)  # [2, 1, hkv, T, d]
             o = F.scaled_dot_product_attention(qp, kvp[0], kvp[1], attn_mask=p.causal_mask(q.dtype, q.device),
                                                scale=scale, enable_gqa=True)
         out[p.start:p.start + p.length] = o[0].transpose(0, 1).reshape(p.length, hq * d)

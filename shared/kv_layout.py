@@ -2,12 +2,20 @@
 kv-pool creates for a node. Torch-free (the kv-pool on the CPU backend runs without torch), so a
 dtype is its name here, or anything with an `itemsize` (a torch.dtype).
 
-    arena: [layers, 2 (K and V), slots = blocks x block_size, kv_heads, head_dim]
+    arena: [layers, 2 (K and V), slots = blocks x block_size, kv_heads, row]
+
+`row` is head_dim elements of the model's dtype, or, with `--kv-cache-dtype int8`, head_dim int8
+values followed by the 4 bytes of their float32 scale (one scale per token and KV head,
+kernels/paged_attention.py `quantize_kv`). The scale lives inside its slot, so everything that
+moves a block's bytes (the swap tiers, the cross-node transfer, a handoff by block ids) moves the
+scales with it, and every worker that maps the arena reads them.
 """
 
 from __future__ import annotations
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1, "int8": 1}
+KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype
+INT8_SCALE_BYTES = 4  # the float32 scale at the end of an int8 arena's row
 
 
 def dtype_bytes(dtype) -> int:
@@ -20,9 +28,34 @@ def dtype_bytes(dtype) -> int:
     return dtype.itemsize
 
 
-def kv_arena_shape(cfg, num_blocks: int, block_size: int) -> list[int]:
-    return [cfg.num_hidden_layers, 2, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim]
+def _name(dtype) -> str:
+    return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+
+
+def kv_arena_dtype(kv_cache_dtype: str, model_dtype) -> str:
+    """The arena's element dtype name: the model's for "auto", "int8" for "int8"."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown KV cache dtype {kv_cache_dtype!r} (one of {', '.join(KV_CACHE_DTYPES)})")
+    return "int8" if kv_cache_dtype == "int8" else _name(model_dtype)
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, device: str) -> None:
+    """The int8 KV cache runs on the CPU backend only: the CUDA kernels (kernels/cuda/) do not read
+    the format, and the torch path that would is untested on a GPU."""
+    kv_arena_dtype(kv_cache_dtype, "float32")
+    if kv_cache_dtype == "int8" and str(device).startswith("cuda"):
+        raise ValueError("--kv-cache-dtype int8 is not supported with --device cuda: the CUDA attention kernels "
+                         "do not read int8 KV blocks (docs/quantization.md); use --kv-cache-dtype auto there")
+
+
+def kv_row(cfg, dtype) -> int:
+    """Elements of one (slot, KV head) row of an arena of `dtype`."""
+    return cfg.head_dim + INT8_SCALE_BYTES if _name(dtype) == "int8" else cfg.head_dim
+
+
+def kv_arena_shape(cfg, num_blocks: int, block_size: int, dtype="float32") -> list[int]:
+    return [cfg.num_hidden_layers, 2, num_blocks * block_size, cfg.num_key_value_heads, kv_row(cfg, dtype)]
 
 
 def kv_bytes_per_block(cfg, block_size: int, dtype) -> int:
-    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes(dtype)
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * kv_row(cfg, dtype) * dtype_bytes(dtype)

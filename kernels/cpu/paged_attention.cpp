@@ -6,6 +6,8 @@
 //   q, out        [B, Hq, D]            float32 or bfloat16 (last axis contiguous)
 //   kv            [2, num_slots, Hkv, D] same dtype, contiguous; kv[0] keys, kv[1] values,
 //                                        slot = block_id * block_size + offset
+//                 or [2, num_slots, Hkv, D + 4] int8 (--kv-cache-dtype int8): each row's D values,
+//                                        then the 4 bytes of its float32 scale (value = q * scale)
 //   block_tables  [B, max_blocks]        int64, padded with any valid block id
 //   context_lens  [B]                    int64, tokens of context including the current one
 //                                        (a sequence with none gets zeros)
@@ -17,6 +19,8 @@
 // (G x context_len floats), then a max-subtracted softmax, then the weighted sum of the values;
 // everything accumulates in float32. With AVX-512 and head_dim in {16, 32, 64, 128} the inner
 // loops are explicit intrinsics; any other shape or machine takes the plain (auto-vectorized) loops.
+// An int8 arena is read as int8 and widened in registers; a row's scale multiplies its score (keys)
+// or its softmax weight (values), never the D elements: dequantizing costs one multiply per row.
 
 // Lighter than <torch/extension.h> (halves the compile): Tensor, parallel settings, pybind casters.
 #include <ATen/Parallel.h>
@@ -29,6 +33,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #ifdef _OPENMP
@@ -40,6 +45,13 @@
 #define MESHSERVE_AVX512 1
 #else
 #define MESHSERVE_AVX512 0
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define MESHSERVE_AVX2 1
+#else
+#define MESHSERVE_AVX2 0
 #endif
 
 namespace {
@@ -54,6 +66,7 @@ inline float to_float(bf16 x) {
   std::memcpy(&f, &bits, sizeof(f));
   return f;
 }
+inline float to_float(int8_t x) { return static_cast<float>(x); }
 inline void from_float(float v, float* dst) { *dst = v; }
 inline void from_float(float v, bf16* dst) { *dst = bf16(v); }  // round to nearest even
 
@@ -64,15 +77,24 @@ struct Args {
   const int64_t* block_tables;
   const int64_t* context_lens;
   int64_t q_stride_b, q_stride_h, o_stride_b, o_stride_h;  // in elements
-  int64_t Hq, Hkv, G, D, block_size, max_blocks, num_slots;
+  int64_t Hq, Hkv, G, D, R, block_size, max_blocks, num_slots;  // R: elements of a kv row (D, or D + 4 for int8)
   float scale;
 };
 
+// A kv row's scale: 1 for float rows, the stored float32 after the D values for int8 rows.
+template <typename KV>
+inline float row_scale(const KV*, int64_t) { return 1.f; }
+inline float row_scale(const int8_t* row, int64_t D) {
+  float f;
+  std::memcpy(&f, row + D, sizeof(f));
+  return f;
+}
+
 // ------------------------------------------------------------------------------------------------
-// Plain loops: any head_dim, any machine.
+// Plain loops: any head_dim, any machine. T: q/out dtype; KV: the arena's (T, or int8).
 // ------------------------------------------------------------------------------------------------
 
-template <typename T>
+template <typename T, typename KV = T>
 void attend_generic(const Args& a, int64_t b, int64_t kh, float* s, float* qf, float* acc, float* inv) {
   const int64_t G = a.G, D = a.D, bs = a.block_size;
   const int64_t ctx = a.context_lens[b];
@@ -86,23 +108,24 @@ void attend_generic(const Args& a, int64_t b, int64_t kh, float* s, float* qf, f
   for (int64_t g = 0; g < G; ++g)
     for (int64_t i = 0; i < D; ++i) qf[g * D + i] = to_float(qb[g * a.q_stride_h + i]) * a.scale;
 
-  const int64_t ts = a.Hkv * D;  // elements between consecutive slots
-  const T* kbase = static_cast<const T*>(a.kv) + kh * D;
-  const T* vbase = kbase + a.num_slots * ts;
+  const int64_t ts = a.Hkv * a.R;  // elements between consecutive slots
+  const KV* kbase = static_cast<const KV*>(a.kv) + kh * a.R;
+  const KV* vbase = kbase + a.num_slots * ts;
   const int64_t* table = a.block_tables + b * a.max_blocks;
 
   // Pass 1: scores.
   for (int64_t t0 = 0, blk = 0; t0 < ctx; t0 += bs, ++blk) {
     const int64_t n = std::min(bs, ctx - t0);
-    const T* kp = kbase + table[blk] * bs * ts;
+    const KV* kp = kbase + table[blk] * bs * ts;
     for (int64_t o = 0; o < n; ++o) {
-      const T* kr = kp + o * ts;
+      const KV* kr = kp + o * ts;
+      const float ks = row_scale(kr, D);
       for (int64_t g = 0; g < G; ++g) {
         const float* qg = qf + g * D;
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t i = 0; i < D; ++i) dot += qg[i] * to_float(kr[i]);
-        s[g * ctx + t0 + o] = dot;
+        s[g * ctx + t0 + o] = dot * ks;
       }
     }
   }
@@ -122,11 +145,12 @@ void attend_generic(const Args& a, int64_t b, int64_t kh, float* s, float* qf, f
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t t0 = 0, blk = 0; t0 < ctx; t0 += bs, ++blk) {
     const int64_t n = std::min(bs, ctx - t0);
-    const T* vp = vbase + table[blk] * bs * ts;
+    const KV* vp = vbase + table[blk] * bs * ts;
     for (int64_t o = 0; o < n; ++o) {
-      const T* vr = vp + o * ts;
+      const KV* vr = vp + o * ts;
+      const float vs = row_scale(vr, D);
       for (int64_t g = 0; g < G; ++g) {
-        const float p = s[g * ctx + t0 + o];
+        const float p = s[g * ctx + t0 + o] * vs;
         float* ag = acc + g * D;
 #pragma omp simd
         for (int64_t i = 0; i < D; ++i) ag[i] += p * to_float(vr[i]);
@@ -296,11 +320,151 @@ void attend_avx512(const Args& a, int64_t b, int64_t kh, float* s, float* qf, fl
 
 #endif  // MESHSERVE_AVX512
 
-template <typename T>
+// ------------------------------------------------------------------------------------------------
+// AVX2, int8 rows (also taken on AVX-512 machines): head_dim = 8 * DV, each row widened to float32
+// in registers (8 values per vpmovsxbd + vcvtdq2ps), its scale applied once per row.
+// ------------------------------------------------------------------------------------------------
+
+#if MESHSERVE_AVX2
+
+inline __m256 load8_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+inline void prefetch_int8_row(const int8_t* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + off, _MM_HINT_T0);
+}
+
+template <typename T, int DV>
+void attend_avx2_int8(const Args& a, int64_t b, int64_t kh, float* s, float* qf, float* /*acc*/, float* inv) {
+  constexpr int64_t D = 8 * DV;
+  // Query heads per sweep over the values: GC x DV accumulators stay in the 16 registers.
+  constexpr int GC = DV >= 8 ? 1 : (DV >= 4 ? 2 : 4);
+  const int64_t G = a.G, bs = a.block_size, R = a.R;
+  const int64_t ctx = a.context_lens[b];
+  const T* qb = static_cast<const T*>(a.q) + b * a.q_stride_b + kh * G * a.q_stride_h;
+  T* ob = static_cast<T*>(a.out) + b * a.o_stride_b + kh * G * a.o_stride_h;
+  if (ctx <= 0) {
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t i = 0; i < D; ++i) from_float(0.f, ob + g * a.o_stride_h + i);
+    return;
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < D; ++i) qf[g * D + i] = to_float(qb[g * a.q_stride_h + i]) * a.scale;
+
+  const int64_t ts = a.Hkv * R;
+  const int8_t* kbase = static_cast<const int8_t*>(a.kv) + kh * R;
+  const int8_t* vbase = kbase + a.num_slots * ts;
+  const int64_t* table = a.block_tables + b * a.max_blocks;
+  const int64_t nblocks = (ctx + bs - 1) / bs;
+
+  // Pass 1: scores, one key row in registers against the G query heads.
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
+    const int64_t t0 = blk * bs;
+    const int64_t n = std::min(bs, ctx - t0);
+    const int8_t* kp = kbase + table[blk] * bs * ts;
+    const int8_t* kn = blk + 1 < nblocks ? kbase + table[blk + 1] * bs * ts : nullptr;
+    for (int64_t o = 0; o < n; ++o) {
+      const int8_t* kr = kp + o * ts;
+      if (kn) prefetch_int8_row(kn + o * ts, R);  // one block ahead: the next block is elsewhere
+      __m256 k[DV];
+#pragma GCC unroll 16
+      for (int j = 0; j < DV; ++j) k[j] = load8_i8(kr + 8 * j);
+      const float ks = row_scale(kr, D);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = qf + g * D;
+        __m256 d0 = _mm256_mul_ps(_mm256_loadu_ps(qg), k[0]);
+#pragma GCC unroll 16
+        for (int j = 1; j < DV; ++j) d0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * j), k[j], d0);
+        s[g * ctx + t0 + o] = hsum8(d0) * ks;
+      }
+    }
+  }
+  // Softmax numerators, in place; inv gets the normalizers.
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = s + g * ctx;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < ctx; ++t) m = std::max(m, sg[t]);
+    float sum = 0.f;
+    for (int64_t t = 0; t < ctx; ++t) {
+      sg[t] = std::exp(sg[t] - m);
+      sum += sg[t];
+    }
+    inv[g] = 1.f / sum;
+  }
+
+  // Pass 2: values, GC query heads per sweep; a row's scale folds into its softmax weights.
+  for (int64_t g0 = 0; g0 < G; g0 += GC) {
+    const int gn = static_cast<int>(std::min<int64_t>(GC, G - g0));
+    __m256 ac[GC][DV];
+#pragma GCC unroll 16
+    for (int gi = 0; gi < GC; ++gi)
+#pragma GCC unroll 16
+      for (int j = 0; j < DV; ++j) ac[gi][j] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < nblocks; ++blk) {
+      const int64_t t0 = blk * bs;
+      const int64_t n = std::min(bs, ctx - t0);
+      const int8_t* vp = vbase + table[blk] * bs * ts;
+      const int8_t* vn = blk + 1 < nblocks ? vbase + table[blk + 1] * bs * ts : nullptr;
+      const float* sp = s + g0 * ctx + t0;
+      for (int64_t o = 0; o < n; ++o) {
+        const int8_t* vr = vp + o * ts;
+        if (vn && g0 == 0) prefetch_int8_row(vn + o * ts, R);
+        const float vs = row_scale(vr, D);
+        __m256 p[GC];
+#pragma GCC unroll 16
+        for (int gi = 0; gi < GC; ++gi) p[gi] = _mm256_set1_ps(gi < gn ? sp[gi * ctx + o] * vs : 0.f);
+#pragma GCC unroll 16
+        for (int j = 0; j < DV; ++j) {
+          const __m256 v = load8_i8(vr + 8 * j);
+#pragma GCC unroll 16
+          for (int gi = 0; gi < GC; ++gi) ac[gi][j] = _mm256_fmadd_ps(p[gi], v, ac[gi][j]);
+        }
+      }
+    }
+#pragma GCC unroll 16
+    for (int gi = 0; gi < GC; ++gi) {
+      if (gi < gn) {
+        const int64_t g = g0 + gi;
+        const __m256 w = _mm256_set1_ps(inv[g]);
+        float tmp[D];
+#pragma GCC unroll 16
+        for (int j = 0; j < DV; ++j) _mm256_storeu_ps(tmp + 8 * j, _mm256_mul_ps(ac[gi][j], w));
+        T* og = ob + g * a.o_stride_h;
+        for (int64_t i = 0; i < D; ++i) from_float(tmp[i], og + i);
+      }
+    }
+  }
+}
+
+#endif  // MESHSERVE_AVX2
+
 using AttendFn = void (*)(const Args&, int64_t, int64_t, float*, float*, float*, float*);
 
-template <typename T>
-AttendFn<T> pick(int64_t D) {
+template <typename T, typename KV>
+AttendFn pick_int8(int64_t D) {
+#if MESHSERVE_AVX2
+  switch (D) {
+    case 16: return attend_avx2_int8<T, 2>;
+    case 32: return attend_avx2_int8<T, 4>;
+    case 64: return attend_avx2_int8<T, 8>;
+    case 128: return attend_avx2_int8<T, 16>;
+    default: break;
+  }
+#endif
+  return attend_generic<T, KV>;
+}
+
+template <typename T, typename KV>
+AttendFn pick(int64_t D) {
+  if (!std::is_same<T, KV>::value) return pick_int8<T, KV>(D);  // int8 rows
 #if MESHSERVE_AVX512
   switch (D) {
     case 16: return attend_avx512<T, 1>;
@@ -313,9 +477,9 @@ AttendFn<T> pick(int64_t D) {
   return attend_generic<T>;
 }
 
-template <typename T>
+template <typename T, typename KV = T>
 void run(const Args& a, int64_t B, int64_t max_ctx) {
-  const AttendFn<T> fn = pick<T>(a.D);
+  const AttendFn fn = pick<T, KV>(a.D);
   const int64_t tasks = B * a.Hkv;
   const int64_t buf = std::max<int64_t>(max_ctx, 1) * a.G;
   int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
@@ -343,8 +507,9 @@ void paged_decode_attention(at::Tensor out, at::Tensor q, at::Tensor kv, at::Ten
               "paged_decode_attention: all tensors must be on the CPU");
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [B, Hq, D] of the same shape");
   TORCH_CHECK(kv.dim() == 4 && kv.size(0) == 2 && kv.is_contiguous(), "kv must be a contiguous [2, num_slots, Hkv, D]");
-  TORCH_CHECK(q.scalar_type() == kv.scalar_type() && out.scalar_type() == q.scalar_type(),
-              "q, out and kv must share a dtype");
+  const bool int8_kv = kv.scalar_type() == at::kChar;
+  TORCH_CHECK((int8_kv || q.scalar_type() == kv.scalar_type()) && out.scalar_type() == q.scalar_type(),
+              "q, out and kv must share a dtype (or kv be int8 rows)");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q and out must be contiguous along head_dim");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.is_contiguous(),
               "block_tables must be a contiguous int64 [B, max_blocks]");
@@ -352,7 +517,8 @@ void paged_decode_attention(at::Tensor out, at::Tensor q, at::Tensor kv, at::Ten
               "context_lens must be a contiguous int64 [B]");
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t num_slots = kv.size(1), Hkv = kv.size(2);
-  TORCH_CHECK(kv.size(3) == D, "kv head_dim ", kv.size(3), " != q head_dim ", D);
+  const int64_t R = int8_kv ? D + 4 : D;
+  TORCH_CHECK(kv.size(3) == R, "kv rows of ", kv.size(3), " elements, ", R, " expected for q head_dim ", D);
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "q heads (", Hq, ") must be a multiple of kv heads (", Hkv, ")");
   TORCH_CHECK(block_tables.size(0) == B && context_lens.size(0) == B, "block_tables/context_lens batch != ", B);
   TORCH_CHECK(block_size > 0, "block_size must be positive");
@@ -389,14 +555,15 @@ void paged_decode_attention(at::Tensor out, at::Tensor q, at::Tensor kv, at::Ten
   a.Hkv = Hkv;
   a.G = Hq / Hkv;
   a.D = D;
+  a.R = R;
   a.block_size = block_size;
   a.max_blocks = max_blocks;
   a.num_slots = num_slots;
   a.scale = static_cast<float>(scale);
 
   switch (q.scalar_type()) {
-    case at::kFloat: run<float>(a, B, max_ctx); break;
-    case at::kBFloat16: run<bf16>(a, B, max_ctx); break;
+    case at::kFloat: int8_kv ? run<float, int8_t>(a, B, max_ctx) : run<float>(a, B, max_ctx); break;
+    case at::kBFloat16: int8_kv ? run<bf16, int8_t>(a, B, max_ctx) : run<bf16>(a, B, max_ctx); break;
     default: TORCH_CHECK(false, "paged_decode_attention: unsupported dtype ", q.scalar_type());
   }
 }

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from meshserve.kernels.paged_attention import use_decode_kernel
-from meshserve.shared.kv_layout import kv_arena_shape, kv_bytes_per_block
+from meshserve.shared.kv_layout import check_kv_cache_dtype, kv_arena_dtype, kv_arena_shape, kv_bytes_per_block
 from meshserve.shared.limits import LimitError, check_context_length, check_token_ids
 
 from .block_pool import BlockPool
@@ -42,6 +42,9 @@ class EngineConfig:
     swap_space_bytes: int = 1 << 30
     # Speculative decoding (speculative.py; None: off). A draft model is given to LLMEngine.
     speculative: SpeculativeConfig | None = None
+    # "auto": K/V in the model's dtype; "int8": int8 with a float32 scale per token and KV head
+    # (shared/kv_layout.py, kernels/paged_attention.py), CPU only.
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass
@@ -77,13 +80,20 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         cfg = model.cfg
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 32768)
+        device = getattr(model, "device", None)
+        check_kv_cache_dtype(config.kv_cache_dtype, str(device or "cpu"))
+        kv_dtype = getattr(torch, kv_arena_dtype(config.kv_cache_dtype, model.dtype))
         if kv_cache is None:
             num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // kv_bytes_per_block(
-                cfg, config.block_size, model.dtype))
-            kv_cache = torch.zeros(kv_arena_shape(cfg, num_blocks, config.block_size), dtype=model.dtype,
-                                   device=getattr(model, "device", None))  # beside the weights
+                cfg, config.block_size, kv_dtype))
+            kv_cache = torch.zeros(kv_arena_shape(cfg, num_blocks, config.block_size, kv_dtype), dtype=kv_dtype,
+                                   device=device)  # beside the weights
             free = None
         else:
+            if kv_cache.dtype != kv_dtype:
+                raise ValueError(f"the KV arena holds {kv_cache.dtype} but this engine runs --kv-cache-dtype "
+                                 f"{config.kv_cache_dtype} ({kv_dtype}): start the node's kv-pool and workers with "
+                                 "the same --kv-cache-dtype")
             num_blocks, free = kv_cache.shape[2] // config.block_size, []
         self.kv_cache = kv_cache
         use_decode_kernel(kv_cache[0])  # builds the compiled attention kernel now, not on the first request
