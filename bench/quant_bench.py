@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from meshserve.bench.report import emit_json
 from meshserve.kernels import int8_linear, linear
 from meshserve.kernels.paged_attention import AttentionMetadata, PrefillChunk
+from meshserve.shared.kv_layout import kv_arena_dtype, kv_arena_shape
 from meshserve.shared.models_repo import DEFAULT_MODEL
 
 TEXT = """\
@@ -57,11 +58,12 @@ their banks.
 
 
 @torch.inference_mode()
-def perplexity(model, ids: list[int]) -> float:
-    """exp(mean negative log-likelihood) of each token after its prefix, in one forward pass."""
+def perplexity(model, ids: list[int], kv_cache_dtype: str = "auto") -> float:
+    """exp(mean negative log-likelihood) of each token after its prefix, in one forward pass. With
+    an int8 KV cache every token attends over the quantized keys and values, as decode does."""
     cfg, n = model.cfg, len(ids)
-    kv = torch.zeros(cfg.num_hidden_layers, 2, n, cfg.num_key_value_heads, cfg.head_dim, dtype=model.dtype,
-                     device=model.device)
+    dtype = getattr(torch, kv_arena_dtype(kv_cache_dtype, model.dtype))
+    kv = torch.zeros(kv_arena_shape(cfg, n, 1, dtype), dtype=dtype, device=model.device)
     meta = AttentionMetadata(slot_mapping=torch.arange(n, device=model.device), prefills=[PrefillChunk(0, n, n, None)])
     tokens = torch.tensor(ids, device=model.device)
     logits = model.logits(model(tokens, torch.arange(n, device=model.device), meta, kv))

@@ -36,6 +36,7 @@ BACKOFF_S = (0.2, 1.0, 2.0, 4.0, 8.0)  # delay before the n-th restart in a row
 
 DEVICE_ROLES = ("model-loader", "kv-pool", "prefill", "decode")  # the services that take --device
 MODEL_ROLES = ("model-loader", "kv-pool", "prefill", "decode")  # they ask the loader for the model: --quantization
+KV_ROLES = ("kv-pool", "prefill", "decode")  # they make or map the node's KV arena: --kv-cache-dtype
 HEALTH_POLL_S = 0.1  # how often start-up asks the gateway's /health: the mesh is announced within this
 
 NATS_CONF = """\
@@ -158,6 +159,8 @@ class Launcher:
             cmd += ["--device", getattr(a, "device", "cpu")]
         if role in MODEL_ROLES and getattr(a, "quantization", None):  # the loader preloads, workers ask for it
             cmd += ["--quantization", a.quantization]
+        if role in KV_ROLES and getattr(a, "kv_cache_dtype", "auto") != "auto":  # the arena's format and its readers'
+            cmd += ["--kv-cache-dtype", a.kv_cache_dtype]
         return cmd + list(extra)
 
     def start_nats(self) -> None:
@@ -282,6 +285,12 @@ def run(args) -> int:
         config_from_args(args)  # a bad combination of the speculative flags fails here, not in each worker
     except ValueError as e:
         raise CLIError(str(e)) from None
+    from meshserve.shared.kv_layout import check_kv_cache_dtype
+
+    try:  # --device cuda with an int8 KV cache: refused here, not by each service
+        check_kv_cache_dtype(getattr(args, "kv_cache_dtype", "auto"), getattr(args, "device", "cpu"))
+    except ValueError as e:
+        raise CLIError(str(e)) from None
     launcher = Launcher(args)
     stopping = []
 
@@ -399,9 +408,18 @@ def add_quantization_argument(p) -> None:
                         "(half the bytes of bf16 per token; docs/quantization.md)")
 
 
+def add_kv_cache_dtype_argument(p) -> None:
+    from meshserve.shared.kv_layout import KV_CACHE_DTYPES
+
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="auto: K/V in the model's dtype; int8: int8 K/V with a float32 scale per token and head "
+                        "(about half the bytes decode attention reads; CPU only; docs/quantization.md)")
+
+
 def add_arguments(p) -> None:
     add_device_argument(p)
     add_quantization_argument(p)
+    add_kv_cache_dtype_argument(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--nats-port", type=int, default=4222, help="port of the embedded nats-server")

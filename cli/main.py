@@ -124,7 +124,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     b.add_argument("--model", default=DEFAULT_MODEL, help="model name, HF directory or .gguf file")
     b.add_argument("--served-model-name", default=None, help="name in the responses (default: --model)")
     b.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    from meshserve.cli.launcher import DEVICE_ROLES, MODEL_ROLES, add_device_argument, add_quantization_argument
+    from meshserve.cli.launcher import (DEVICE_ROLES, KV_ROLES, MODEL_ROLES, add_device_argument,
+                                        add_kv_cache_dtype_argument, add_quantization_argument)
     add_quantization_argument(b)
     b.set_defaults(func=lambda a: __import__("meshserve.cli.batch", fromlist=["main"]).main(a))
 
@@ -146,6 +147,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
             add_quantization_argument(rp)
         if role in MANIFEST_ROLES:
             add_models_argument(rp)
+        if role in KV_ROLES:
+            add_kv_cache_dtype_argument(rp)
         if role in with_options:
             _add_role_arguments(role, rp)
         rp.set_defaults(func=_serve)
@@ -187,7 +190,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
             ("bench-models", "bench.models_bench", "many models on one mesh: a weights budget against every model "
                                                    "resident (hit rate, loads, evictions, TTFT per model)"),
             ("bench-spec", "bench.spec_bench", "speculative decoding: batch-1 decode with and without prompt "
-                                               "lookup, bf16 and int8, copy and chat workloads")):
+                                               "lookup, bf16 and int8, copy and chat workloads"),
+            ("bench-quant", "bench.quant_bench", "int8 weights and int8 KV cache against bf16: decode speed and "
+                                                 "perplexity")):
         sp = sub.add_parser(name, add_help=False, help=text)
         sp.set_defaults(func=lambda a, m=module: __import__(f"meshserve.{m}", fromlist=["main"]).main(a.rest),
                         passthrough=True)

@@ -230,7 +230,7 @@ class ArenaDescriptor(Message):
     backend: Literal["cpu", "cuda"] = "cpu"
     ipc: dict | None = None  # cuda: shared/cuda_ipc.py's descriptor of the arena's allocation (uint8)
     dtype: str
-    shape: list[int]  # [layers, 2, num_slots, kv_heads, head_dim]
+    shape: list[int]  # [layers, 2, num_slots, kv_heads, row]; row: head_dim (+ 4 for int8, kv_layout.py)
     block_size: int
     num_blocks: int
     swap_blocks: int = 0  # capacity of the kv-pool's host swap tier (0: none)
@@ -372,13 +372,14 @@ class KVImportReply(Message):
 
 class KVFetchOpen(Message):
     """Opens a pull of blocks from a node's arena. The payload is the blocks one after the other,
-    each block as its 2 x layers contiguous segments (block_size x kv_heads x head_dim elements)."""
+    each block as its 2 x layers contiguous segments (block_size x kv_heads x row elements; an int8
+    row carries its scale, shared/kv_layout.py)."""
 
     transfer_id: str
     holder: str
     block_ids: list[int]
     dtype: str
-    block_shape: list[int]  # [layers, 2, block_size, kv_heads, head_dim]: both ends must agree
+    block_shape: list[int]  # [layers, 2, block_size, kv_heads, row]: both ends must agree (dtype too)
     max_chunk_bytes: int
     also_release: list[int] = Field(default_factory=list)  # the holder's blocks not copied (nothing computed)
 

@@ -38,3 +38,20 @@ def default_model_file() -> Path:
         pytest.skip(f"default model {models_repo.DEFAULT_MODEL!r} is not cached; pull it once with: "
                     "python -c 'from meshserve.shared.models_repo import pull; pull()'")
     return path
+
+
+@pytest.fixture(scope="session")
+def default_bf16(default_model_file):
+    """The default model in bf16 with the perplexity text's tokens and its bf16 perplexity, loaded
+    once for the tests that compare a quantization against it (int8 weights, int8 KV)."""
+    import torch
+
+    from meshserve.bench.quant_bench import TEXT, perplexity
+    from meshserve.shared.model.llama import LlamaModel
+    from meshserve.shared.model.weights import load_gguf
+    from meshserve.shared.tokenizer import Tokenizer
+
+    cfg, sd = load_gguf(default_model_file)
+    ids = Tokenizer.from_gguf(default_model_file).encode(TEXT)
+    model = LlamaModel.from_hf(cfg, sd, torch.bfloat16)
+    return {"cfg": cfg, "sd": sd, "ids": ids, "model": model, "perplexity": perplexity(model, ids)}

@@ -109,17 +109,13 @@ def test_unknown_quantization_is_refused(tiny_llama):
         fuse_hf_weights(cfg, sd, torch.bfloat16, quantization="int4")
 
 
-def test_default_model_int8_perplexity_within_2_percent_of_bf16(default_model_file):
-    from meshserve.bench.quant_bench import TEXT, perplexity, weight_bytes_per_token
-    from meshserve.shared.model.weights import load_gguf
-    from meshserve.shared.tokenizer import Tokenizer
+def test_default_model_int8_perplexity_within_2_percent_of_bf16(default_bf16):
+    from meshserve.bench.quant_bench import perplexity, weight_bytes_per_token
 
-    cfg, sd = load_gguf(default_model_file)
-    ids = Tokenizer.from_gguf(default_model_file).encode(TEXT)
+    cfg, sd, ids, bf16 = default_bf16["cfg"], default_bf16["sd"], default_bf16["ids"], default_bf16["model"]
     assert len(ids) > 300
-    bf16 = LlamaModel.from_hf(cfg, sd, torch.bfloat16)
     int8 = LlamaModel.from_hf(cfg, sd, torch.bfloat16, quantization="int8")
-    p16, p8 = perplexity(bf16, ids), perplexity(int8, ids)
+    p16, p8 = default_bf16["perplexity"], perplexity(int8, ids)
     assert p16 < 40  # the model reads this text as text
     assert abs(p8 / p16 - 1) < 0.02, (p16, p8)
     assert weight_bytes_per_token(int8) < 0.52 * weight_bytes_per_token(bf16)

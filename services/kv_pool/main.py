@@ -32,7 +32,7 @@ import orjson
 
 from meshserve.shared import node_memory, shm
 from meshserve.shared.bus import Bus
-from meshserve.shared.kv_layout import kv_arena_shape, kv_bytes_per_block
+from meshserve.shared.kv_layout import check_kv_cache_dtype, kv_arena_dtype, kv_arena_shape, kv_bytes_per_block
 from meshserve.shared.model.config import ModelConfig
 from meshserve.shared.schemas import (ArenaDescriptor, BlockRefs, BlockTransfer, Heartbeat, KVEvent, KVImport,
                                       KVImportReply, LeaseReply, LeaseRequest, LoadRequest, PoolPressure, ServiceHello,
@@ -303,17 +303,20 @@ async def make_arena(bus: Bus, args) -> tuple[ArenaDescriptor, object]:
     load = LoadRequest(model=args.model, dtype=args.dtype, quantization=args.quantization)
     w = await bus.request(bus.subjects.models("load", args.node_id), load, WeightsDescriptor, timeout=600)
     cfg = ModelConfig(**w.config)
-    block_bytes = kv_bytes_per_block(cfg, args.block_size, args.dtype)
-    num_blocks = max(1, int(args.kv_cache_gb * (1 << 30)) // block_bytes)
-    shape = kv_arena_shape(cfg, num_blocks, args.block_size)
-    nbytes = num_blocks * block_bytes
     device = getattr(args, "device", "cpu")
+    kv_cache_dtype = getattr(args, "kv_cache_dtype", "auto")
+    check_kv_cache_dtype(kv_cache_dtype, device)
+    dtype = kv_arena_dtype(kv_cache_dtype, args.dtype)  # int8: each row's values and its scale
+    block_bytes = kv_bytes_per_block(cfg, args.block_size, dtype)
+    num_blocks = max(1, int(args.kv_cache_gb * (1 << 30)) // block_bytes)
+    shape = kv_arena_shape(cfg, num_blocks, args.block_size, dtype)
+    nbytes = num_blocks * block_bytes
     buf, path, ipc = node_memory.create(f"meshserve-{bus.subjects.ns}-{args.node_id}-kv", nbytes, device,
                                         numpy=device == "cpu")
     swap_blocks = int(args.swap_space * (1 << 30)) // block_bytes
-    log.info("KV arena: %d blocks of %d tokens, %.2f GiB at %s; host swap tier: %d blocks", num_blocks,
-             args.block_size, nbytes / (1 << 30), path, swap_blocks)
-    return ArenaDescriptor(node_id=args.node_id, path=path, backend=device, ipc=ipc, dtype=args.dtype, shape=shape,
+    log.info("KV arena: %d blocks of %d tokens in %s, %.2f GiB at %s; host swap tier: %d blocks", num_blocks,
+             args.block_size, dtype, nbytes / (1 << 30), path, swap_blocks)
+    return ArenaDescriptor(node_id=args.node_id, path=path, backend=device, ipc=ipc, dtype=dtype, shape=shape,
                            block_size=args.block_size, num_blocks=num_blocks, swap_blocks=swap_blocks,
                            epoch=uuid.uuid4().hex), buf
 

@@ -71,7 +71,7 @@ async def build_engine(worker, load: LoadRequest, served: str) -> tuple[LLMEngin
         dweights = {t.name: shm.view(dbuf, t.offset, t.dtype, t.shape) for t in dw.tensors}
         draft = await loop.run_in_executor(worker.stepper, lambda: LlamaModel(ModelConfig(**dw.config), dweights))
     config = EngineConfig(block_size=worker.arena.block_size, max_model_len=a.max_model_len, scheduler=sched,
-                          speculative=spec)
+                          speculative=spec, kv_cache_dtype=getattr(a, "kv_cache_dtype", "auto"))
     engine = await loop.run_in_executor(worker.stepper, lambda: LLMEngine(
         model, config, model_name=served, kv_cache=worker.kv, tokenizer=tokenizer, draft_model=draft))
     return engine, w

@@ -7,7 +7,7 @@ it detokenizes each request incrementally and ends it when a stop string appears
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -71,9 +71,12 @@ class OutputProcessor:
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "bfloat16", config: EngineConfig | None = None,
-                 device: str = "cpu", quantization: str | None = None):
+                 device: str = "cpu", quantization: str | None = None, kv_cache_dtype: str | None = None):
         """device: "cpu", or "cuda" / "cuda:N" (weights and KV arena there, kernels/cuda_ops.py).
-        quantization: None, or "int8" (weight-only int8 projections, kernels/int8_linear.py)."""
+        quantization: None, or "int8" (weight-only int8 projections, kernels/int8_linear.py).
+        kv_cache_dtype: "auto" or "int8" (EngineConfig.kv_cache_dtype; None: the config's)."""
+        if kv_cache_dtype is not None:
+            config = replace(config or EngineConfig(), kv_cache_dtype=kv_cache_dtype)
         cfg, state_dict, self.tokenizer = load_model_files(model)
         net = LlamaModel.from_hf(cfg, state_dict, DTYPES[dtype], device=device, quantization=quantization)
         del state_dict
