@@ -1,11 +1,19 @@
-"""The quantization benchmark: batch-1 decode and perplexity, bf16 against int8 weights, side by side
-in one run of the in-process engine on the same model.
+"""The quantization benchmark: decode speed and perplexity, bf16 against int8 weights and bf16 against
+int8 KV cache, side by side in one run of the in-process engine on the same model.
 
-    python -m meshserve.bench.quant_bench [--model M] [--prompt-tokens 128] [--tokens 128] [--json OUT]
+    meshserve bench-quant [--model M] [--variants bfloat16,bfloat16+int8] [--kv-cache-dtypes auto,int8]
+        [--prompt-tokens 128] [--tokens 128] [--concurrent 32] [--context-tokens 1024]
+        [--concurrent-tokens 32] [--json OUT]
+    (also: python -m meshserve.bench.quant_bench ...)
 
-Per variant (--variants, default "bfloat16,bfloat16+int8"): milliseconds per token of one stream
-decoding --tokens tokens after a --prompt-tokens prompt (wall, and CPU time of the process), the weight bytes a decode step reads, the
-read bandwidth that implies, and the perplexity of TEXT (a fixed text of a few hundred tokens).
+Per variant (--variants: dtype[+weight quantization]) and KV cache dtype (--kv-cache-dtypes):
+- batch 1: milliseconds per token of one stream decoding --tokens tokens after a --prompt-tokens
+  prompt (wall, and CPU time of the process), the weight bytes a decode step reads and the read
+  bandwidth that implies;
+- concurrent (--concurrent sequences, 0: skipped): decode tokens/s of that many sequences with
+  --context-tokens prompts each, over --concurrent-tokens steps after every prompt is prefilled,
+  with the KV bytes a step's attention reads (where an int8 KV cache pays);
+- the perplexity of TEXT (a fixed text of a few hundred tokens).
 Also the machine's read bandwidth (a large tensor summed), so each variant's distance from its
 memory bound (weight bytes / bandwidth) can be read off.
 """
@@ -111,14 +119,40 @@ def batch1(llm, prompt: list[int], n: int) -> dict:
             "ttft_s": t[0] - c.arrival_time, "tokens": len(c.token_ids)}
 
 
+def concurrent_decode(llm, prompts: list[list[int]], n: int) -> dict:
+    """Decode tokens/s of len(prompts) sequences decoding together, measured once every prompt is
+    prefilled (the prefill steps are not counted)."""
+    from meshserve.shared.engine.sequence import SamplingParams
+
+    eng = llm.engine
+    cs = [llm.add(p, SamplingParams(max_tokens=n + 1, temperature=0, ignore_eos=True)) for p in prompts]
+    while eng.has_unfinished() and not all(c.token_ids for c in cs):
+        llm.outputs.process(eng.step())
+    done0, t0, cpu0, steps = sum(len(c.token_ids) for c in cs), time.perf_counter(), time.process_time(), 0
+    while eng.has_unfinished():
+        llm.outputs.process(eng.step())
+        steps += 1
+    dt, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    tokens = sum(len(c.token_ids) for c in cs) - done0
+    context = sum(len(p) for p in prompts) + tokens / 2  # the mean context over the measured steps
+    kv_token_bytes = eng.kv_cache[:, :, :1].numel() * eng.kv_cache.element_size()
+    return {"sequences": len(prompts), "context_tokens": len(prompts[0]), "steps": steps,
+            "decode_tokens_per_s": tokens / dt, "ms_per_step": 1000 * dt / max(1, steps),
+            "cpu_ms_per_step": 1000 * cpu / max(1, steps), "kv_mb_per_step": context * kv_token_bytes / 1e6}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m meshserve.bench.quant_bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--variants", default="bfloat16,bfloat16+int8",
                     help="comma-separated dtype[+quantization] (float32, bfloat16, bfloat16+int8, float32+int8)")
+    ap.add_argument("--kv-cache-dtypes", default="auto,int8", help="comma-separated KV cache dtypes (auto, int8)")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=128, help="tokens decoded after the prompt")
+    ap.add_argument("--concurrent", type=int, default=32, help="sequences decoding together (0: skip)")
+    ap.add_argument("--context-tokens", type=int, default=1024, help="prompt tokens of each concurrent sequence")
+    ap.add_argument("--concurrent-tokens", type=int, default=32, help="decode steps measured, concurrent")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, all cores)")
     ap.add_argument("--json", default=None, help="also write the result here")
     a = ap.parse_args(argv)
@@ -137,26 +171,43 @@ def main(argv: list[str] | None = None) -> int:
                  "variants": {}}
     for variant in a.variants.split(","):
         dtype, _, quantization = variant.partition("+")
-        llm = LLM(a.model, dtype, quantization=quantization or None)
-        text_ids = llm.tokenizer.encode(TEXT)
-        prompt = (text_ids * (a.prompt_tokens // len(text_ids) + 1))[:a.prompt_tokens]
-        r = batch1(llm, prompt, a.tokens)
-        wbytes = weight_bytes_per_token(llm.engine.model)
-        r |= {"weight_mb_per_token": wbytes / 1e6,
-              "implied_read_gbs": wbytes / 1e9 / (r["ms_per_token"] / 1000),
-              "memory_bound_ms_per_token": 1000 * wbytes / 1e9 / bandwidth,
-              "perplexity": perplexity(llm.engine.model, text_ids), "perplexity_tokens": len(text_ids)}
-        res["variants"][variant] = r
-        print(f"{variant}: {r['ms_per_token']:.2f} ms/token (CPU {r['cpu_ms_per_token']:.2f}; "
-              f"{r['weight_mb_per_token']:.0f} MB of weights, "
-              f"bound {r['memory_bound_ms_per_token']:.2f} ms at {bandwidth:.1f} GB/s), perplexity "
-              f"{r['perplexity']:.3f}", file=sys.stderr)
-        del llm
+        for kv_dtype in a.kv_cache_dtypes.split(","):
+            name = variant if kv_dtype == "auto" else f"{variant}/kv-{kv_dtype}"
+            llm = LLM(a.model, dtype, quantization=quantization or None, kv_cache_dtype=kv_dtype)
+            text_ids = llm.tokenizer.encode(TEXT)
+            prompt = (text_ids * (a.prompt_tokens // len(text_ids) + 1))[:a.prompt_tokens]
+            r = batch1(llm, prompt, a.tokens)
+            wbytes = weight_bytes_per_token(llm.engine.model)
+            r |= {"kv_cache_dtype": kv_dtype, "weight_mb_per_token": wbytes / 1e6,
+                  "implied_read_gbs": wbytes / 1e9 / (r["ms_per_token"] / 1000),
+                  "memory_bound_ms_per_token": 1000 * wbytes / 1e9 / bandwidth,
+                  "perplexity": perplexity(llm.engine.model, text_ids, kv_dtype),
+                  "perplexity_tokens": len(text_ids)}
+            if a.concurrent:
+                long = text_ids * (a.context_tokens // len(text_ids) + 2)
+                prompts = [long[i:i + a.context_tokens] for i in range(a.concurrent)]  # no two share a prefix
+                r["concurrent"] = concurrent_decode(llm, prompts, a.concurrent_tokens)
+            res["variants"][name] = r
+            c = r.get("concurrent")
+            print(f"{name}: {r['ms_per_token']:.2f} ms/token (CPU {r['cpu_ms_per_token']:.2f}; "
+                  f"{r['weight_mb_per_token']:.0f} MB of weights, "
+                  f"bound {r['memory_bound_ms_per_token']:.2f} ms at {bandwidth:.1f} GB/s), perplexity "
+                  f"{r['perplexity']:.3f}" + (f"; {c['sequences']} x {c['context_tokens']} tokens: "
+                                              f"{c['decode_tokens_per_s']:.1f} tokens/s, "
+                                              f"{c['kv_mb_per_step']:.0f} MB of KV per step" if c else ""),
+                  file=sys.stderr)
+            del llm
     base = res["variants"].get("bfloat16")
     if base:
-        res["vs_bfloat16"] = {v: {"speedup": base["ms_per_token"] / r["ms_per_token"],
-                                  "perplexity_change": r["perplexity"] / base["perplexity"] - 1}
-                              for v, r in res["variants"].items() if v != "bfloat16"}
+        res["vs_bfloat16"] = {}
+        for v, r in res["variants"].items():
+            if v == "bfloat16":
+                continue
+            res["vs_bfloat16"][v] = {"speedup": base["ms_per_token"] / r["ms_per_token"],
+                                     "perplexity_change": r["perplexity"] / base["perplexity"] - 1}
+            if "concurrent" in r and "concurrent" in base:
+                res["vs_bfloat16"][v]["concurrent_speedup"] = (r["concurrent"]["decode_tokens_per_s"]
+                                                               / base["concurrent"]["decode_tokens_per_s"])
     emit_json(res, a.json)
     return 0
 

@@ -259,16 +259,18 @@ def stream_events(url: str, model: str, prompt: str, n: int, priority: str, even
     return text
 
 
-def test_mesh_interactive_preempts_background_by_swap_and_both_resume_exactly(tiny_llama, tmp_path):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_mesh_interactive_preempts_background_by_swap_and_both_resume_exactly(tiny_llama, tmp_path, kv_cache_dtype):
     """One worker with two seats, both taken by long background streams: an interactive request
     preempts one of them (its KV goes to the kv-pool's host tier, block ids only on the bus) long
     before either finishes; the background streams resume and still give the engine's tokens.
-    /metrics counts the preemption by mode."""
+    /metrics counts the preemption by mode. With `--kv-cache-dtype int8` the node's arena holds
+    int8 rows with their scales, and the host tier's copies carry them."""
     from mesh_util import Mesh
     from meshserve.shared.engine.llm import LLM
 
     with Mesh(tiny_llama, tmp_path, prefill=0, decode=1,
-              extra=["--max-num-seqs", "2", "--preemption-mode", "swap"]) as mesh:
+              extra=["--max-num-seqs", "2", "--preemption-mode", "swap", "--kv-cache-dtype", kv_cache_dtype]) as mesh:
         prompts = ["The quick brown fox", "Once upon a time"]
         events: list = []
         with concurrent.futures.ThreadPoolExecutor(3) as ex:
@@ -296,7 +298,8 @@ def test_mesh_interactive_preempts_background_by_swap_and_both_resume_exactly(ti
         assert swapped and float(swapped.group(1)) >= 1, metrics
         pool = mesh.ask("kv.node0.status")
         assert pool["swap"]["swapped_out"] > 0 and pool["swap"]["swapped_in"] > 0, (pool, mesh.log.read_text()[-4000:])
-    llm = LLM(str(tiny_llama), "float32")
+        assert mesh.ask("kv.node0.arena")["dtype"] == ("int8" if kv_cache_dtype == "int8" else "float32")
+    llm = LLM(str(tiny_llama), "float32", kv_cache_dtype=kv_cache_dtype)
     want = [c.text for c in llm.generate(prompts + ["Tell me a joke"],
                                          [SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)] * 2
                                          + [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)])]
