@@ -181,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
             r |= {"kv_cache_dtype": kv_dtype, "weight_mb_per_token": wbytes / 1e6,
                   "implied_read_gbs": wbytes / 1e9 / (r["ms_per_token"] / 1000),
                   "memory_bound_ms_per_token": 1000 * wbytes / 1e9 / bandwidth,
-                  "perplexity": perplexity(llm.engine.model, text_ids, kv_dtype),
-                  "perplexity_tokens": len(text_ids)}
+                  "perplexity": perplexity(llm.engine.model, text_ids[:llm.engine.max_model_len], kv_dtype),
+                  "perplexity_tokens": min(len(text_ids), llm.engine.max_model_len)}
             if a.concurrent:
                 long = text_ids * (a.context_tokens // len(text_ids) + 2)
                 prompts = [long[i:i + a.context_tokens] for i in range(a.concurrent)]  # no two share a prefix

@@ -120,6 +120,10 @@ def write_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: t
         cuda_ops.write_kv(kv, k, v, slot_mapping)
         return
     if kv.dtype == torch.int8:
+        kernel = decode_kernel(kv)
+        if kernel is not None and k.dtype in (torch.float32, torch.bfloat16):
+            kernel.write_kv_int8(kv, k, v, slot_mapping)  # quantize_kv's rows, in one pass
+            return
         k, v = quantize_kv(k), quantize_kv(v)
     kv[0].index_copy_(0, slot_mapping, k)
     kv[1].index_copy_(0, slot_mapping, v)

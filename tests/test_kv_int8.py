@@ -56,6 +56,20 @@ def test_kernel_reads_int8_as_the_reference_does(kernel, dtype, d, group):  # no
     torch.testing.assert_close(got.float(), want.float(), atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernel_writes_the_reference_rows(kernel, dtype):  # noqa: F811
+    g = torch.Generator().manual_seed(1)
+    qkv = (torch.randn(9, 5 * 64, generator=g) * 3).to(dtype)  # k and v are strided views, as in the model
+    qkv[4, 3 * 64:4 * 64] = 0  # an all-zero key row
+    k, v = qkv[:, 64:3 * 64].view(9, 2, 64), qkv[:, 3 * 64:].view(9, 2, 64)
+    slots = torch.tensor([7, 0, 3, 12, 5, 6, 11, 2, 9])
+    got, want = torch.zeros(2, 16, 2, 68, dtype=torch.int8), torch.zeros(2, 16, 2, 68, dtype=torch.int8)
+    kernel.write_kv_int8(got, k, v, slots)
+    want[0].index_copy_(0, slots, quantize_kv(k))
+    want[1].index_copy_(0, slots, quantize_kv(v))
+    assert torch.equal(got, want)
+
+
 def int8_kv_cache():
     """Transformers' cache with each new key and value row rounded as our int8 arena stores it."""
     from transformers import DynamicCache

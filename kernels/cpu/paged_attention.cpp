@@ -568,7 +568,57 @@ void paged_decode_attention(at::Tensor out, at::Tensor q, at::Tensor kv, at::Ten
   }
 }
 
+// Writes this step's keys and values into an int8 arena, quantizing each (token, head) row as
+// kernels/paged_attention.py quantize_kv does, bit for bit: s = max|x| / 127, q = round-half-even(x / s)
+// (x / 1 for an all-zero row). One pass over the new rows instead of a dozen small torch ops per layer.
+template <typename T>
+void quantize_into(const T* x, int64_t D, int8_t* dst) {
+  float m = 0.f;
+  for (int64_t i = 0; i < D; ++i) m = std::max(m, std::fabs(to_float(x[i])));
+  const float s = m / 127.f;
+  const float div = s > 0.f ? s : 1.f;
+  for (int64_t i = 0; i < D; ++i) {
+    const float r = std::nearbyint(to_float(x[i]) / div);
+    dst[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, r)));
+  }
+  std::memcpy(dst + D, &s, sizeof(s));
+}
+
+void write_kv_int8(at::Tensor kv, at::Tensor k, at::Tensor v, at::Tensor slot_mapping) {
+  TORCH_CHECK(kv.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && slot_mapping.device().is_cpu(),
+              "write_kv_int8: all tensors must be on the CPU");
+  TORCH_CHECK(kv.scalar_type() == at::kChar && kv.dim() == 4 && kv.size(0) == 2 && kv.is_contiguous(),
+              "kv must be a contiguous int8 [2, num_slots, Hkv, D + 4]");
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.scalar_type() == v.scalar_type(),
+              "k and v must be [n, Hkv, D] of one dtype");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k and v must be contiguous along head_dim");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.is_contiguous() &&
+                  slot_mapping.size(0) == k.size(0), "slot_mapping must be a contiguous int64 [n]");
+  const int64_t n = k.size(0), H = k.size(1), D = k.size(2), S = kv.size(1);
+  TORCH_CHECK(kv.size(2) == H && kv.size(3) == D + 4, "kv rows must be [Hkv, D + 4] for k of [", H, ", ", D, "]");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < S, "slot_mapping[", t, "] = ", slots[t], " is outside the arena");
+  int8_t* base = kv.data_ptr<int8_t>();
+  const int64_t R = D + 4, plane = S * H * R;
+  auto run = [&](auto* kp, auto* vp) {
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        int8_t* dst = base + (slots[t] * H + h) * R;
+        quantize_into(kp + t * k.stride(0) + h * k.stride(1), D, dst);
+        quantize_into(vp + t * v.stride(0) + h * v.stride(1), D, dst + plane);
+      }
+  };
+  switch (k.scalar_type()) {
+    case at::kFloat: run(k.data_ptr<float>(), v.data_ptr<float>()); break;
+    case at::kBFloat16: run(reinterpret_cast<const bf16*>(k.data_ptr()), reinterpret_cast<const bf16*>(v.data_ptr())); break;
+    default: TORCH_CHECK(false, "write_kv_int8: unsupported dtype ", k.scalar_type());
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("write_kv_int8", &write_kv_int8, "Quantizes new K/V rows into an int8 paged arena (CPU)", py::arg("kv"),
+        py::arg("k"), py::arg("v"), py::arg("slot_mapping"));
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention over a paged KV cache, reading K/V through the block tables (CPU)",
         py::arg("out"), py::arg("q"), py::arg("kv"), py::arg("block_tables"), py::arg("context_lens"),
