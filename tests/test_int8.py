@@ -124,7 +124,9 @@ def test_default_model_int8_perplexity_within_2_percent_of_bf16(default_bf16):
 def test_meshserve_up_quantization_int8_serves(tiny_llama, tmp_path):
     """`meshserve up --quantization int8`: the loader writes the int8 layout into shared memory, the
     workers run it, and the text equals the in-process int8 engine's; the same loader also serves
-    the model's bf16 variant to whoever asks for it (one source, both formats)."""
+    the model's bf16 variant to whoever asks for it (one source, both formats). With an int8 KV
+    cache too (`--kv-cache-dtype int8`, the issue's pairing): the prefill worker hands its int8
+    blocks, scales inside, to the decode worker by block ids."""
     import asyncio
 
     import nats
@@ -135,12 +137,14 @@ def test_meshserve_up_quantization_int8_serves(tiny_llama, tmp_path):
     from meshserve.shared.schemas import LoadRequest, WeightsDescriptor
 
     prompt = "The quick brown fox"
-    want = LLM(str(tiny_llama), "bfloat16", quantization="int8").generate(
+    want = LLM(str(tiny_llama), "bfloat16", quantization="int8", kv_cache_dtype="int8").generate(
         [prompt], SamplingParams(max_tokens=12, temperature=0))[0].text
-    with Mesh(tiny_llama, tmp_path, prefill=1, decode=1, extra=["--dtype", "bfloat16", "--quantization", "int8"]) as m:
+    with Mesh(tiny_llama, tmp_path, prefill=1, decode=1,
+              extra=["--dtype", "bfloat16", "--quantization", "int8", "--kv-cache-dtype", "int8"]) as m:
         r = OpenAI(base_url=m.url + "/v1", api_key="unused").completions.create(
             model=m.model, prompt=prompt, max_tokens=12, temperature=0)
         assert r.choices[0].text == want
+        assert m.ask("kv.node0.arena")["dtype"] == "int8"
         assert m.ask("models.node0.list") == [{"model": m.model, "dtype": "bfloat16", "quantization": "int8",
                                                "ready": True}]
 
