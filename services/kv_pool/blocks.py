@@ -1,8 +1,9 @@
 """KV blocks of an arena as bytes: what the swap tier and cross-node transfers copy.
 
-The arena is [layers, 2, slots, kv_heads, head_dim]; block b is slots [b x block_size, (b+1) x
-block_size) of each of the 2 x layers planes, i.e. 2 x layers contiguous segments of
-block_size x kv_heads x head_dim elements. A block's bytes, in the order every copy here uses,
+The arena is [layers, 2, slots, kv_heads, row] (row: head_dim elements, or for an int8 arena
+head_dim int8 values and their float32 scale, shared/kv_layout.py); block b is slots
+[b x block_size, (b+1) x block_size) of each of the 2 x layers planes, i.e. 2 x layers contiguous
+segments of block_size x kv_heads x row elements: an int8 block's scales travel inside it. A block's bytes, in the order every copy here uses,
 are those segments one after the other (plane by plane); several blocks are concatenated.
 
 The pool only copies bytes, so on the CPU backend the arena is a numpy byte array over the
