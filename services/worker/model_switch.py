@@ -19,6 +19,7 @@ from meshserve.shared import node_memory, shm
 from meshserve.shared.engine.llm_engine import EngineConfig, LLMEngine
 from meshserve.shared.engine.scheduler import SchedulerConfig
 from meshserve.shared.engine.speculative import config_from_args
+from meshserve.shared.kv_layout import kv_arena_dtype, kv_row
 from meshserve.shared.model.config import ModelConfig
 from meshserve.shared.model.llama import LlamaModel
 from meshserve.shared.schemas import LoadRequest, ModelSwitch, ModelSwitchReply, WeightsDescriptor
@@ -26,12 +27,14 @@ from meshserve.shared.schemas import LoadRequest, ModelSwitch, ModelSwitchReply,
 log = logging.getLogger("meshserve.worker")
 
 
-def kv_mismatch(cfg: ModelConfig, dtype: str, arena) -> str | None:
+def kv_mismatch(cfg: ModelConfig, dtype: str, arena, kv_cache_dtype: str = "auto") -> str | None:
     """Why the model cannot keep its KV in the node's arena, or None when it can."""
     layers, _, _, heads, dim = arena.shape
-    if dtype != arena.dtype:
-        return f"its dtype {dtype} differs from the node's KV arena's ({arena.dtype})"
-    if (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim) != (layers, heads, dim):
+    want = kv_arena_dtype(kv_cache_dtype, dtype)  # an int8 arena holds any model's KV as int8 rows
+    if want != arena.dtype:
+        return (f"its KV dtype {want} (dtype {dtype}, --kv-cache-dtype {kv_cache_dtype}) differs from the node's "
+                f"KV arena's ({arena.dtype})")
+    if (cfg.num_hidden_layers, cfg.num_key_value_heads, kv_row(cfg, want)) != (layers, heads, dim):
         return (f"its KV shape ({cfg.num_hidden_layers} layers x {cfg.num_key_value_heads} KV heads x "
                 f"{cfg.head_dim}) differs from the node's KV arena ({layers} x {heads} x {dim}); the models of "
                 "one node share one arena shape")
@@ -44,7 +47,7 @@ async def build_engine(worker, load: LoadRequest, served: str) -> tuple[LLMEngin
     w = await bus.request(bus.subjects.models("load", a.node_id), load, WeightsDescriptor, timeout=900)
     node_memory.check_backend("weights", w.backend, getattr(a, "device", "cpu"))
     cfg = ModelConfig(**w.config)
-    problem = kv_mismatch(cfg, load.dtype, worker.arena)
+    problem = kv_mismatch(cfg, load.dtype, worker.arena, getattr(a, "kv_cache_dtype", "auto"))
     if problem:
         raise ValueError(problem)
     buf = node_memory.open_buffer(w.backend, w.path, w.ipc)  # the loader's memory: no copy
