@@ -79,7 +79,9 @@ def permissions(namespace: str) -> dict[str, dict]:
             "allow_responses": True},
         "model-loader": {
             "publish": [],
-            "subscribe": [*(s.models(v, "*") for v in ("load", "list", "status", "reload")), own("model-loader")],
+            # heartbeats: which workers are alive, so a model a live worker maps is never evicted
+            "subscribe": [*(s.models(v, "*") for v in ("load", "list", "status", "reload")), s.heartbeat,
+                          own("model-loader")],
             "allow_responses": True},
         PUBLIC: {
             "publish": [s.completions, s.chat_completions],

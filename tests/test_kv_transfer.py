@@ -23,6 +23,7 @@ from meshserve.services.kv_pool.blocks import ArenaBlocks
 from meshserve.services.kv_pool.main import BlockLedger
 from meshserve.cli.launcher import nats_server_binary
 from meshserve.services.scheduler.routing import pick_decode
+from meshserve.services.gateway.streams import confirm_subscriptions
 from meshserve.shared.bus import Bus
 from meshserve.shared.engine.llm import LLM
 from meshserve.shared.engine.sequence import SamplingParams
@@ -89,7 +90,7 @@ class Source:
         for verb, cb in (("fetch", self.server.on_open), ("chunk", self.server.on_chunk),
                          ("close", self.server.on_close)):
             await self.bus.nc.subscribe(self.bus.subjects.kv(verb, self.node), cb=cb)
-        await self.bus.nc.flush()
+        await confirm_subscriptions(self.bus.nc)  # one flush can return before the last SUB is sent
 
 
 def run_pair(url: str, body, server_cls=transfer.FetchServer):

@@ -130,6 +130,7 @@ def test_worker_cannot_submit_nor_answer_kv(server):
             await msg.respond(b"leased")
         await pool.subscribe(S.kv("lease", "node0"), cb=lease)
         await pool.flush()
+        await pool.flush()  # nats-py: the second PING goes after the SUB (services/gateway/streams.py)
         reply = await worker.request(S.kv("lease", "node0"), LeaseRequest(worker_id="w", num_blocks=1).encode(),
                                      timeout=5)
         assert reply.data == b"leased"

