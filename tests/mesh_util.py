@@ -30,6 +30,14 @@ async def _ask(nats_url: str, subject: str) -> dict:
         await nc.close()
 
 
+def wait_streams_started(received: list[int], timeout: float = 60.0) -> None:
+    """Until every stream has its first chunk (`received[i]`: chunks stream i got so far)."""
+    deadline = time.monotonic() + timeout
+    while not all(received) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(received), "the streams did not start"
+
+
 class Mesh:
     def __init__(self, model: Path, tmp: Path, prefill: int = 1, decode: int = 1, namespace: str = "meshserve",
                  env: dict | None = None, extra: list[str] | None = None, elastic: bool = False):

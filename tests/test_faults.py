@@ -18,7 +18,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from mesh_util import Mesh
+from mesh_util import Mesh, wait_streams_started
 from meshserve.shared.engine.llm import LLM
 from meshserve.shared.engine.sequence import SamplingParams
 
@@ -99,10 +99,7 @@ def test_kill9_mid_load_loses_nothing(mesh, reference, service):
     received = [0] * len(PROMPTS)
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as ex:
         futures = [ex.submit(_stream, client, mesh.model, p, received, i) for i, p in enumerate(PROMPTS)]
-        started = time.monotonic() + 60
-        while not all(received) and time.monotonic() < started:
-            time.sleep(0.01)
-        assert all(received), "the streams did not start"
+        wait_streams_started(received)
         pid = mesh.service_pid(service)
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
@@ -131,10 +128,7 @@ def test_sigterm_rolling_restart_loses_nothing(mesh, reference):
         received = [0] * len(PROMPTS)
         with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as ex:
             futures = [ex.submit(_stream, client, mesh.model, p, received, i) for i, p in enumerate(PROMPTS)]
-            deadline = time.monotonic() + 60
-            while not all(received) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert all(received), "the streams did not start"
+            wait_streams_started(received)
             pid = mesh.service_pid(service)
             os.kill(pid, signal.SIGTERM)
             at_term = list(received)

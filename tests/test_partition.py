@@ -16,7 +16,7 @@ import time
 import pytest
 from openai import OpenAI
 
-from mesh_util import Mesh, Node
+from mesh_util import Mesh, Node, wait_streams_started
 from meshserve.cli.launcher import nats_server_binary
 from meshserve.shared.engine.llm import LLM
 from meshserve.shared.engine.sequence import SamplingParams
@@ -132,10 +132,7 @@ def test_link_cut_mid_load_fails_over_and_traffic_returns_when_it_heals(partitio
     received = [0] * len(PROMPTS)
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as ex:
         futures = [ex.submit(_stream, client, mesh.model, p, received, i) for i, p in enumerate(PROMPTS)]
-        deadline = time.monotonic() + 60
-        while not all(received) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert all(received), "the streams did not start"
+        wait_streams_started(received)
         link.cut()
         cut_at, at_cut = time.monotonic(), list(received)
         try:
