@@ -50,6 +50,7 @@ class Mesh:
         self.external_nats = "--nats-url" in (extra or [])
         self._nats_url: str | None = None
         self.namespace, self.model = namespace, str(model)
+        self.num_workers = prefill + decode
         self.log = tmp / f"mesh-{self.port}.log"
         cmd = [sys.executable, "-m", "meshserve.cli.main", "up", "--model", str(model), "--dtype", "float32",
                "--port", str(self.port), "--nats-port", str(self.nats_port), "--namespace", namespace,
@@ -101,12 +102,16 @@ class Mesh:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"meshserve up exited ({self.proc.returncode}):\n{self.log.read_text()[-4000:]}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                # Healthy once one worker serves; a test written for a topology waits for all of it
+                # (a decode worker heard late leaves the first handoffs on the prefill worker).
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200 and \
+                        len(self.ask("scheduler.status")["workers"]) >= self.num_workers:
                     return self
-            except httpx.HTTPError:
+            except (httpx.HTTPError, OSError, asyncio.TimeoutError, nats.errors.Error):
                 pass
             time.sleep(0.5)
-        raise TimeoutError(f"mesh not healthy in {timeout}s:\n{self.log.read_text()[-4000:]}")
+        raise TimeoutError(f"mesh not healthy with {self.num_workers} workers in {timeout}s:\n"
+                           f"{self.log.read_text()[-4000:]}")
 
     def __enter__(self) -> "Mesh":
         try:
