@@ -69,6 +69,25 @@ def test_greedy_matches_transformers(tiny, chunk, prefix, pool):
     assert eng.block_pool.num_free == eng.block_pool.num_blocks  # nothing leaked
 
 
+def test_step_runs_its_model_pass_through_the_given_runner(tiny):
+    """The worker's thread tuner runs each model pass: it is told the size of the step being run
+    (not the last one's), and the tokens are those of a plain step."""
+    model, _, prompts, ref = tiny
+    eng = engine(model, chunk=64)
+    seqs = [eng.add_request(f"r{i}", p, SamplingParams(max_tokens=MAX_NEW, temperature=0))
+            for i, p in enumerate(prompts)]
+    sizes = []
+
+    def run(num_tokens, compute):
+        sizes.append(num_tokens)
+        return compute()
+
+    while eng.has_unfinished():
+        eng.step(run)
+    assert [s.output_token_ids for s in seqs] == ref
+    assert sizes[0] == min(64, sum(len(p) for p in prompts)) and sizes[-1] < sizes[0]  # prefill chunks, then decodes
+
+
 def test_prefix_hit_gives_same_tokens_and_counts_cached(tiny):
     model, _, prompts, ref = tiny
     eng = engine(model)

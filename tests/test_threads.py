@@ -66,3 +66,22 @@ def test_one_core_means_nothing_to_choose():
     tuner = ThreadTuner(1, m.set_threads, clock=m.clock)
     run(tuner, m, 10)
     assert tuner.candidates == [1] and tuner.chosen == {1: 10}
+
+
+
+def test_steps_of_one_bucket_but_different_sizes_are_compared_per_token():
+    """Sizes 256 and 511 share a bucket and alternate (a mixed load). Two threads are faster per
+    token; an exploring one-thread sample of the small size must not look faster than the
+    two-thread average of both sizes (compared per step, it would, and win for a while)."""
+
+    class PerToken(Machine):
+        def cost(self, n, tokens):
+            return tokens * (0.0010 if n == 1 else 0.0007)
+
+    m = PerToken()
+    m.threads = 2
+    tuner = ThreadTuner(2, m.set_threads, explore_every=8, clock=m.clock)
+    total = sum(run(tuner, m, 1, tokens=t) for _ in range(400) for t in (256, 511))
+    explore_cost = (800 / 8) * 256 * 0.0003  # every eighth step of the bucket on one thread
+    best = 400 * (256 + 511) * 0.0007
+    assert total < best + explore_cost * 1.5

@@ -121,7 +121,7 @@ class Worker:
         """One engine step, on the step thread, on the thread count the tuner picks."""
         if self.tuner is None:
             return self.engine.step()
-        return self.tuner.run(self.engine.last_step_tokens, self.engine.step)
+        return self.engine.step(self.tuner.run)
 
     async def drain(self, timeout: float) -> None:
         """SIGTERM: take nothing new (the heartbeat says so), hand every sequence on as a prefill

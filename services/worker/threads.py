@@ -5,8 +5,9 @@ When another process holds one of the cores, the thread that lost its core reach
 scheduler slice late and the others spin waiting for it: a 2-thread decode fell from about 80 to
 2-3 tokens/s beside a CPU burner, where one thread on the free core keeps most of its speed. On a
 quiet machine all the cores are faster. Neither is right for every machine state, so the worker
-measures: per kind of step (by the tokens it computes, in powers of two), a moving average of
-the seconds per step with each candidate thread count, and runs the faster one, trying the other
+measures: per kind of step (by the tokens it computes, in powers of two: the step's own size,
+known once the engine has scheduled it), a moving average of the seconds per token of its model
+pass with each candidate thread count, and runs the faster one, trying the other
 on one step in `explore_every` so that a change of load (the burner starting or stopping) is
 noticed within a few hundred steps. The quiet-machine cost is that one step in `explore_every`
 runs on the slower count.
@@ -25,7 +26,7 @@ class ThreadTuner:
                  clock: Callable[[], float] = time.perf_counter):
         self.candidates = sorted({1, max(1, max_threads)})
         self.set_threads, self.explore_every, self.clock = set_threads, explore_every, clock
-        self.avg: dict[tuple[int, int], float] = {}  # (step bucket, threads) -> seconds per step
+        self.avg: dict[tuple[int, int], float] = {}  # (step bucket, threads) -> seconds per token
         self.count: dict[int, int] = {}  # steps seen per bucket
         self.current = self.candidates[-1]  # what the step thread starts with (set there, not here)
         self.chosen = {n: 0 for n in self.candidates}  # steps run per thread count (stats)
@@ -57,9 +58,9 @@ class ThreadTuner:
     def record(self, num_tokens: int, threads: int, seconds: float, explored: bool = False) -> None:
         """An exploring step replaces its count's average outright: that average is old (the
         machine's load may have changed since), and one fresh sample is the best news there is."""
-        key = (self.bucket(num_tokens), threads)
-        old = self.avg.get(key)
-        self.avg[key] = seconds if old is None or explored else (1 - ALPHA) * old + ALPHA * seconds
+        key, per_token = (self.bucket(num_tokens), threads), seconds / max(1, num_tokens)
+        old = self.avg.get(key)  # per token: a bucket spans sizes up to 2x apart
+        self.avg[key] = per_token if old is None or explored else (1 - ALPHA) * old + ALPHA * per_token
 
     def run(self, num_tokens: int, step: Callable[[], object]):
         """Runs one step on the chosen thread count and measures it."""

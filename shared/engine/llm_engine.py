@@ -10,6 +10,7 @@ OutputProcessor in process); they call abort() when a stop string matches.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -107,7 +108,6 @@ class LLMEngine:
         self.grammars = None if tokenizer is None else Grammars(tokenizer, cfg.vocab_size, sorted(self.eos_token_ids))
         self.runner = ModelRunner(model, self.kv_cache, config.block_size, sorted(self.eos_token_ids), self.grammars)
         self.requests: dict[str, Sequence] = {}
-        self.last_step_tokens = 0  # tokens computed by the last step
         self.speculator = None
         if config.speculative is not None:
             if draft_model is not None and draft_model.cfg.vocab_size != cfg.vocab_size:
@@ -223,23 +223,24 @@ class LLMEngine:
         keep = [(s, n) for s, n in zip(batch.seqs, batch.num_tokens) if id(s) not in short]
         return ScheduledBatch([s for s, _ in keep], [n for _, n in keep], sum(1 for _, n in keep if n == 1))
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, run: Callable[[int, Callable[[], list]], list] | None = None) -> list[RequestOutput]:
+        """run(num_tokens, compute): how the batch's model pass is run once it is scheduled (the
+        worker's thread tuner picks the thread count by the step's size); by default, directly."""
         proposed = self.speculator.propose(self.scheduler.running, self.requests) if self.speculator else []
         try:
-            return self._step()
+            return self._step(run)
         finally:
             for seq in proposed:  # a proposal lives for one step
                 seq.draft = None
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self, run) -> list[RequestOutput]:
         batch: ScheduledBatch = self.scheduler.schedule()
         if batch.swap_out or batch.swap_in:
             batch = self._swap(batch)
-        self.last_step_tokens = sum(batch.num_tokens)  # what the worker's thread tuner keys on
         if not batch.seqs:
             return []
         t0 = time.perf_counter()
-        results = self.runner.run(batch)
+        results = self.runner.run(batch) if run is None else run(sum(batch.num_tokens), lambda: self.runner.run(batch))
         prompt = sum(n for s, n in zip(batch.seqs, batch.num_tokens) if n > 1 and s.draft is None)
         if 2 * prompt >= sum(batch.num_tokens):  # mostly prefill: what recomputing costs
             self.scheduler.costs.observe_prefill(sum(batch.num_tokens), time.perf_counter() - t0)
