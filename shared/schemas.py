@@ -103,6 +103,9 @@ class Logprob(Message):
     top: list[tuple[int, float]] = Field(default_factory=list)  # the most likely alternatives, best first
 
 
+KEEPALIVE_S = 20.0  # a request waiting its turn says so this often (TokenChunk.queued)
+
+
 class TokenChunk(Message):
     """The tokens one engine step produced for one request. `seq` counts chunks per request so
     the gateway can tell a gap or a repeat; `index` is the position of the first token in the output."""
@@ -120,6 +123,9 @@ class TokenChunk(Message):
     error: str | None = None
     attempt: int = 0  # the GenerateRequest.attempt it belongs to
     prompt_logprobs: list[Logprob | None] | None = None  # the prompt's (echo), in the first chunk
+    # No tokens, only news that the request is still waiting its turn (in the scheduler's queue, or
+    # queued or preempted in a worker's engine): the gateway's no-token timeout starts again.
+    queued: bool = False
 
 
 class Handoff(Message):

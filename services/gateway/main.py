@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=8192,
                         help="context length; a chat without max_tokens may fill it (default: %(default)s)")
     parser.add_argument("--stream-timeout", type=float, default=300.0,
-                        help="fail a request when no token arrives for this many seconds (default: %(default)s)")
+                        help="fail a request when no token arrives for this many seconds; a request waiting its "
+                             "turn (queued or preempted) says so every 20 s, which starts it again (default: %(default)s)")
     parser.add_argument("--ready-timeout", type=float, default=120.0,
                         help="a request that arrives while the mesh is starting (no scheduler or no worker yet) "
                              "waits this many seconds for it, then gets a 503 with Retry-After (default: %(default)s)")

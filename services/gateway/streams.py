@@ -34,6 +34,7 @@ WORKER_LOST = "worker_lost"
 MAX_RESUBMITS = 5  # a request that kills workers should not take the whole mesh down with it
 SUBMIT_TIMEOUT = 5.0
 GAP_TIMEOUT = 5.0  # a gap in a stream held open this long means a lost chunk: re-submit
+STILL_QUEUED = object()  # what a TokenChunk.queued puts in a stream's queue
 RESUBMIT_DEADLINE = 20.0  # a re-submission refused for want of a scheduler or workers retries this long
 
 
@@ -106,7 +107,7 @@ class RequestStream:
         self.scheduler_id: str | None = None  # who accepted the current attempt (None: not yet)
         self._gap_since: float | None = None
         self._held: dict[int, TokenChunk] = {}
-        self._queue: asyncio.Queue[TokenChunk | OpenAIError] = asyncio.Queue()
+        self._queue: asyncio.Queue[TokenChunk | OpenAIError | object] = asyncio.Queue()
         self._lost_workers: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
         self._resubmitting: asyncio.Task | None = None
@@ -127,6 +128,9 @@ class RequestStream:
                 wait = min(wait, self._gap_since + GAP_TIMEOUT - loop.time())
             try:
                 item = await asyncio.wait_for(self._queue.get(), max(0.0, wait))
+                if item is STILL_QUEUED:  # waiting its turn, not lost: the timeout starts again
+                    deadline = loop.time() + timeout
+                    continue
                 break
             except asyncio.TimeoutError:
                 if loop.time() >= deadline:
@@ -169,6 +173,9 @@ class RequestStream:
             return  # over, or a superseded attempt's late chunk
         if chunk.worker_id and chunk.worker_id in self._lost_workers:
             return  # a dead (or declared dead) worker's late chunks would race its replacement's
+        if chunk.queued:
+            self._queue.put_nowait(STILL_QUEUED)
+            return
         if chunk.error:
             if chunk.error == WORKER_LOST and not chunk.finished:
                 self._worker_lost(chunk)

@@ -46,7 +46,7 @@ from meshserve.shared.bus import Bus
 from meshserve.shared.engine.policy import add_scheduling_arguments
 from meshserve.shared.limits import LimitError, check_context_length
 from meshserve.shared.prefix_hash import prompt_block_hashes
-from meshserve.shared.schemas import (NOT_READY, Abort, BlockRefs, BlockTransfer, Done, GenerateRequest, Handoff,
+from meshserve.shared.schemas import (KEEPALIVE_S, NOT_READY, Abort, BlockRefs, BlockTransfer, Done, GenerateRequest, Handoff,
                                       Heartbeat, KVEvent, ModelSwitch, ModelSwitchReply, RoleSwitch, ServiceHello,
                                       SubmitReply, TokenChunk, TransferReply, Usage)
 from meshserve.shared.service import run_service
@@ -101,6 +101,7 @@ class Scheduler:
         self.placement = Placement()  # which worker serves which model (models.py)
         self.loaders: dict[str, dict] = {}  # node -> its model-loader's status (tiers)
         self._loaders_at = 0.0  # when the loaders' status was last asked
+        self._kept_alive_at = time.monotonic()  # when the queued requests' gateways last heard of them
 
     # -- views
 
@@ -285,7 +286,7 @@ class Scheduler:
         if not q:
             return
         err = self._unavailable(model, why).error
-        for item in [x for qq in q.queues.values() for x in qq]:
+        for item in q:
             if q.remove(item.req.request_id):
                 self.requests.pop(item.req.request_id, None)
                 req = item.req
@@ -562,11 +563,24 @@ class Scheduler:
                         del self.requests[t.req.request_id]
                         await self._lost(t.req)
             self.admission.sweep(self.requests.__contains__)
+            if now - self._kept_alive_at >= KEEPALIVE_S:
+                self._kept_alive_at = now
+                await self.keep_queued_alive()
             await self.balance_roles()
             self.place_models()
             if self.manifest is not None and time.monotonic() - self._loaders_at > 1.0:
                 self._loaders_at = time.monotonic()
                 await self.refresh_loaders()
+
+    async def keep_queued_alive(self) -> None:
+        """Tells the gateways which of their requests still wait here: a batch prompt may queue
+        longer than a gateway waits for a token before it calls a stream lost."""
+        for q in self.queues.values():
+            for item in q:
+                req = item.req
+                await self.bus.publish(req.stream_subject, TokenChunk(
+                    request_id=req.request_id, seq=0, index=len(req.output_token_ids), token_ids=[], queued=True,
+                    attempt=req.attempt))
 
     async def serve(self) -> None:
         s, nc = self.bus.subjects, self.bus.nc

@@ -45,6 +45,10 @@ class ClassQueues:
     def __len__(self) -> int:
         return sum(len(q) for q in self.queues.values())
 
+    def __iter__(self):
+        """Every waiting request (a copy: safe to remove while iterating)."""
+        return iter([x for q in self.queues.values() for x in q])
+
     def count(self, priority: str) -> int:
         """Requests of that class waiting here (with fcfs too, though they share one queue)."""
         return len(self.queues[priority]) if not self.fcfs else sum(

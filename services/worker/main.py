@@ -38,7 +38,7 @@ from meshserve.shared.engine.scheduler import SchedulerConfig
 from meshserve.shared.engine.speculative import add_speculative_arguments
 from meshserve.shared.model.config import ModelConfig
 from meshserve.shared.model.llama import LlamaModel
-from meshserve.shared.schemas import (Abort, Done, GenerateRequest, Handoff, Heartbeat, LoadRequest, ModelSwitch,
+from meshserve.shared.schemas import (KEEPALIVE_S, Abort, Done, GenerateRequest, Handoff, Heartbeat, LoadRequest, ModelSwitch,
                                       ModelSwitchReply, RoleSwitch, TokenChunk)
 from meshserve.shared.service import run_service
 from meshserve.shared import telemetry
@@ -456,9 +456,23 @@ class Worker:
         return out
 
     async def _heartbeats(self) -> None:
+        kept_alive_at = time.monotonic()
         while True:
             await self._heartbeat()
+            if time.monotonic() - kept_alive_at >= KEEPALIVE_S:
+                kept_alive_at = time.monotonic()
+                await self._keep_waiting_alive()
             await asyncio.sleep(self.args.heartbeat_interval)
+
+    async def _keep_waiting_alive(self) -> None:
+        """Tells the gateways which of their requests wait in this engine's queue (not started, or
+        preempted): a background prompt may wait longer than a gateway waits for a token."""
+        for seq in list(self.engine.requests.values()):  # one copy: the step thread may end one meanwhile
+            req = self.streams.get(seq.request_id)
+            if req is not None and seq.status == SequenceStatus.WAITING:
+                await self.bus.publish(req.stream_subject, TokenChunk(
+                    request_id=req.request_id, seq=0, index=seq.num_output_tokens, token_ids=[], queued=True,
+                    worker_id=self.id, attempt=req.attempt))
 
     async def _heartbeat(self) -> None:
         """What this worker runs and can take (the scheduler admits from it), and its counters."""
