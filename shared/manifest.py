@@ -12,6 +12,9 @@ A YAML list of models (or a mapping with the list under `models`), each:
       memory_quota_gb: 1.0          # the most its weights may take (a load above it fails)
       share: 90                     # canary: two or more entries of one name, each with a version and
                                     # its percent of the name's requests (they sum to 100)
+      variant: int8                 # variants: entries of one name, each serving the request classes
+      priorities: [background]      # and the tenants it lists (a tenant's entry first, then a class's:
+      tenants: [nightly-jobs]       # `variant_for`); the one entry with neither is the default
 
 `--model M` is the one-model manifest (`Manifest.single`). One module parses and checks it for every
 service (the gateway, the scheduler, the model-loader and the launcher read it; none imports torch
@@ -26,6 +29,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from meshserve.shared.limits import Priority
 from meshserve.shared.model.config import Quantization
 
 
@@ -45,12 +49,22 @@ class ServedModel(BaseModel):
     pinned: bool = False
     memory_quota_gb: float | None = Field(default=None, gt=0)
     share: float | None = Field(default=None, ge=0, le=100)
+    variant: str | None = Field(default=None, min_length=1, pattern=r"^[^@\s]+$")
+    priorities: tuple[Priority, ...] | None = Field(default=None, min_length=1)
+    tenants: tuple[str, ...] | None = Field(default=None, min_length=1)
 
     @property
     def id(self) -> str:
         """What the mesh calls it inside (queues, workers, the loader): the served name, or
-        name@version for a version with a traffic share (a canary)."""
-        return f"{self.name}@{self.version}" if self.share is not None else self.name
+        name@version for a version with a traffic share (a canary), or name@variant."""
+        if self.share is not None:
+            return f"{self.name}@{self.version}"
+        return f"{self.name}@{self.variant}" if self.variant is not None else self.name
+
+    @property
+    def is_default_variant(self) -> bool:
+        """Serves every class and tenant (no `priorities`, no `tenants`)."""
+        return self.priorities is None and self.tenants is None
 
     @field_validator("version", mode="before")
     @classmethod
@@ -82,15 +96,23 @@ class Manifest(BaseModel):
                                      "each served name and alias must be unique")
                 seen[n] = m.name
         for name, group in groups.items():
+            if any(m.variant is not None or not m.is_default_variant for m in group):
+                _check_variants(name, group)
+                continue
             if len(group) == 1 and group[0].share is None:
                 continue
             if any(m.share is None or m.version is None for m in group):
                 raise ValueError(f"the model {name!r} is listed {len(group)} times: versions of one name each need "
-                                 "a `version` and a `share`")
+                                 "a `version` and a `share` (a canary), variants each a `variant` (docs/models.md)")
             if len({m.version for m in group}) != len(group):
                 raise ValueError(f"the model {name!r} lists a version twice")
             if abs(sum(m.share for m in group) - 100) > 1e-6:
                 raise ValueError(f"the shares of {name!r}'s versions sum to {sum(m.share for m in group):g}, not 100")
+        ids = [m.id for m in self.models]
+        twice = next((i for i in ids if ids.count(i) > 1), None)
+        if twice is not None:
+            raise ValueError(f"two entries are both {twice!r} inside the mesh; give them other names, versions "
+                             "or variants")
         return self
 
     @classmethod
@@ -109,14 +131,20 @@ class Manifest(BaseModel):
             next((m for m in self.models if name in m.names()), None)
 
     def versions(self, name: str) -> list[ServedModel]:
-        """The entries a served name or alias reaches (one, or its versions)."""
-        return [m for m in self.models if name in m.names()]
+        """The entries a served name or alias reaches (one, or its versions or variants)."""
+        first = next((m for m in self.models if name in m.names()), None)
+        return [m for m in self.models if m.name == first.name] if first else []
 
-    def pick(self, name: str | None, u: float) -> ServedModel | None:
-        """The version a request for `name` runs on, by the versions' shares (`u` uniform in [0, 1))."""
+    def pick(self, name: str | None, u: float, priority: str | None = None,
+             tenant: str | None = None) -> ServedModel | None:
+        """The entry a request for `name` runs on: of a name with versions, one by the versions'
+        shares (`u` uniform in [0, 1)); of a name with variants, the one for the request's class
+        and tenant (`variant_for`)."""
         if name is None:
             name = self.models[0].name
         vs = self.versions(name)
+        if vs and vs[0].variant is not None:  # (a name listed twice without shares has variants)
+            return variant_for(vs, priority or "normal", tenant)
         if len(vs) <= 1 or vs[0].share is None:
             return vs[0] if vs else self.get(name)
         total = 0.0
@@ -132,11 +160,51 @@ class Manifest(BaseModel):
         return list(dict.fromkeys(m.name for m in self.models))
 
     @property
+    def tenant_names(self) -> set[str]:
+        """The tenants the variants name (the gateway warns of those its tenants file lacks)."""
+        return {t for m in self.models for t in (m.tenants or ())}
+
+    @property
     def ids(self) -> list[str]:
         return [m.id for m in self.models]
 
     def by_weights(self, default_dtype: str) -> dict[tuple[str, str, str | None], ServedModel]:
         return {m.weights_key(default_dtype): m for m in self.models}
+
+
+def variant_for(group: list[ServedModel], priority: str, tenant: str | None) -> ServedModel:
+    """The variant of one name a request runs on: the entry whose `tenants` lists its tenant; else
+    the entry whose `priorities` lists its class; else the default (the entry with neither key).
+    `_check_variants` makes each of these at most one entry."""
+    return next((m for m in group if tenant is not None and tenant in (m.tenants or ())), None) or \
+        next((m for m in group if priority in (m.priorities or ())), None) or \
+        next(m for m in group if m.is_default_variant)
+
+
+def _check_variants(name: str, group: list[ServedModel]) -> None:
+    """A name's variants: each named, exactly one default, and no tenant nor class listed twice
+    (which would leave a request two entries to run on)."""
+    if any(m.share is not None for m in group):
+        raise ValueError(f"the model {name!r} mixes canary versions (`share`) with variants (`variant`, "
+                         "`priorities`, `tenants`); a name has one or the other")
+    if any(m.variant is None for m in group):
+        raise ValueError(f"the model {name!r} has variants: each of its entries needs a `variant` (the name the "
+                         "meshserve-model-variant header shows)")
+    if len({m.variant for m in group}) != len(group):
+        raise ValueError(f"the model {name!r} lists a variant twice")
+    defaults = [m.variant for m in group if m.is_default_variant]
+    if len(defaults) != 1:
+        raise ValueError(f"the model {name!r} needs exactly one variant without `priorities` and `tenants` (the "
+                         f"default, for every request the others do not take); it has "
+                         f"{', '.join(map(repr, defaults)) if defaults else 'none'}")
+    for key, what in (("priorities", "class"), ("tenants", "tenant")):
+        seen: dict[str, str] = {}
+        for m in group:
+            for x in getattr(m, key) or ():
+                if x in seen:
+                    raise ValueError(f"the model {name!r}: the {what} {x!r} is listed by two variants ({seen[x]!r} "
+                                     f"and {m.variant!r}); each {what} runs on one variant")
+                seen[x] = m.variant
 
 
 def load_manifest(path: str | Path, check_paths: bool = True) -> Manifest:

@@ -225,3 +225,61 @@ def test_meshserve_up_speculative_ngram(tiny_llama, tmp_path):
         assert values["meshserve:spec_decode_num_verification_steps_total"] > 0
         status = m.ask("scheduler.status")
         assert status["spec_decode"]["num_accepted_tokens"] > 0
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tiny_llama, tmp_path_factory):
+    """A second tiny model with the target's tokenizer and vocabulary, for `--speculative-model`: the
+    target's weights with noise (so it agrees with the target often, not always)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    d = shutil.copytree(tiny_llama, tmp_path_factory.mktemp("draft") / "draft")
+    sd = load_file(str(d / "model.safetensors"))
+    g = torch.Generator().manual_seed(3)
+    save_file({k: (v + 0.1 * v.std() * torch.randn(v.shape, generator=g)).contiguous() for k, v in sd.items()},
+              str(d / "model.safetensors"), metadata={"format": "pt"})
+    return d
+
+
+def test_meshserve_up_speculative_model(tiny_llama, draft_dir, tmp_path):
+    """`meshserve up --speculative-model D` with a prefill and a decode worker: the decode worker's
+    draft rebuilds its mirror of each handed-off sequence from its tokens, the greedy text equals
+    Transformers' on the target, and /metrics counts the draft's proposals and acceptances."""
+    import httpx
+    from mesh_util import Mesh
+    from openai import OpenAI
+    from transformers import AutoModelForCausalLM
+
+    from meshserve.shared.models_repo import load_tokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 384, (n,), generator=g).tolist() for n in (9, 30)]
+    want = hf_greedy(hf, prompts, MAX_NEW, [2])
+    tok = load_tokenizer(str(tiny_llama))
+    with Mesh(tiny_llama, tmp_path, prefill=1, decode=1,
+              extra=["--speculative-model", str(draft_dir), "--num-speculative-tokens", "3"]) as m:
+        client = OpenAI(base_url=m.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        for prompt, ref in zip(prompts, want):
+            r = client.completions.create(model=m.model, prompt=prompt, max_tokens=MAX_NEW, temperature=0)
+            assert r.choices[0].text == tok.decode(ref) and r.usage.completion_tokens == len(ref)
+        deadline, values = time.monotonic() + 30, {}
+        while time.monotonic() < deadline:  # the counters come with the workers' heartbeats
+            text = httpx.get(m.url + "/metrics").text
+            values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                      if line.startswith("meshserve:spec_decode_")}
+            if values.get("meshserve:spec_decode_num_accepted_tokens_total", 0) > 0:
+                break
+            time.sleep(0.2)
+        accepted = values["meshserve:spec_decode_num_accepted_tokens_total"]
+        assert 0 < accepted <= values["meshserve:spec_decode_num_draft_tokens_total"], values
+        assert values["meshserve:spec_decode_num_verification_steps_total"] > 0
+        def decode_streamed() -> list[int]:
+            return [w["tokens_streamed"] for w in m.ask("scheduler.status")["workers"] if w["role"] == "decode"]
+
+        while decode_streamed() == [0] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert decode_streamed()[0] > 0  # the decode worker, after the handoff, streamed (and speculated)
+        assert m.ask("scheduler.status")["spec_decode"]["num_draft_tokens"] > 0

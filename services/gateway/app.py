@@ -22,7 +22,7 @@ from meshserve.shared.openai_responses import ResponsesRequest
 
 from . import openapi, responses, tokenize
 from .auth import AUTH_HEADER
-from .handler import VERSION_HEADER, Gateway, Generation, Kind
+from .handler import VARIANT_HEADER, VERSION_HEADER, Gateway, Generation, Kind
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,12 @@ async def _json_body(request: Request, gw: Gateway):
     return gw.decode_body(await _read_body(request, gw.limits.max_body_bytes, gw.body_too_large))
 
 
+def _model_headers(gen: Generation) -> dict[str, str]:
+    """Which entry of its model served a request: a canary's version, a variant's name."""
+    spec = gen.prepared.model.spec
+    return {h: v for h, v in ((VERSION_HEADER, spec.version), (VARIANT_HEADER, spec.variant)) if v is not None}
+
+
 def create_app(gw: Gateway) -> FastAPI:
     async def authenticate(request: Request) -> None:
         """The API key, before anything else; the tenant is left in request.state.tenant."""
@@ -162,8 +168,7 @@ def create_app(gw: Gateway) -> FastAPI:
         gen = await _unless_disconnected(request, gw.submit(kind, body, getattr(request.state, "tenant", None)))
         if gen is None:
             return Response(status_code=CLIENT_CLOSED)
-        version = gen.prepared.model.spec.version
-        extra = {VERSION_HEADER: version} if version is not None else {}
+        extra = _model_headers(gen)
         if gen.stream:
             return StreamingResponse(_sse_stream(gen), media_type="text/event-stream", headers=SSE_HEADERS | extra)
         try:
@@ -195,13 +200,18 @@ def create_app(gw: Gateway) -> FastAPI:
                                                                     getattr(request.state, "tenant", None)))
         if call is None:
             return Response(status_code=CLIENT_CLOSED)
+        extra = _model_headers(call.gen)
         if call.stream:
-            return StreamingResponse(_responses_sse(call), media_type="text/event-stream", headers=SSE_HEADERS)
+            return StreamingResponse(_responses_sse(call), media_type="text/event-stream", headers=SSE_HEADERS | extra)
         try:
             result = await _unless_disconnected(request, call.body())
         finally:
             call.close()
-        return json_response(result) if result is not None else Response(status_code=CLIENT_CLOSED)
+        if result is None:
+            return Response(status_code=CLIENT_CLOSED)
+        response = json_response(result)
+        response.headers.update(extra)
+        return response
 
     @app.post("/tokenize", responses=openapi.responses(tokenize.TokenizeResponse, errors=(400, 401, 404)))
     async def tokenize_(request: Request):

@@ -1,8 +1,9 @@
 """The gateway's view of the models it serves: the manifest (shared/manifest.py), and per model its
 tokenizer and generation defaults, loaded on first use (a model nobody asks for costs nothing here).
 
-Requests name a model by its served name or an alias; `entry` resolves it or raises the OpenAI
-error (404 for a name not in the manifest, 500 naming the cause when its tokenizer cannot load).
+Requests name a model by its served name or an alias; `entry` resolves it (of a name with canary
+versions: one by their shares; with variants: the one for the request's class and tenant) or raises
+the OpenAI error (404 for a name not in the manifest, 500 naming the cause when its tokenizer cannot load).
 `reload` swaps in a re-read manifest: requests already running keep the entry they resolved.
 """
 
@@ -34,7 +35,7 @@ class ModelEntry:
 
     @property
     def id(self) -> str:
-        """What the mesh calls it: the name, or name@version for a canary version."""
+        """What the mesh calls it: the name, or name@version for a canary version, or name@variant."""
         return self.spec.id
 
 
@@ -54,9 +55,10 @@ class Catalog:
     def default(self) -> ModelEntry:
         return self.entry(None)
 
-    def entry(self, name: str | None) -> ModelEntry:
-        """The model (of a name with versions: one of them, by their shares) a request runs on."""
-        spec = self.manifest.pick(name, random.random())
+    def entry(self, name: str | None, priority: str | None = None, tenant: str | None = None) -> ModelEntry:
+        """The model a request runs on (of a name with versions: one of them, by their shares; of a
+        name with variants: the one for its class and tenant, shared/manifest.py `variant_for`)."""
+        spec = self.manifest.pick(name, random.random(), priority, tenant)
         if spec is None:
             raise OpenAIError(f"the model {name!r} does not exist; this server serves "
                               f"{', '.join(repr(n) for n in self.manifest.names)}", 404, param="model",

@@ -40,6 +40,7 @@ READY_POLL = 0.25  # how often a request waiting for the mesh to start asks the 
 RETRY_AFTER_S = 5  # the Retry-After of a 503 for a mesh that is not ready
 STATE_ORDER = ("mapped", "loading", "host", "disk", "failed", "unknown")  # a name's versions: the hottest shows
 VERSION_HEADER = "meshserve-model-version"  # the version of the model that served a request
+VARIANT_HEADER = "meshserve-model-variant"  # the variant (manifest `variant`) that served it
 
 
 @dataclass
@@ -135,10 +136,10 @@ class Gateway:
     def prepare(self, kind: Kind, body, tenant: Tenant | None = None) -> Prepared:
         """Raises OpenAIError(4xx) for anything wrong with the request."""
         named = body.get("model") if isinstance(body, dict) else None
-        model = self.check_model(named if isinstance(named, str) else None)
+        priority = self.auth.request_class(body.get("priority") if isinstance(body, dict) else None, tenant)
+        model = self.catalog.entry(named if isinstance(named, str) else None, priority, tenant and tenant.name)
         tokenizer = model.tokenizer
         req = parse_request(kind, body, tokenizer.vocab_size, self.limits)
-        priority = self.auth.request_class(body.get("priority"), tenant)
         if isinstance(req, ChatCompletionRequest):
             prompt = self.chat_prompt_ids(req, model=model)
             self._check_length(prompt, "messages")
@@ -206,7 +207,7 @@ class Gateway:
         arrival = time.time()
         rid = uuid.uuid4().hex
         span = telemetry.start("gateway.request", None, request_id=rid, model=p.model.id,
-                               model_version=p.model.spec.version,
+                               model_version=p.model.spec.version, model_variant=p.model.spec.variant,
                                prompt_tokens=len(p.prompt_token_ids))
         trace = telemetry.inject_span(span)
         requests = [GenerateRequest(
@@ -348,6 +349,12 @@ class Gateway:
                 card["versions"] = [{"version": v.version, "share": v.share, "path": v.path,
                                      "state": x.get("state", "unknown"), "error": x.get("error"),
                                      "workers": x.get("workers", 0)} for v, x in zip(versions, sts)]
+            if spec.variant is not None:  # variants: who each serves, its format and its state
+                card["variants"] = [{"variant": v.variant, "priorities": v.priorities and list(v.priorities),
+                                     "tenants": v.tenants and list(v.tenants), "path": v.path, "dtype": v.dtype,
+                                     "quantization": v.quantization, "state": x.get("state", "unknown"),
+                                     "error": x.get("error"), "workers": x.get("workers", 0)}
+                                    for v, x in zip(versions, sts)]
             data.append(card)
         return {"object": "list", "data": data}
 

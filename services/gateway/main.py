@@ -126,6 +126,10 @@ async def run(args) -> int:
     if getattr(args, "models", None):  # many models: tokenizers load on first use (catalog.py)
         catalog = Catalog(load_manifest(args.models), args.models)
         served = catalog.manifest.models[0].name
+        unknown = catalog.manifest.tenant_names - {t.name for t in (auth.config.tenants if auth.enabled else ())}
+        if unknown:  # their requests would never reach the variant meant for them
+            log.warning("the manifest's variants name tenants %s, which %s", ", ".join(sorted(unknown)),
+                        "the tenants file does not list" if auth.enabled else "nobody is (no --tenants)")
         try:
             first = catalog.default
             tokenizer, defaults = first.tokenizer, first.generation_defaults

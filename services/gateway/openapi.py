@@ -258,6 +258,8 @@ class ModelCard(BaseModel):
     version: str | None = None
     pinned: bool = False
     versions: list[dict[str, Any]] | None = Field(None, description="a canary: each version, its share and state")
+    variants: list[dict[str, Any]] | None = Field(
+        None, description="variants by class and tenant: each variant, its priorities, tenants, format and state")
 
 
 class ModelList(BaseModel):

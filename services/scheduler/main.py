@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import signal
 import time
 import uuid
@@ -174,6 +175,7 @@ class Scheduler:
     # -- requests
 
     async def submit(self, req: GenerateRequest) -> SubmitReply:
+        req = self.resolve_model(req)
         cands = self.prefill_candidates(req.model)
         on_demand = not cands and self.spec(req.model) is not None and bool(self.workers)
         if on_demand:  # a model of the manifest no worker serves yet: it waits here while one switches to it
@@ -208,6 +210,15 @@ class Scheduler:
         return SubmitReply(ok=True, scheduler_id=self.id)
 
     # -- many models (models.py): which worker serves which model
+
+    def resolve_model(self, req: GenerateRequest) -> GenerateRequest:
+        """A request that names a served name or alias rather than an entry's id (a gateway without
+        the manifest) runs on the entry the gateway would have picked: a canary version by the
+        shares, a variant by the request's class and tenant (Manifest.pick)."""
+        if self.manifest is None or req.model in self.manifest.ids:
+            return req
+        spec = self.manifest.pick(req.model, random.random(), req.priority, req.tenant)
+        return req if spec is None else req.model_copy(update={"model": spec.id})
 
     def spec(self, model: str) -> ServedModel | None:
         return self.manifest.get(model) if self.manifest is not None and model else None
