@@ -6,9 +6,10 @@ load between the two steps, so workers build their engine and start computing me
 
 - host: the bytes kept in the loader's memory, written with pwrite;
 - disk: the prepared file (prepared.py), copied range by range in the kernel (sendfile), no torch;
-- source: the model's files read, dequantized and fused one part at a time (`fused_parts`): the
-  layout comes from the first two parts (every layer has layer 0's shapes), the lm_head, fused
-  first, is written last.
+- source: the model's files read (a directory's safetensors tensor by tensor, as each part needs
+  them; a GGUF whole), dequantized and fused one part at a time (`fused_parts`): the layout comes
+  from the first two parts (every layer has layer 0's shapes), the lm_head, fused first, is
+  written last.
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ def open_source(model: str, dtype: str, quantization: str | None, name: str, dev
     from meshserve.shared.model.llama import fused_parts
     from meshserve.shared.models_repo import load_model_files
 
-    cfg, sd, _ = load_model_files(model)
+    cfg, sd, _ = load_model_files(model, lazy=True)  # a directory's tensors read layer by layer
     n = cfg.num_hidden_layers
     parts = fused_parts(cfg, sd, DTYPES[dtype], device, quantization)
     first = next(parts)

@@ -210,15 +210,17 @@ class ModelLoader:
         e.pinned = bool(spec and spec.pinned)
         self.tiers.touch(e)  # about to be used, as its rate says
         if req.to == "mapped":  # not layered: nobody waits for its first layers
+            if e.tier != "mapped" and e.loading is None:
+                e.prewarms += 1  # this load is the prewarm's (not one a request started)
             await self._mapped(e, spec, layered=False)
         elif e.tier == "disk" and e.loading is None and self.tiers.host_budget > 0:
             t0 = time.monotonic()
             data, meta = await asyncio.to_thread(self._host_copy, *e.key)
             if e.tier == "disk" and e.loading is None:  # not loaded meanwhile
                 e.host, e.meta, e.nbytes, e.tier, e.error = data, meta, len(data), "host", None
+                e.prewarms += 1
                 self.tiers.touch(e)
                 log.info("prewarmed %s (%s) into host memory in %.3fs", e.name, e.key[1], time.monotonic() - t0)
-        e.prewarms += 1
         for victim, to in self.tiers.evictions():
             self._evict(victim, to)
         return {"ok": True, "name": e.name, "tier": e.tier}

@@ -37,7 +37,7 @@ class Entry:
     load_s: dict[str, float] = field(default_factory=dict)  # tier it came from -> seconds, the last time
     evictions: int = 0
     hits: int = 0  # asks that found it mapped
-    prewarms: int = 0  # times the scheduler asked for it ahead of its requests
+    prewarms: int = 0  # times a prewarm brought it up a tier ahead of its requests
 
 
 class Tiers:
