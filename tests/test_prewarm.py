@@ -46,11 +46,11 @@ def test_plan_by_example():
     # --max-models counts too; a rate below MIN_RATE moves nothing
     assert plan({"a": 1.0}, [m("a", "host"), m("x", "mapped", in_use=True)], None, 100, 1) == []
     assert plan({"a": MIN_RATE / 2}, [m("a", "disk")], 100, 300, 4) == []
-    # a model never loaded counts as large as the largest known
+    # a model never loaded counts as large as the largest known: here it does not fit beside b
     assert plan({"a": 1.0}, [m("a", "disk", nbytes=0), m("b", "host", nbytes=250)], None, 300, 4) == [
-        Move("a", "mapped")]
-    st = {"models": [{"name": "a", "tier": "host", "bytes": 7, "pinned": False, "users": ["w"]}]}
-    assert residents(st, ["a", "b"]) == [Resident("a", "host", 7, False, True), Resident("b", "disk")]
+        Move("a", "host", ("b",))]
+    status = {"models": [{"name": "a", "tier": "host", "bytes": 7, "pinned": False, "users": ["w"]}]}
+    assert residents(status, ["a", "b"]) == [Resident("a", "host", 7, False, True), Resident("b", "disk")]
 
 
 tiers = st.sampled_from(["mapped", "host", "disk", "loading", "failed"])
@@ -90,7 +90,7 @@ def test_a_switch_goes_to_the_node_that_holds_the_model_hottest():
     def w(wid, node):
         return WorkerView(Heartbeat(worker_id=wid, role="decode", model="other", node_id=node, num_running=0,
                                     num_waiting=0, free_blocks=8, held_blocks=8, total_blocks=8, block_size=16,
-                                    max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64))
+                                    max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, time=0.0))
 
     ws = [w("a", "n0"), w("b", "n1"), w("c", "n2")]
     assert pick_worker(ws, {}, {}, set(), {"n0": "disk", "n1": "mapped", "n2": "host"}).hb.worker_id == "b"
