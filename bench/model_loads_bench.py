@@ -3,9 +3,9 @@ loading (issue 12). Run through `meshserve bench-models --tier-load-times` and `
 
 - Tier load times: the model-loader's own load path (ModelLoader.open_load/finish_load, in this
   process, no mesh) for each model of `--tier-models`: `source` (the model's files read, dequantized,
-  fused: what the first load of a GGUF does, and every load of a Hugging Face directory), `disk` (a
-  GGUF's prepared form copied back; a directory has none, so its disk tier is its source), `host`
-  (the bytes in memory, one copy). Each is timed `--repeat` times (min and median), as `answer_s`
+  fused, and a GGUF's prepared form kept: what its first load does, and every load of a Hugging
+  Face directory), `disk` (a GGUF's prepared form copied back; a directory has none, so its disk
+  tier is its source), `host` (the bytes in memory, one copy). Each is timed `--repeat` times (min and median), as `answer_s`
   (until the buffer exists and its layout is known: when a layered load is answered) and `total_s`.
   The files are in the page cache after the first load (a cold disk is slower).
 - Cold TTFT: `meshserve up --models` with two copies of one model (the worker starts on the first),
