@@ -7,6 +7,10 @@ before), checks that the model's KV shape fits the node's arena, builds the mode
 on the same arena, gives the old engine's blocks back to the kv-pool and leases new ones. A switch
 that fails leaves the worker on the model it had (mapped again: the loader keeps it in use) and the
 reply says why; the scheduler then fails that model's queued requests with the reason.
+
+A layered load (docs/models.md) is answered while the loader still writes the weights: the model is
+built over them with their `LayerGate`, which its forward pass waits on per layer, so the switch
+ends, and the first prompt computes, before the last layers are in.
 """
 
 from __future__ import annotations
@@ -15,13 +19,13 @@ import asyncio
 import logging
 import time
 
+from meshserve.kernels.linear import converts_on_load
 from meshserve.shared import node_memory, shm
 from meshserve.shared.engine.llm_engine import EngineConfig, LLMEngine
 from meshserve.shared.engine.scheduler import SchedulerConfig
 from meshserve.shared.engine.speculative import config_from_args
 from meshserve.shared.kv_layout import kv_arena_dtype, kv_row
 from meshserve.shared.model.config import ModelConfig
-from meshserve.kernels.linear import converts_on_load
 from meshserve.shared.model.layer_gate import LayerGate, open_gate
 from meshserve.shared.model.llama import LlamaModel
 from meshserve.shared.schemas import LoadRequest, ModelSwitch, ModelSwitchReply, WeightsDescriptor
