@@ -49,7 +49,7 @@ class Load:
 
     def layered(self) -> None:
         """Makes the readiness word (0 parts written): workers may map the buffer before `run` ends."""
-        self.ready_path = str(shm.create(Path(self.path).name + ".ready", 8))
+        self.ready_path = str(shm.create(Path(self.path).name + "-ready", 8))
         self._word = np.memmap(self.ready_path, dtype=np.int64, mode="r+", shape=(1,))
 
     def run(self) -> None:

@@ -3,7 +3,7 @@
 The loader writes a model's weights in parts, in the order a forward pass reads them (`part_of`):
 part 0 holds everything a step needs first (the embedding, the final norm, a tied head), parts 1..N
 the layers 0..N-1, part N+1 an untied lm_head. After each part it sets one int64 word in a small
-shared file next to the weights (the `ready_path` of the descriptor) to the number of parts written;
+shared file next to the weights (`<weights>-ready`, the `ready_path` of the descriptor) to the number of parts written;
 -1 says the load failed. A worker's model waits on that word (`LayerGate.wait`) before it reads a
 part: a load the worker started before the loader finished costs it only the parts it has not
 reached. Once every part is in, the gate is done and the model drops it (no check per layer then).
