@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 FAILED = -1
-STALL_S = float(os.environ.get("MESHSERVE_LAYER_STALL_S", "600"))  # no new part for this long: give up
+STALL_S = float(os.environ.get("MESHSERVE_LAYER_STALL_S", "120"))  # no new part for this long: give up
 
 
 def part_of(name: str, num_layers: int) -> int:
@@ -47,6 +47,7 @@ class LayerGate:
     def __init__(self, path: str, total: int):
         self.path, self.total = path, total
         self._word = np.memmap(path, dtype=np.int64, mode="r", shape=(1,))
+        self._inode = os.stat(path).st_ino  # a restarted loader makes a new file under the same name
         self.done = False
         self.waited_s = 0.0  # time steps spent waiting for parts (logged once it is done)
 
@@ -61,19 +62,29 @@ class LayerGate:
         if got > part:
             self._check_done(got)
             return
-        t0 = last = time.monotonic()
+        t0 = last = checked = time.monotonic()
         while got <= part:
             if got == FAILED:
                 raise LoadFailed(f"the model-loader failed to load these weights ({self.path})")
             now = time.monotonic()
             if now - last > STALL_S:
                 raise LoadFailed(f"the model-loader wrote no part of these weights for {STALL_S:g} s ({self.path})")
+            if now - checked > 1.0:
+                checked = now
+                if not self._same_file():
+                    raise LoadFailed(f"the model-loader dropped this load (restarted?): {self.path} is gone or new")
             time.sleep(0.0005)
             new = self.ready()
             if new != got:
                 got, last = new, time.monotonic()
         self.waited_s += time.monotonic() - t0
         self._check_done(got)
+
+    def _same_file(self) -> bool:
+        try:
+            return os.stat(self.path).st_ino == self._inode
+        except FileNotFoundError:
+            return False
 
     def _check_done(self, got: int) -> None:
         if got >= self.total:
