@@ -84,16 +84,16 @@ def test_a_model_on_a_layered_load_waits_per_layer_and_gives_the_same_tokens(dee
     load.layered()
     gate = open_gate(load.ready_path, LAYERS)
     assert gate is not None and gate.ready() == 0
-    model = LlamaModel(ModelConfig(**load.config), _weights(load), gate=gate)
+    engine = LLMEngine(LlamaModel(ModelConfig(**load.config), _weights(load), gate=gate), eos_token_ids=[2])
     writer = threading.Thread(target=load.run)
     writer.start()
     try:
         ids, want = expected
-        got = LLMEngine(model, eos_token_ids=[2]).generate([ids], SamplingParams(max_tokens=TOKENS, temperature=0))[0]
+        got = engine.generate([ids], SamplingParams(max_tokens=TOKENS, temperature=0))[0]
     finally:
         writer.join()
     assert got == want
-    assert gate.done and gate.waited_s > 0.3 and model.gate is None  # it waited for parts, then dropped the gate
+    assert gate.done and gate.waited_s > 0.3 and engine.model.gate is None  # it waited for parts, then dropped it
 
 
 def test_a_failed_or_finished_load_seen_by_the_gate(tmp_path, monkeypatch):
