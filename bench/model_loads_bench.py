@@ -147,14 +147,13 @@ def cold_ttft(a, model: Path, log) -> dict:
             ttfts = []
             for _ in range(2):  # the first loads the model, the second finds it mapped
                 t0 = time.monotonic()
+                first = None
                 with httpx.stream("POST", url + "/v1/completions", json=body, timeout=900) as r:
                     r.raise_for_status()
-                    for line in r.iter_lines():
-                        if line.startswith("data:") and line != "data: [DONE]":
-                            ttfts.append(time.monotonic() - t0)
-                            break
-                    for _ in r.iter_lines():
-                        pass
+                    for line in r.iter_lines():  # read to the end; the first data line is the first token
+                        if first is None and line.startswith("data:") and line != "data: [DONE]":
+                            first = time.monotonic() - t0
+                ttfts.append(first)
             status = httpx.get(url + "/health", timeout=10).json().get("scheduler", {})
             loads = [x for node in (status.get("loaders") or {}).values() for x in node.get("models", [])
                      if x["name"] == "cold"]

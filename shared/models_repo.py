@@ -256,17 +256,15 @@ def generation_defaults(name_or_path: str | Path) -> dict[str, float | int]:
             if isinstance(cfg.get(hf), (int, float)) and not isinstance(cfg.get(hf), bool)}
 
 
-def load_model_files(name_or_path: str | Path, lazy: bool = False
-                     ) -> tuple["ModelConfig", dict[str, "torch.Tensor"], "Tokenizer"]:
-    """Config, HF-named state dict and tokenizer for a model name, HF directory or GGUF file.
-    lazy: an HF directory's tensors are read when asked for (weights.LazyTensors)."""
+def load_model_files(name_or_path: str | Path) -> tuple["ModelConfig", dict[str, "torch.Tensor"], "Tokenizer"]:
+    """Config, HF-named state dict and tokenizer for a model name, HF directory or GGUF file."""
     from .model.weights import load_gguf, load_hf_dir
     from .tokenizer import Tokenizer
 
     path = resolve(name_or_path)
     if path.is_dir():
         if (path / "config.json").is_file():
-            cfg, sd = load_hf_dir(path, lazy=lazy)
+            cfg, sd = load_hf_dir(path)
             return cfg, sd, Tokenizer.from_hf_dir(path)
         found = _find_gguf(path)
         if found is None:

@@ -135,9 +135,14 @@ def open_source(model: str, dtype: str, quantization: str | None, name: str, dev
     """Reads the model's files; the first part and layer 0 are fused now (the layout), the rest in `run`."""
     from meshserve.shared.engine.llm import DTYPES
     from meshserve.shared.model.llama import fused_parts
-    from meshserve.shared.models_repo import load_model_files
+    from meshserve.shared.model.weights import load_hf_dir
+    from meshserve.shared.models_repo import load_model_files, resolve
 
-    cfg, sd, _ = load_model_files(model, lazy=True)  # a directory's tensors read layer by layer
+    path = resolve(model)
+    if path.is_dir() and (path / "config.json").is_file():  # its tensors read layer by layer; no tokenizer
+        cfg, sd = load_hf_dir(path, lazy=True)
+    else:
+        cfg, sd, _ = load_model_files(model)
     n = cfg.num_hidden_layers
     parts = fused_parts(cfg, sd, DTYPES[dtype], device, quantization)
     first = next(parts)
