@@ -16,6 +16,14 @@ Reported per run: the loader's hot-tier hit rate (loads that found the model map
 loads by tier and evictions, the scheduler's model switches, and TTFT p50/p99 per model; then the
 budget run over the resident one. Not measured here: restarting a one-model server per switch.
 Prints the JSON on stdout (and writes it to --out).
+
+Instead of the workload (bench/model_loads_bench.py):
+
+    meshserve bench-models --tier-load-times [--tier-models smollm2-135m-instruct,random-1b] [--repeat 3]
+    meshserve bench-models --cold-ttft [--cold-model random-1b] [--cold-prompt-tokens 256]
+
+the load time of each model from each tier (source, disk, host), and a cold model's TTFT with and
+without layered loading; `random-1b` is a random ~1B-parameter model the benchmark writes itself.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from meshserve.bench import model_loads_bench
 from meshserve.bench.compare import http_run, start_mesh, stop_mesh
 from meshserve.bench.loadgen import (build_body, prepare_workload, quiet_http_logs, special_ids, workload_arg,
                                      write_json)
@@ -131,11 +140,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mesh-startup-timeout", type=float, default=600.0)
     ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument("--quiet", action="store_true")
+    model_loads_bench.add_arguments(ap)
     a = ap.parse_args(argv)
     quiet_http_logs()
     from meshserve.shared.models_repo import load_tokenizer
 
     log = (lambda *x: None) if a.quiet else (lambda *x: print(*x, file=sys.stderr, flush=True))
+    if a.tier_load_times or a.cold_ttft:  # loads alone, no workload (model_loads_bench.py)
+        a.tmp = tempfile.mkdtemp(prefix="meshserve-bench-loads-")
+        try:
+            res = model_loads_bench.main(a, log)
+        finally:
+            shutil.rmtree(a.tmp, ignore_errors=True)
+        if a.out:
+            write_json(a.out, res)
+        print(json.dumps(res, indent=2))
+        return 0
     tokenizer = load_tokenizer(a.model)
     tmp = Path(tempfile.mkdtemp(prefix="meshserve-bench-models-"))
     try:

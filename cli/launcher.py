@@ -14,6 +14,7 @@ launcher itself dies (Linux parent-death signal), so nothing is left behind.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import logging
 import os
@@ -205,7 +206,8 @@ class Launcher:
         self.start_nats()
         models = ["--models", a.models] if getattr(a, "models", None) else []
         budgets = (["--weights-memory-gb", str(a.weights_memory_gb)] if getattr(a, "weights_memory_gb", None) else []) \
-            + (["--host-cache-gb", str(a.host_cache_gb)] if getattr(a, "host_cache_gb", None) else [])
+            + (["--host-cache-gb", str(a.host_cache_gb)] if getattr(a, "host_cache_gb", None) else []) \
+            + ([] if getattr(a, "layered_loading", True) else ["--no-layered-loading"])
         self.spawn_service("model-loader", "model-loader", "--preload", *models, *budgets)
         self.spawn_service("kv-pool", "kv-pool", "--kv-cache-gb", str(a.kv_cache_gb),
                            "--swap-space", str(a.swap_space))
@@ -230,7 +232,8 @@ class Launcher:
                 self.spawn_service(f"decode-{i}", "decode", *worker_opts, *serving(i))
         tenants = ["--tenants", str(Path(a.tenants).expanduser().resolve())] if getattr(a, "tenants", None) else []
         fixed = ["--fixed-roles"] if getattr(a, "fixed_roles", False) else []
-        self.spawn_service("scheduler", "scheduler", "--scheduling", a.scheduling, *tenants, *fixed, *models)
+        prewarm = [] if getattr(a, "prewarm", True) else ["--no-prewarm"]
+        self.spawn_service("scheduler", "scheduler", "--scheduling", a.scheduling, *tenants, *fixed, *models, *prewarm)
         self.spawn_service("gateway", "gateway", "--host", a.host, "--port", str(a.port),
                            "--ready-timeout", str(a.ready_timeout), *gateway_log_options(a), *gateway_limit_options(a),
                            *tenants, *models)
@@ -459,6 +462,12 @@ def add_arguments(p) -> None:
                    help="the model-loader's budget of mapped weights (docs/models.md; default: no limit)")
     p.add_argument("--host-cache-gb", type=float, default=None,
                    help="the model-loader's host-memory tier for evicted weights (default: none)")
+    p.add_argument("--layered-loading", action=argparse.BooleanOptionalAction, default=True,
+                   help="workers start a cold model's first layers while the loader still writes the later ones "
+                        "(docs/models.md; default: on)")
+    p.add_argument("--prewarm", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --models: the scheduler has the loader bring models up a tier ahead of their requests, "
+                        "as their recent request rates predict (docs/models.md; default: on)")
     p.add_argument("--nats-credentials", default=None, metavar="DIR",
                    help="NATS credentials, one DIR/<user>.env per user (docs/security.md): written here for the "
                         "embedded nats-server (default: the run directory, removed at exit); with --nats-url, read "

@@ -83,6 +83,15 @@ class Linear:
         return F.linear(x, w, self.bias)
 
 
+def converts_on_load(weights: dict[str, torch.Tensor]) -> bool:
+    """Whether building projections from these weights reads them (a blocked layout with no kernel
+    here to run it is copied back to plain): a layered load must then be complete first."""
+    from . import int8_linear
+
+    return (any(n.endswith(BLOCKED) for n in weights) and kernel() is None) or \
+        (any(n.endswith(int8_linear.BLOCKED) for n in weights) and int8_linear.kernel() is None)
+
+
 def projection(weights: dict[str, torch.Tensor], name: str, bias: str | None = None) -> Linear | Int8Linear:
     """The projection stored under `name`, in whichever form the loader wrote it (plain, blocked, int8)."""
     if is_quantized(weights, name):

@@ -10,6 +10,8 @@ A YAML list of models (or a mapping with the list under `models`), each:
       quantization: int8            # optional (docs/quantization.md)
       pinned: true                  # never evicted from the loader's hot tier
       memory_quota_gb: 1.0          # the most its weights may take (a load above it fails)
+      layered_loading: false        # workers wait for its whole load (default: the loader's
+                                    # --layered-loading, on: its first layers run while the rest loads)
       share: 90                     # canary: two or more entries of one name, each with a version and
                                     # its percent of the name's requests (they sum to 100)
       variant: int8                 # variants: entries of one name, each serving the request classes
@@ -52,6 +54,7 @@ class ServedModel(BaseModel):
     variant: str | None = Field(default=None, min_length=1, pattern=r"^[^@\s]+$")
     priorities: tuple[Priority, ...] | None = Field(default=None, min_length=1)
     tenants: tuple[str, ...] | None = Field(default=None, min_length=1)
+    layered_loading: bool | None = None
 
     @property
     def id(self) -> str:

@@ -62,7 +62,7 @@ def permissions(namespace: str) -> dict[str, dict]:
             "allow_responses": False},
         "scheduler": {
             "publish": [*(worker(v) for v in ("prefill", "adopt", "abort", "role", "model")), kv("release"),
-                        kv("transfer"), s.models("status", "*"), s.models("reload", "*"), s.tokens("*"),
+                        kv("transfer"), *(s.models(v, "*") for v in ("status", "reload", "prewarm")), s.tokens("*"),
                         s.scheduler_hello],
             "subscribe": [*(s.scheduler(e) for e in ("submit", "handoff", "done", "abort", "status", "usage", "reload")),
                           s.heartbeat, kv("events"), own("scheduler")],
@@ -80,7 +80,7 @@ def permissions(namespace: str) -> dict[str, dict]:
         "model-loader": {
             "publish": [],
             # heartbeats: which workers are alive, so a model a live worker maps is never evicted
-            "subscribe": [*(s.models(v, "*") for v in ("load", "list", "status", "reload")), s.heartbeat,
+            "subscribe": [*(s.models(v, "*") for v in ("load", "list", "status", "reload", "prewarm")), s.heartbeat,
                           own("model-loader")],
             "allow_responses": True},
         PUBLIC: {

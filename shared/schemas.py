@@ -303,6 +303,9 @@ class WeightsDescriptor(Message):
     quantization: Quantization | None = None
     tier: str | None = None  # where this load found it: mapped, host, disk (prepared) or source
     load_s: float = 0.0  # how long bringing it into the mapped tier took
+    # Layered loading (shared/model/layer_gate.py): the loader is still writing the weights, part by
+    # part; this shared file's int64 word counts the parts written (-1: failed). None: complete.
+    ready_path: str | None = None
 
 
 class LoadRequest(Message):
@@ -316,6 +319,19 @@ class LoadRequest(Message):
     # new load moves it off the model it mapped before (how a model switch releases the old one).
     worker_id: str | None = None
     name: str | None = None  # its served name (logs and status)
+
+
+class PrewarmRequest(Message):
+    """Scheduler -> a node's model-loader: bring a model up to `to` before it is asked for (its request
+    rate predicts it will be, services/scheduler/prewarm.py); first move the models in `evict` down
+    one tier (the coldest by rate; skipped if a worker maps one or it is pinned)."""
+
+    model: str
+    dtype: str = "bfloat16"
+    quantization: Quantization | None = None
+    name: str | None = None
+    to: Literal["mapped", "host"] = "mapped"
+    evict: list[str] = Field(default_factory=list)  # served names (ids)
 
 
 class ModelSwitch(Message):

@@ -9,7 +9,6 @@ kv-pool, which only copies bytes and so never loads torch); torch is imported on
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -44,24 +43,6 @@ def create(name: str, nbytes: int) -> Path:
     tmp = path.with_suffix(".tmp")
     with open(tmp, "wb") as f:
         f.truncate(nbytes)
-    os.replace(tmp, path)
-    return path
-
-
-def create_copy(name: str, src: str | Path) -> Path:
-    """A new shared file holding a copy of the file `src` (replacing a stale one of the same name)."""
-    path = shm_dir() / name
-    tmp = path.with_suffix(".tmp")
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, path)
-    return path
-
-
-def create_from_bytes(name: str, data: bytes) -> Path:
-    """A new shared file holding `data` (replacing a stale one of the same name)."""
-    path = shm_dir() / name
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(data)
     os.replace(tmp, path)
     return path
 

@@ -23,6 +23,7 @@ a typo is an error where the subject is built, not a message nobody hears.
     <ns>.kv.<node>.host_events                       kv-pool -> its workers (keys stored/removed in the host swap tier)
     <ns>.kv.<node>.hello                             kv-pool -> its workers (its arena epoch, every second)
     <ns>.models.<node>.{load,list}                   workers, kv-pool -> the node's model-loader
+    <ns>.models.<node>.{status,reload,prewarm}       scheduler -> the node's model-loader
     <ns>.tokens.<gateway id>                         workers -> the gateway that owns the request (the
                                                      instance is the whole address: one stream per gateway)
 """
@@ -41,7 +42,7 @@ WorkerEndpoint = Literal["prefill", "adopt", "abort", "role", "model"]
 WorkersEndpoint = Literal["heartbeat"]
 KVEndpoint = Literal["arena", "lease", "release", "retain", "transfer", "status", "swap", "import", "fetch",
                      "chunk", "close", "events", "pressure", "host_events", "hello"]
-ModelsEndpoint = Literal["load", "list", "status", "reload"]
+ModelsEndpoint = Literal["load", "list", "status", "reload", "prewarm"]
 
 
 @dataclass(frozen=True)

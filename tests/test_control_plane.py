@@ -252,12 +252,12 @@ def test_prepared_weights_are_kept_and_load_the_same_bytes(tiny_llama, tmp_path,
     monkeypatch.setenv("MESHSERVE_SHM_DIR", str(tmp_path / "shm"))
     gguf = write_tiny_gguf(tiny_llama, tmp_path / "t.gguf")
     loader = ModelLoader(types.SimpleNamespace(subjects=Subjects("t")), "n0", max_models=4)
-    first = loader._load(str(gguf), "bfloat16", None)
+    first = loader.load_now(str(gguf), "bfloat16", None)
     digest = hashlib.sha256(open(first.path, "rb").read()).hexdigest()
     kept = prepared.entry(gguf, "bfloat16", "cpu")
     assert (kept / "weights.bin").is_file()
     os.unlink(first.path)
-    second = loader._load(str(gguf), "bfloat16", None)  # from the kept copy
+    second = loader.load_now(str(gguf), "bfloat16", None)  # from the kept copy
     assert hashlib.sha256(open(second.path, "rb").read()).hexdigest() == digest
     assert (second.tensors, second.config) == (first.tensors, first.config)
     assert prepared.entry(tiny_llama, "bfloat16", "cpu") is None  # an HF directory loads as it is

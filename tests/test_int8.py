@@ -181,12 +181,12 @@ def test_loader_keeps_int8_weights_apart_from_bf16(tiny_llama, tmp_path, monkeyp
     monkeypatch.setenv("MESHSERVE_SHM_DIR", str(tmp_path / "shm"))
     gguf = write_tiny_gguf(tiny_llama, tmp_path / "t.gguf")
     loader = ModelLoader(types.SimpleNamespace(subjects=Subjects("t")), "n0", max_models=4)
-    bf16, int8 = loader._load(str(gguf), "bfloat16"), loader._load(str(gguf), "bfloat16", "int8")
+    bf16, int8 = loader.load_now(str(gguf), "bfloat16"), loader.load_now(str(gguf), "bfloat16", "int8")
     assert int8.quantization == "int8" and int8.path != bf16.path
     assert prepared.entry(gguf, "bfloat16-int8", "cpu") != prepared.entry(gguf, "bfloat16", "cpu")
     digest = hashlib.sha256(open(int8.path, "rb").read()).hexdigest()
     assert os.path.getsize(int8.path) < 0.7 * os.path.getsize(bf16.path)  # the untied embedding stays bf16
     assert {t.dtype for t in int8.tensors} == {"int8", "float32", "bfloat16"}
     os.unlink(int8.path)
-    again = loader._load(str(gguf), "bfloat16", "int8")  # from the kept copy
+    again = loader.load_now(str(gguf), "bfloat16", "int8")  # from the kept copy
     assert hashlib.sha256(open(again.path, "rb").read()).hexdigest() == digest and again.tensors == int8.tensors

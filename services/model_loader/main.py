@@ -23,14 +23,19 @@ may exceed the budget (logged). Each load's tier and time are logged and kept in
 (`<ns>.models.<node>.status`). An evicted shared file is unlinked: a worker that still maps it
 keeps its mapping until it unmaps it. GPU memory is kept until the loader stops (nothing tells it
 when the workers have closed their handles), so on CUDA the host tier is not used.
+
+Layered loading (`--layered-loading`, on by default; a manifest's `layered_loading` per model; CPU
+backend): a load is answered as soon as its buffer exists, and its parts are written afterwards in
+the order a forward pass reads them, with a readiness word workers wait on per layer
+(loads.py, shared/model/layer_gate.py). Prewarm (`<ns>.models.<node>.prewarm`): the scheduler
+asks for a model ahead of its requests, up to the host or the mapped tier.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
-import dataclasses
 import logging
-import os
 import re
 import signal
 import time
@@ -38,12 +43,12 @@ from pathlib import Path
 
 from meshserve.shared import node_memory, shm
 from meshserve.shared.bus import Bus
-from meshserve.shared.models_repo import load_model_files, resolve
+from meshserve.shared.models_repo import resolve
 from meshserve.shared.manifest import Manifest, load_manifest
-from meshserve.shared.schemas import Heartbeat, LoadRequest, TensorSpec, WeightsDescriptor
+from meshserve.shared.schemas import Heartbeat, LoadRequest, PrewarmRequest, WeightsDescriptor
 from meshserve.shared.service import run_service
 
-from . import prepared
+from . import loads, prepared
 from .tiers import GB, Entry, Tiers
 
 log = logging.getLogger("meshserve.model_loader")
@@ -51,28 +56,10 @@ log = logging.getLogger("meshserve.model_loader")
 WORKER_TIMEOUT_S = 10.0  # a worker silent this long no longer holds the model it mapped
 
 
-def write_weights(name: str, weights: dict, device: str = "cpu") -> tuple["torch.Tensor", str, dict | None,
-                                                                         list[TensorSpec]]:
-    """All tensors of a model into one buffer the node's workers open (a shared file named `name`, or
-    one GPU allocation), each 64-byte aligned. Returns (buffer, path, CUDA IPC descriptor, specs)."""
-    import torch
-
-    specs, offset = [], 0
-    for key, t in weights.items():
-        specs.append(TensorSpec(name=key, dtype=shm.dtype_name(t.dtype), shape=list(t.shape), offset=offset))
-        offset = shm.aligned(offset + t.numel() * t.element_size())
-    buf, path, ipc = node_memory.create(name, max(offset, 1), device)
-    for spec, t in zip(specs, weights.values()):
-        shm.view(buf, spec.offset, spec.dtype, spec.shape).copy_(t)
-    if buf.is_cuda:  # written before any worker hears of it
-        torch.cuda.synchronize(buf.device)
-    return buf, path, ipc, specs
-
-
 class ModelLoader:
     def __init__(self, bus: Bus, node_id: str, max_models: int, device: str = "cpu",
                  weights_memory_gb: float | None = None, host_cache_gb: float = 0.0, manifest: Manifest | None = None,
-                 default_dtype: str = "bfloat16"):
+                 default_dtype: str = "bfloat16", layered: bool = True):
         self.bus, self.node_id, self.max_models, self.device = bus, node_id, max_models, device
         self.default_dtype = default_dtype
         self.tiers = Tiers(weights_budget=None if weights_memory_gb is None else int(weights_memory_gb * GB),
@@ -82,54 +69,64 @@ class ModelLoader:
         self.retired: list[torch.Tensor] = []  # cuda: unloaded, still kept (workers may hold handles)
         self.seen: dict[str, float] = {}  # worker id -> its last heartbeat
         self.tasks: list[asyncio.Task] = []
+        self.loads: set[asyncio.Task] = set()  # loads in progress
+        self.layered = layered
 
-    # -- one load, in a thread: from host memory, the prepared form, or the model's files
+    # -- one load: opened (the buffer made, its layout known), then written part by part (loads.py)
 
-    def _load(self, model: str, dtype: str, quantization: str | None = None, host: bytes | None = None,
-              meta: tuple | None = None) -> WeightsDescriptor:
-        t0 = time.monotonic()
+    def open_load(self, model: str, dtype: str, quantization: str | None = None, host: bytes | None = None,
+                  meta: tuple | None = None, source: bool = False, name_suffix: str = "") -> loads.Load:
+        """The buffer made for one load from the hottest tier holding the model (the host copy given,
+        the prepared form, else the model's files; `source`: the files even when prepared)."""
         variant = f"{dtype}-{quantization}" if quantization else dtype
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{model}-{variant}")[-120:]
-        name = f"meshserve-{self.bus.subjects.ns}-{self.node_id}-weights-{safe}"
+        name = f"meshserve-{self.bus.subjects.ns}-{self.node_id}-weights-{safe}{name_suffix}"
         if host is not None:  # the host tier: one copy into a new shared file
             specs, config = meta
-            path = str(shm.create_from_bytes(name, host))
-            ipc, how, tier = None, "from host memory", "host"
-        else:
-            kept = prepared.entry(resolve(model), variant, self.device)
-            found = prepared.load(kept, name) if kept is not None else None
-            if found is not None:
-                path, specs, config = found
-                ipc, how, tier = None, f"from {kept}", "disk"
-            else:
-                path, ipc, specs, config = self._prepare(model, dtype, quantization, name)
-                if kept is not None:
-                    prepared.keep(kept, path, specs, config)
-                how, tier = "prepared", "source"
-        took = time.monotonic() - t0
-        log.info("loaded %s (%s) into %s in %.3fs (%s; tier %s)", model, variant, path, took, how, tier)
-        return WeightsDescriptor(model=model, path=path, backend=self.device, ipc=ipc, config=config,
-                                 tensors=specs, tokenizer_path=str(resolve(model)), quantization=quantization,
-                                 tier=tier, load_s=took)
+            return loads.open_host(name, host, specs, config)
+        kept = prepared.entry(resolve(model), variant, self.device)
+        found = prepared.load(kept) if kept is not None and not source else None
+        if found is not None:
+            return loads.open_prepared(name, *found, how=f"from {kept}")
+        load = loads.open_source(model, dtype, quantization, name, self.device)
+        load.keep_to = kept
+        return load
 
-    def _prepare(self, model: str, dtype: str, quantization: str | None, name: str
-                 ) -> tuple[str, dict | None, list[TensorSpec], dict]:
-        """Reads, dequantizes, fuses (and quantizes) the weights and writes them into the shared buffer `name`."""
-        from meshserve.shared.engine.llm import DTYPES
-        from meshserve.shared.model.llama import fuse_hf_weights
+    def finish_load(self, load: loads.Load) -> None:
+        """Writes every part (the layered load's workers compute meanwhile), then keeps a prepared form."""
+        load.run()
+        if load.keep_to is not None:
+            prepared.keep(load.keep_to, load.path, load.specs, load.config)
 
-        cfg, sd, _ = load_model_files(model)
-        weights = fuse_hf_weights(cfg, sd, DTYPES[dtype], self.device, quantization)
-        del sd
-        buf, path, ipc, specs = write_weights(name, weights, self.device)
-        if buf.is_cuda:
-            self.gpu_buffers[(model, dtype, quantization)] = buf
-        return path, ipc, specs, dataclasses.asdict(cfg)
+    def _descriptor(self, model: str, quantization: str | None, load: loads.Load, took: float,
+                    layered: bool = False) -> WeightsDescriptor:
+        return WeightsDescriptor(model=model, path=load.path, backend=self.device, ipc=load.ipc, config=load.config,
+                                 tensors=load.specs, tokenizer_path=str(resolve(model)), quantization=quantization,
+                                 tier=load.tier, load_s=took, ready_path=load.ready_path if layered else None)
+
+    def load_now(self, model: str, dtype: str, quantization: str | None = None, host: bytes | None = None,
+                 meta: tuple | None = None) -> WeightsDescriptor:
+        """One whole load, not layered, in the calling thread (the prepared-form tests and the tier
+        load times of bench-models)."""
+        t0 = time.monotonic()
+        load = self.open_load(model, dtype, quantization, host, meta)
+        try:
+            self.finish_load(load)
+        except BaseException:
+            load.failed()
+            raise
+        return self._descriptor(model, quantization, load, time.monotonic() - t0)
 
     # -- asks
 
     def _spec(self, key):
         return self.manifest.by_weights(self.default_dtype).get(key) if self.manifest else None
+
+    def _layered(self, spec) -> bool:
+        """Layered loading for this model: its manifest key, else --layered-loading; CPU backend only
+        (on CUDA the parts would need a cross-process ordering of GPU copies nobody has tested)."""
+        on = spec.layered_loading if spec is not None and spec.layered_loading is not None else self.layered
+        return on and self.device == "cpu"
 
     async def get(self, req: LoadRequest) -> WeightsDescriptor:
         key = (req.model, req.dtype, req.quantization)
@@ -141,35 +138,101 @@ class ModelLoader:
             self.tiers.use(req.worker_id, e)
         else:
             self.tiers.touch(e)
+        return await self._mapped(e, spec, self._layered(spec))
+
+    async def _mapped(self, e: Entry, spec, layered: bool) -> WeightsDescriptor:
+        """`e`'s descriptor once in the mapped tier (a layered load's: once its buffer exists)."""
         if e.tier == "mapped":
             e.hits += 1
             return e.desc
         if e.loading is None:
-            e.loading = asyncio.ensure_future(self._bring_in(e, spec.memory_quota_gb if spec else None))
+            e.loading = asyncio.get_running_loop().create_future()
+            task = asyncio.ensure_future(self._bring_in(e, spec.memory_quota_gb if spec else None, layered))
+            self.loads.add(task)
+            task.add_done_callback(self.loads.discard)
         return await asyncio.shield(e.loading)
 
-    async def _bring_in(self, e: Entry, quota_gb: float | None) -> WeightsDescriptor:
+    async def _bring_in(self, e: Entry, quota_gb: float | None, layered: bool) -> None:
+        """Brings `e` into the mapped tier and resolves `e.loading` with its descriptor: a layered load
+        as soon as its buffer exists (workers map it and wait per part), else once it is written."""
         model, dtype, quantization = e.key
-        was = e.tier
+        was, t0, load = e.tier, time.monotonic(), None
         e.tier = "loading"
         try:
-            desc = await asyncio.to_thread(self._load, model, dtype, quantization, e.host, e.meta)
-            nbytes = os.path.getsize(desc.path) if desc.backend == "cpu" else sum(
-                shm.nbytes(t.dtype, t.shape) for t in desc.tensors)
-            if quota_gb is not None and nbytes > quota_gb * GB:
-                node_memory.release(desc.backend, desc.path)
-                raise RuntimeError(f"its weights take {nbytes / GB:.3f} GiB, over its memory_quota_gb of "
+            load = await asyncio.to_thread(self.open_load, model, dtype, quantization, e.host, e.meta)
+            if quota_gb is not None and load.nbytes > quota_gb * GB:
+                raise RuntimeError(f"its weights take {load.nbytes / GB:.3f} GiB, over its memory_quota_gb of "
                                    f"{quota_gb:g}")
-        except Exception as err:
-            e.tier, e.error, e.loading = ("host" if was == "host" else "failed"), str(err), None
-            if e.tier == "host":
-                e.error = None
-            raise
-        self.tiers.mapped(e, desc, nbytes)
+            if layered:
+                load.layered()
+                e.loading.set_result(self._descriptor(model, quantization, load, time.monotonic() - t0, True))
+                log.info("layered load of %s (%s): %s mapped by workers while its parts are written", e.name, dtype,
+                         load.path)
+            await asyncio.to_thread(self.finish_load, load)
+        except Exception as err:  # noqa: BLE001 - the askers hear why (a layered load's workers by its word)
+            log.error("loading %s failed: %s: %s", e.name, type(err).__name__, err)
+            if load is not None:
+                load.failed()
+            e.tier, e.error = ("host", None) if was == "host" else ("failed", f"{type(err).__name__}: {err}")
+            if not e.loading.done():
+                e.loading.set_exception(err)
+                e.loading.exception()  # retrieved: no warning when nobody was waiting
+            e.loading = None
+            return
+        took = time.monotonic() - t0
+        desc = self._descriptor(model, quantization, load, took)
+        log.info("loaded %s (%s) into %s in %.3fs (%s; tier %s%s)", model, dtype, load.path, took, load.how,
+                 load.tier, "; layered" if layered else "")
+        self.tiers.mapped(e, desc, load.nbytes, load.ready_path)
+        if load.buffer is not None:
+            self.gpu_buffers[e.key] = load.buffer
+        if not e.loading.done():
+            e.loading.set_result(desc)
         e.loading = None
         for victim, to in self.tiers.evictions():
             self._evict(victim, to)
-        return desc
+
+    # -- prewarm (the scheduler predicts a model from its request rate, services/scheduler/prewarm.py)
+
+    async def prewarm(self, req: PrewarmRequest) -> dict:
+        """Moves the models named in `evict` down a tier (unless in use or pinned), then brings the model
+        up to `req.to`: mapped (a load no worker asked for yet) or host (its bytes in this process)."""
+        for name in req.evict:
+            v = next((x for x in self.tiers.entries.values() if x.name == name), None)
+            if v is None or v.users or v.pinned or v.loading is not None or v.tier not in ("mapped", "host"):
+                continue
+            room = self.tiers.host_budget - self.tiers.used_bytes("host")
+            self._evict(v, "host" if v.tier == "mapped" and v.nbytes <= room else "disk")
+        spec = self._spec((req.model, req.dtype, req.quantization))
+        if self.manifest is not None and spec is None:  # removed from it meanwhile
+            return {"ok": False, "error": f"{req.name or req.model} is not in the manifest"}
+        e = self.tiers.entry((req.model, req.dtype, req.quantization), req.name or (spec.id if spec else req.model))
+        e.pinned = bool(spec and spec.pinned)
+        self.tiers.touch(e)  # about to be used, as its rate says
+        if req.to == "mapped":  # not layered: nobody waits for its first layers
+            if e.tier != "mapped" and e.loading is None:
+                e.prewarms += 1  # this load is the prewarm's (not one a request started)
+            await self._mapped(e, spec, layered=False)
+        elif e.tier == "disk" and e.loading is None and self.tiers.host_budget > 0:
+            t0 = time.monotonic()
+            data, meta = await asyncio.to_thread(self._host_copy, *e.key)
+            if e.tier == "disk" and e.loading is None:  # not loaded meanwhile
+                e.host, e.meta, e.nbytes, e.tier, e.error = data, meta, len(data), "host", None
+                e.prewarms += 1
+                self.tiers.touch(e)
+                log.info("prewarmed %s (%s) into host memory in %.3fs", e.name, e.key[1], time.monotonic() - t0)
+        for victim, to in self.tiers.evictions():
+            self._evict(victim, to)
+        return {"ok": True, "name": e.name, "tier": e.tier}
+
+    def _host_copy(self, model: str, dtype: str, quantization: str | None) -> tuple[bytes, tuple]:
+        """The model's mapped bytes, made through a shared file that is removed again."""
+        load = self.open_load(model, dtype, quantization, name_suffix="-prewarm")  # not a mapped load's file
+        try:
+            self.finish_load(load)
+            return Path(load.path).read_bytes(), (load.specs, load.config)
+        finally:
+            load.release()
 
     def _evict(self, e: Entry, to: str) -> None:
         """Moves a model down to `to` (host: a copy in this process; disk: nothing kept here)."""
@@ -180,6 +243,8 @@ class ModelLoader:
                 e.host = Path(desc.path).read_bytes()
                 e.meta = (desc.tensors, desc.config)
             node_memory.release(desc.backend, desc.path)
+            if e.ready_path:
+                shm.unlink(e.ready_path)
             if e.key in self.gpu_buffers:
                 self.retired.append(self.gpu_buffers.pop(e.key))
         if to != "host":
@@ -256,11 +321,21 @@ class ModelLoader:
             except Exception as e:  # noqa: BLE001 - the asker must hear why
                 await msg.respond(orjson.dumps({"ok": False, "error": str(e)}))
 
+        async def on_prewarm(msg):
+            import orjson
+            try:
+                reply = await self.prewarm(PrewarmRequest.decode(msg.data))
+            except Exception as e:  # noqa: BLE001 - the scheduler logs why
+                log.warning("prewarm failed: %s: %s", type(e).__name__, e)
+                reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+            await msg.respond(orjson.dumps(reply))
+
         async def on_heartbeat(msg):
             self.seen[Heartbeat.decode(msg.data).worker_id] = time.monotonic()
 
         s = self.bus.subjects
-        for verb, cb in (("load", on_load), ("list", on_list), ("status", on_status), ("reload", on_reload)):
+        for verb, cb in (("load", on_load), ("list", on_list), ("status", on_status), ("reload", on_reload),
+                        ("prewarm", on_prewarm)):
             await self.bus.nc.subscribe(s.models(verb, self.node_id), cb=cb)
         await self.bus.nc.subscribe(s.heartbeat, cb=on_heartbeat)
         self.tasks.append(asyncio.ensure_future(self._sweeper()))
@@ -268,11 +343,13 @@ class ModelLoader:
     manifest_path: str | None = None
 
     def close(self) -> None:
-        for t in self.tasks:
+        for t in [*self.tasks, *self.loads]:
             t.cancel()
         for e in self.tiers.entries.values():
             if e.desc is not None:
                 node_memory.release(e.desc.backend, e.desc.path)
+            if e.ready_path:
+                shm.unlink(e.ready_path)
 
 
 def add_arguments(p) -> None:
@@ -283,6 +360,10 @@ def add_arguments(p) -> None:
     p.add_argument("--host-cache-gb", type=float, default=0.0,
                    help="GiB of this process's memory for weights evicted from the mapped tier, brought back "
                         "by one copy (0: evicted weights go to disk)")
+    p.add_argument("--layered-loading", action=argparse.BooleanOptionalAction, default=True,
+                   help="answer a load as soon as the weights' buffer exists and write it layer by layer, so workers "
+                        "compute a prompt's first layers while the later ones come (docs/models.md; CPU backend; a "
+                        "manifest's `layered_loading` overrides it per model)")
     p.add_argument("--preload", action="store_true", help="load --model (and pinned models of --models) at start "
                                                           "instead of on first ask")
 
@@ -291,7 +372,8 @@ async def main(args) -> None:
     async def start(bus: Bus):
         manifest = load_manifest(args.models) if getattr(args, "models", None) else None
         loader = ModelLoader(bus, args.node_id, args.max_models, getattr(args, "device", "cpu"),
-                             args.weights_memory_gb, args.host_cache_gb, manifest, args.dtype)
+                             args.weights_memory_gb, args.host_cache_gb, manifest, args.dtype,
+                             getattr(args, "layered_loading", True))
         loader.manifest_path = getattr(args, "models", None)
         await loader.serve()
         loop = asyncio.get_running_loop()

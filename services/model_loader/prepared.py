@@ -22,7 +22,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from meshserve.shared import shm
 from meshserve.shared.models_repo import prepared_dir, publish_dir
 from meshserve.shared.schemas import TensorSpec
 
@@ -52,15 +51,14 @@ def entry(model_file: Path, variant: str, device: str) -> Path | None:
     return prepared_dir(model_file, "weights", variant, device, recipe())
 
 
-def load(kept: Path, shm_name: str) -> tuple[str, list[TensorSpec], dict] | None:
-    """The kept weights copied into a new shared file `shm_name`: (its path, the tensors, the model
-    config), or None when nothing is kept there yet."""
+def load(kept: Path) -> tuple[Path, list[TensorSpec], dict] | None:
+    """The kept weights' file, tensors and model config, or None when nothing is kept there yet
+    (loads.open_prepared copies the file into shared memory)."""
     meta = kept / "weights.json"
     if not meta.is_file():
         return None
     m = json.loads(meta.read_text())
-    path = shm.create_copy(shm_name, kept / "weights.bin")
-    return str(path), [TensorSpec(**t) for t in m["tensors"]], m["config"]
+    return kept / "weights.bin", [TensorSpec(**t) for t in m["tensors"]], m["config"]
 
 
 def keep(kept: Path, shm_path: str, specs: list[TensorSpec], config: dict) -> None:

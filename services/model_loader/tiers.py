@@ -23,6 +23,7 @@ class Entry:
     name: str
     tier: str = "disk"  # mapped | host | disk | loading | failed
     desc: object | None = None  # its WeightsDescriptor while mapped
+    ready_path: str | None = None  # its layered load's readiness file (workers may still map it)
     host: bytes | None = None  # its bytes while in the host tier
     meta: tuple | None = None  # (tensors, config) of the host copy
     nbytes: int = 0
@@ -36,6 +37,7 @@ class Entry:
     load_s: dict[str, float] = field(default_factory=dict)  # tier it came from -> seconds, the last time
     evictions: int = 0
     hits: int = 0  # asks that found it mapped
+    prewarms: int = 0  # times a prewarm brought it up a tier ahead of its requests
 
 
 class Tiers:
@@ -67,16 +69,16 @@ class Tiers:
             old.users.discard(worker)
             self.touch(old)  # used until now
 
-    def mapped(self, e: Entry, desc, nbytes: int) -> None:
+    def mapped(self, e: Entry, desc, nbytes: int, ready_path: str | None = None) -> None:
         came = "source" if desc.tier == "source" else desc.tier
-        e.tier, e.desc, e.nbytes, e.error = "mapped", desc, nbytes, None
+        e.tier, e.desc, e.nbytes, e.error, e.ready_path = "mapped", desc, nbytes, None, ready_path
         e.host = e.meta = None
         e.loads[came] = e.loads.get(came, 0) + 1
         e.load_s[came] = round(desc.load_s, 4)
         self.touch(e)
 
     def moved(self, e: Entry, tier: str) -> None:
-        e.tier, e.desc = tier, None
+        e.tier, e.desc, e.ready_path = tier, None, None
         e.evictions += 1
 
     def drop(self, e: Entry) -> None:
@@ -122,10 +124,12 @@ class Tiers:
 
     def status(self) -> dict:
         return {"weights_memory_bytes": self.weights_budget, "host_cache_bytes": self.host_budget,
+                "max_mapped": self.max_mapped,
                 "mapped_bytes": self.used_bytes("mapped"), "host_bytes": self.used_bytes("host"),
                 "over_budget_loads": self.over_budget,
                 "models": [{"name": e.name, "model": e.key[0], "dtype": e.key[1], "quantization": e.key[2],
                             "tier": e.tier, "bytes": e.nbytes, "pinned": e.pinned, "users": sorted(e.users),
                             "loads": e.loads, "load_s": e.load_s, "evictions": e.evictions, "hits": e.hits,
+                            "prewarms": e.prewarms,
                             "error": e.error}
                            for e in self.entries.values()]}

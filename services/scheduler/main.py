@@ -32,6 +32,7 @@ scheduler accepted, as a new attempt (docs/faults.md).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import random
@@ -47,9 +48,9 @@ from meshserve.shared.bus import Bus
 from meshserve.shared.engine.policy import add_scheduling_arguments
 from meshserve.shared.limits import LimitError, check_context_length
 from meshserve.shared.prefix_hash import prompt_block_hashes
-from meshserve.shared.schemas import (KEEPALIVE_S, NOT_READY, Abort, BlockRefs, BlockTransfer, Done, GenerateRequest, Handoff,
-                                      Heartbeat, KVEvent, ModelSwitch, ModelSwitchReply, RoleSwitch, ServiceHello,
-                                      SubmitReply, TokenChunk, TransferReply, Usage)
+from meshserve.shared.schemas import (KEEPALIVE_S, NOT_READY, Abort, BlockRefs, BlockTransfer, Done, GenerateRequest,
+                                      Handoff, Heartbeat, KVEvent, ModelSwitch, ModelSwitchReply, PrewarmRequest,
+                                      RoleSwitch, ServiceHello, SubmitReply, TokenChunk, TransferReply, Usage)
 from meshserve.shared.service import run_service
 from meshserve.shared.telemetry import span
 from meshserve.shared.tenants import load_tenants
@@ -57,7 +58,8 @@ from meshserve.shared.tenants import load_tenants
 from meshserve.shared.manifest import Manifest, ServedModel, load_manifest
 
 from .admission import Admission, waiting_by_class
-from .models import Placement, idle, model_states, pick_worker
+from .models import Placement, idle, model_states, pick_worker, tiers_by_node
+from .prewarm import Rates, plan, residents
 from .queues import ClassQueues
 from .roles import ElasticRoles, Load
 from .routing import (WorkerView, pick_admission, pick_decode, pick_idle_for_short_prompt, pick_soonest,
@@ -103,6 +105,9 @@ class Scheduler:
         self.loaders: dict[str, dict] = {}  # node -> its model-loader's status (tiers)
         self._loaders_at = 0.0  # when the loaders' status was last asked
         self._kept_alive_at = time.monotonic()  # when the queued requests' gateways last heard of them
+        self.rates = Rates()  # each model's decayed request rate, for prewarm (prewarm.py)
+        self.prewarming: set[str] = set()  # nodes whose loader is prewarming now
+        self.prewarms: list[dict] = []  # the last prewarms, for status
 
     # -- views
 
@@ -153,6 +158,8 @@ class Scheduler:
                 "models": model_states(self.manifest.ids if self.manifest else sorted(models), ws, self.placement,
                                        self.loaders),
                 "model_switches": self.placement.switches, "recent_model_switches": self.placement.history,
+                "request_rates": {m: round(r, 4) for m, r in self.rates.all().items()},
+                "recent_prewarms": self.prewarms,
                 "loaders": self.loaders,
                 "elastic_roles": self.roles.enabled, "role_switches": self.roles.switches,
                 "recent_role_switches": self.roles.history,
@@ -201,6 +208,8 @@ class Scheduler:
             return refusal
         self.requests[req.request_id] = Tracked(req, None)
         self.aborted.discard(req.request_id)
+        if self.spec(req.model) is not None and not req.attempt:
+            self.rates.hit(req.model)
         q = self.queues.setdefault(req.model, ClassQueues(self.fcfs))
         q.remove(req.request_id)  # an earlier attempt still queued here: the new one replaces it
         q.push(req)
@@ -239,7 +248,7 @@ class Scheduler:
                 self._fail_queued(model, why)
                 continue
             w = pick_worker(list(self.workers.values()), {m: len(x) for m, x in self.queues.items()},
-                            self.placement.last_used, set(self.placement.switching))
+                            self.placement.last_used, set(self.placement.switching), tiers_by_node(self.loaders, model))
             if w is None:
                 break  # every worker is busy: the next that idles is asked (done, reap)
             self.placement.switching[w.hb.worker_id] = model
@@ -313,6 +322,43 @@ class Scheduler:
                 self.loaders[node] = orjson.loads(msg.data)
             except Exception as e:  # noqa: BLE001 - an old loader, or a restarting one: keep what we had
                 log.debug("loader of %s did not answer: %s", node, e)
+
+    async def prewarm(self) -> None:
+        """Asks each node's loader to bring up the models their request rates predict (prewarm.py)."""
+        if self.manifest is None or not getattr(self.args, "prewarm", True):
+            return
+        rates = self.rates.all()
+        for node, st in list(self.loaders.items()):
+            if node in self.prewarming or "models" not in st:
+                continue
+            moves = plan(rates, residents(st, self.manifest.ids), st.get("weights_memory_bytes"),
+                         st.get("host_cache_bytes") or 0, st.get("max_mapped") or 1)
+            moves = [(mv, self.spec(mv.name)) for mv in moves if self.placement.failure(mv.name) is None]
+            if moves:
+                self.prewarming.add(node)
+                self._spawn(self._prewarm(node, moves, rates))
+
+    async def _prewarm(self, node: str, moves: list, rates: dict[str, float]) -> None:
+        try:
+            for mv, spec in moves:
+                t0 = time.monotonic()
+                req = PrewarmRequest(model=spec.path, dtype=spec.dtype or self.args.dtype,
+                                     quantization=spec.quantization, name=spec.id, to=mv.to, evict=list(mv.evict))
+                try:
+                    msg = await self.bus.nc.request(self.bus.subjects.models("prewarm", node), req.encode(),
+                                                    timeout=900)
+                    reply = orjson.loads(msg.data)
+                except Exception as e:  # noqa: BLE001 - an old loader, or a restarting one: the next round asks again
+                    reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                log.info("prewarm on %s: %s -> %s (rate %.3f/s%s) in %.3f s: %s", node, spec.id, mv.to,
+                         rates.get(spec.id, 0.0), f", evicting {', '.join(mv.evict)}" if mv.evict else "",
+                         time.monotonic() - t0, reply)
+                self.prewarms = (self.prewarms + [{"node": node, "model": spec.id, "to": mv.to, "evict": list(mv.evict),
+                                                   "ok": reply.get("ok"), "tier": reply.get("tier"),
+                                                   "seconds": round(time.monotonic() - t0, 3)}])[-16:]
+        finally:
+            self.prewarming.discard(node)
+        await self.refresh_loaders()
 
     async def reload(self) -> dict:
         """Re-reads the manifest (SIGHUP, or the gateway's POST /admin/models/reload) and has every
@@ -582,6 +628,7 @@ class Scheduler:
             if self.manifest is not None and time.monotonic() - self._loaders_at > 1.0:
                 self._loaders_at = time.monotonic()
                 await self.refresh_loaders()
+                await self.prewarm()
 
     async def keep_queued_alive(self) -> None:
         """Tells the gateways which of their requests still wait here: a batch prompt may queue
@@ -675,6 +722,9 @@ def add_arguments(p) -> None:
     p.add_argument("--tenants", default=None, metavar="FILE",
                    help="tenants file (docs/tenants.md): quotas per tenant and a bound per class queue; give the "
                         "gateway the same file (default: none, everything is admitted)")
+    p.add_argument("--prewarm", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --models: bring models up a tier ahead of their requests, as their recent request "
+                        "rates predict (docs/models.md; default: on)")
     p.add_argument("--fixed-roles", action="store_true",
                    help="keep every worker in the role it started with (default: with two or more workers on a "
                         "node, roles follow the traffic)")

@@ -2,8 +2,10 @@
 
 Workers are generic: the scheduler tells an idle one to switch model (`<ns>.worker.<id>.model`)
 when a model of the manifest has requests queued here and no worker serving it. The worker it
-picks has nothing assigned or running, serves a model with nothing queued, and among those the
-one whose model has other workers, then the least recently used model. While the switch runs the
+picks has nothing assigned or running, serves a model with nothing queued, and among those one on a
+node whose loader holds the model in the hottest tier (mapped, then host, then disk: prewarm.py
+brings models up ahead of their requests), then the one whose model has other workers, then the
+least recently used model. While the switch runs the
 worker is routed nothing; a switch that fails is remembered for `retry_s`, during which the
 model's requests are refused with the reason (the queued ones fail with it at once).
 
@@ -24,14 +26,21 @@ def idle(w: WorkerView) -> bool:
 
 
 def pick_worker(workers: list[WorkerView], queued: dict[str, int], last_used: dict[str, float],
-                switching: set[str]) -> WorkerView | None:
-    """The worker to switch to a model that has none, or None (every worker is busy: it waits)."""
+                switching: set[str], tier_on: dict[str, str] | None = None) -> WorkerView | None:
+    """The worker to switch to a model that has none, or None (every worker is busy: it waits).
+    `tier_on`: the model's tier on each node (its loader's status): a node holding it hotter first."""
     per_model: dict[str, int] = {}
     for w in workers:
         per_model[w.hb.model] = per_model.get(w.hb.model, 0) + 1
     free = [w for w in workers if w.hb.worker_id not in switching and idle(w) and not queued.get(w.hb.model)]
-    return min(free, key=lambda w: (per_model[w.hb.model] <= 1, last_used.get(w.hb.model, 0.0), w.hb.worker_id),
-               default=None)
+    tier = lambda w: TIER_ORDER.index((tier_on or {}).get(w.hb.node_id, "disk"))  # noqa: E731
+    return min(free, key=lambda w: (tier(w), per_model[w.hb.model] <= 1, last_used.get(w.hb.model, 0.0),
+                                    w.hb.worker_id), default=None)
+
+
+def tiers_by_node(loaders: dict[str, dict], name: str) -> dict[str, str]:
+    """The model's tier on each node whose loader reported it."""
+    return {node: m["tier"] for node, st in loaders.items() for m in st.get("models", []) if m["name"] == name}
 
 
 @dataclass

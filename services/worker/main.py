@@ -118,8 +118,9 @@ class Worker:
                  self.engine.block_pool.num_free)
 
     def _step(self) -> list[RequestOutput]:
-        """One engine step, on the step thread, on the thread count the tuner picks."""
-        if self.tuner is None:
+        """One engine step, on the step thread, on the thread count the tuner picks (not measured while
+        the model may still wait for its layers: layered loading)."""
+        if self.tuner is None or self.engine.model.gate is not None:
             return self.engine.step()
         return self.engine.step(self.tuner.run)
 

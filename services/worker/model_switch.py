@@ -7,6 +7,10 @@ before), checks that the model's KV shape fits the node's arena, builds the mode
 on the same arena, gives the old engine's blocks back to the kv-pool and leases new ones. A switch
 that fails leaves the worker on the model it had (mapped again: the loader keeps it in use) and the
 reply says why; the scheduler then fails that model's queued requests with the reason.
+
+A layered load (docs/models.md) is answered while the loader still writes the weights: the model is
+built over them with their `LayerGate`, which its forward pass waits on per layer, so the switch
+ends, and the first prompt computes, before the last layers are in.
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ import asyncio
 import logging
 import time
 
+from meshserve.kernels.linear import converts_on_load
 from meshserve.shared import node_memory, shm
 from meshserve.shared.engine.llm_engine import EngineConfig, LLMEngine
 from meshserve.shared.engine.scheduler import SchedulerConfig
 from meshserve.shared.engine.speculative import config_from_args
 from meshserve.shared.kv_layout import kv_arena_dtype, kv_row
 from meshserve.shared.model.config import ModelConfig
+from meshserve.shared.model.layer_gate import LayerGate, open_gate
 from meshserve.shared.model.llama import LlamaModel
 from meshserve.shared.schemas import LoadRequest, ModelSwitch, ModelSwitchReply, WeightsDescriptor
 
@@ -41,6 +47,19 @@ def kv_mismatch(cfg: ModelConfig, dtype: str, arena, kv_cache_dtype: str = "auto
     return None
 
 
+async def open_weights(w: WeightsDescriptor) -> tuple[dict, LayerGate | None]:
+    """The descriptor's tensors over the loader's memory (no copy), and the gate of a layered load
+    still being written (None once complete). Weights that building the model would read (a blocked
+    layout without its kernel here) are waited for whole."""
+    buf = node_memory.open_buffer(w.backend, w.path, w.ipc)
+    weights = {t.name: shm.view(buf, t.offset, t.dtype, t.shape) for t in w.tensors}
+    gate = open_gate(w.ready_path, int(w.config["num_hidden_layers"]))
+    if gate is not None and converts_on_load(weights):
+        await asyncio.to_thread(gate.wait, gate.total - 1)
+        gate = None
+    return weights, gate
+
+
 async def build_engine(worker, load: LoadRequest, served: str) -> tuple[LLMEngine, WeightsDescriptor]:
     """The model's weights mapped from the loader and an engine over them on the worker's arena."""
     a, bus = worker.args, worker.bus
@@ -50,14 +69,13 @@ async def build_engine(worker, load: LoadRequest, served: str) -> tuple[LLMEngin
     problem = kv_mismatch(cfg, load.dtype, worker.arena, getattr(a, "kv_cache_dtype", "auto"))
     if problem:
         raise ValueError(problem)
-    buf = node_memory.open_buffer(w.backend, w.path, w.ipc)  # the loader's memory: no copy
-    weights = {t.name: shm.view(buf, t.offset, t.dtype, t.shape) for t in w.tensors}
+    weights, gate = await open_weights(w)
     # Built on the step thread, like everything that runs torch ops in parallel: OpenMP keeps a
     # thread team per thread that opens parallel regions, and once the main thread had one
     # (from building the model) the step thread's ran on ~1.6 of 2 cores (bench-mesh: the
     # decode worker's CPU over the run's wall time, 1.55 before and 1.91 after this change).
     loop = asyncio.get_running_loop()
-    model = await loop.run_in_executor(worker.stepper, lambda: LlamaModel(cfg, weights))
+    model = await loop.run_in_executor(worker.stepper, lambda: LlamaModel(cfg, weights, gate=gate))
     from meshserve.shared.models_repo import load_tokenizer
 
     tokenizer = load_tokenizer(w.tokenizer_path)  # for structured output's grammars
@@ -70,9 +88,9 @@ async def build_engine(worker, load: LoadRequest, served: str) -> tuple[LLMEngin
     if spec is not None and spec.method == "draft":  # the draft's weights from the node's loader too
         dw = await bus.request(bus.subjects.models("load", a.node_id), LoadRequest(model=spec.model, dtype=load.dtype),
                                WeightsDescriptor, timeout=900)  # no worker_id: that would move it off its model
-        dbuf = node_memory.open_buffer(dw.backend, dw.path, dw.ipc)
-        dweights = {t.name: shm.view(dbuf, t.offset, t.dtype, t.shape) for t in dw.tensors}
-        draft = await loop.run_in_executor(worker.stepper, lambda: LlamaModel(ModelConfig(**dw.config), dweights))
+        dweights, dgate = await open_weights(dw)
+        draft = await loop.run_in_executor(worker.stepper, lambda: LlamaModel(ModelConfig(**dw.config), dweights,
+                                                                              gate=dgate))
     config = EngineConfig(block_size=worker.arena.block_size, max_model_len=a.max_model_len, scheduler=sched,
                           speculative=spec, kv_cache_dtype=getattr(a, "kv_cache_dtype", "auto"))
     engine = await loop.run_in_executor(worker.stepper, lambda: LLMEngine(
@@ -96,6 +114,6 @@ async def switch_model(worker, m: ModelSwitch) -> ModelSwitchReply:
         return ModelSwitchReply(ok=False, error=str(e), seconds=time.perf_counter() - t0)
     await worker.replace_engine(engine, m.name, load)
     took = time.perf_counter() - t0
-    log.info("worker %s model %s -> %s in %.3f s (weights from %s in %.3f s): %s", worker.id, old, m.name, took,
-             w.tier, w.load_s, m.reason)
+    log.info("worker %s model %s -> %s in %.3f s (weights from %s in %.3f s%s): %s", worker.id, old, m.name, took,
+             w.tier, w.load_s, ", layered: its layers still loading" if w.ready_path else "", m.reason)
     return ModelSwitchReply(ok=True, seconds=took, tier=w.tier)

@@ -16,6 +16,7 @@ from meshserve.kernels.linear import block_weights, projection
 from meshserve.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 
 from .config import QUANTIZATIONS, ModelConfig
+from .layer_gate import LayerGate
 from .rope import rope_cos_sin
 
 
@@ -27,16 +28,36 @@ def fuse_hf_weights(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.
     weights with per-channel scales (kernels/int8_linear.py), quantized from the source's precision.
 
     The result is the model's whole state: the model loader writes it into shared memory as is."""
+    return {k: v for part in fused_parts(cfg, sd, dtype, device, quantization) for k, v in part.items()}
+
+
+def fused_parts(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype,
+                device: str | torch.device = "cpu", quantization: str | None = None):
+    """`fuse_hf_weights` one part at a time, each made when asked for: first the tensors outside the
+    layers (embedding, norm, lm_head), then layer 0, 1, ... (the loader writes a layered load in
+    this order, shared/model/layer_gate.py). Every conversion is per tensor, so the parts together
+    are exactly the whole."""
     if quantization not in (None, *QUANTIZATIONS):
         raise ValueError(f"unknown quantization {quantization!r} (one of {', '.join(QUANTIZATIONS)})")
     # Fused in the source's precision when quantizing (each tensor is cast or quantized at the end).
     t = (lambda x: x.contiguous()) if quantization else (lambda x: x.to(dtype).contiguous())  # noqa: E731
+    names = set(projection_names(cfg))
+
+    def finish(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        mine = [n for n in w if n in names]
+        if quantization == "int8":  # a tied embedding is looked up from the int8 head: one copy
+            return quantize_weights(w, mine, dtype, device)
+        if torch.device(device).type == "cpu":
+            return block_weights(w, mine, keep={"embed"})  # the embedding is also read by row
+        return w
+
     w = {"embed": t(sd["model.embed_tokens.weight"]), "norm": t(sd["model.norm.weight"])}
     if not cfg.tie_word_embeddings:
         w["lm_head"] = t(sd.get("lm_head.weight", sd["model.embed_tokens.weight"]))
+    yield finish(w)
     for i in range(cfg.num_hidden_layers):
         p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
-        w[f"layers.{i}.qkv"] = t(torch.cat([sd[a + f"{x}_proj.weight"] for x in "qkv"]))
+        w = {f"layers.{i}.qkv": t(torch.cat([sd[a + f"{x}_proj.weight"] for x in "qkv"]))}
         if cfg.attention_bias:
             w[f"layers.{i}.qkv_bias"] = t(torch.cat([sd[a + f"{x}_proj.bias"] for x in "qkv"]))
         w[f"layers.{i}.o"] = t(sd[a + "o_proj.weight"])
@@ -44,11 +65,7 @@ def fuse_hf_weights(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.
         w[f"layers.{i}.down"] = t(sd[p + "mlp.down_proj.weight"])
         w[f"layers.{i}.attn_norm"] = t(sd[p + "input_layernorm.weight"])
         w[f"layers.{i}.mlp_norm"] = t(sd[p + "post_attention_layernorm.weight"])
-    if quantization == "int8":  # a tied embedding is looked up from the int8 head: one copy
-        return quantize_weights(w, projection_names(cfg), dtype, device)
-    if torch.device(device).type == "cpu":
-        w = block_weights(w, projection_names(cfg), keep={"embed"})  # the embedding is also read by row
-    return w
+        yield finish(w)
 
 
 def projection_names(cfg: ModelConfig) -> list[str]:
@@ -57,10 +74,13 @@ def projection_names(cfg: ModelConfig) -> list[str]:
 
 
 class LlamaModel:
-    """Holds references to its weights, never copies: they may live in memory other processes map."""
+    """Holds references to its weights, never copies: they may live in memory other processes map.
+    With a `gate` (layered loading, layer_gate.py) the weights are still being written: each part is
+    waited for before it is read, until the gate is done and dropped."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int | None = None):
-        self.cfg, self.weights = cfg, weights
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int | None = None,
+                 gate: LayerGate | None = None):
+        self.cfg, self.weights, self.gate = cfg, weights, gate
         self.dtype = weights["norm"].dtype
         self.norm = weights["norm"]
         L = range(cfg.num_hidden_layers)
@@ -90,13 +110,17 @@ class LlamaModel:
                  kv_cache: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [N]. kv_cache: [layers, 2, num_slots, kv_heads, head_dim].
         Returns the final hidden states [N, hidden]."""
-        cfg, ops = self.cfg, self.ops
+        cfg, ops, gate = self.cfg, self.ops, self.gate
         n, hq, hkv, d = input_ids.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        if gate is not None:  # part 0 and layer 0 (whose input norm comes first)
+            gate.wait(1)
         # the residual stream, updated in place
         x = F.embedding(input_ids, self.embed) if self.embed is not None else self.head.rows(input_ids, self.dtype)
         h = ops.rms_norm(x, self.attn_norm[0])
         next_norm = self.attn_norm[1:] + [self.norm]
         for i, proj in enumerate(self.proj):
+            if gate is not None:  # layer i ends with the next layer's input norm
+                gate.wait(min(i + 2, cfg.num_hidden_layers))
             qkv = proj["qkv"](h)
             ops.rope_(qkv, positions, self.cos, self.sin, hq + hkv, d)
             q = qkv[:, :hq * d].view(n, hq, d)
@@ -110,4 +134,8 @@ class LlamaModel:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.gate is not None:
+            self.gate.wait(self.cfg.num_hidden_layers + 1)
+            if self.gate.done:  # fully loaded: no more checks
+                self.gate = None
         return self.head(hidden).float()

@@ -8,6 +8,7 @@ one ``load_weights`` path, whatever file format the weights came from.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 import json
 import logging
 from pathlib import Path
@@ -26,7 +27,7 @@ __all__ = ["load_hf_dir", "load_gguf", "gguf_config", "gguf_metadata", "unpermut
 # --------------------------------------------------------------------------- HF
 
 
-def load_hf_dir(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_hf_dir(path: str | Path, lazy: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read config.json and every *.safetensors file of a Hugging Face model directory.
 
     Tensors keep their stored names and dtypes (no renaming, no casting), so a
@@ -51,6 +52,8 @@ def load_hf_dir(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
+    if lazy:
+        return cfg, LazyTensors(files)
     sd: dict[str, torch.Tensor] = {}
     for file in files:
         part = load_file(str(file))
@@ -59,6 +62,31 @@ def load_hf_dir(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]
             raise ValueError(f"tensor(s) {sorted(dup)[:3]} appear in more than one file in {path}")
         sd.update(part)
     return cfg, sd
+
+
+class LazyTensors(Mapping):
+    """The tensors of safetensors files, each read when asked for: the model-loader's layered load
+    reads a layer's tensors as it writes that layer (load_hf_dir(..., lazy=True))."""
+
+    def __init__(self, files: list[Path]):
+        from safetensors import safe_open
+
+        self._where = {}
+        for file in files:
+            f = safe_open(str(file), framework="pt")
+            for k in f.keys():
+                if k in self._where:
+                    raise ValueError(f"tensor {k!r} appears in more than one file in {file.parent}")
+                self._where[k] = f
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name)
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
 
 
 def _union(a: list[int], b: list[int]) -> list[int]:

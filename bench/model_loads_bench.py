@@ -1,0 +1,209 @@
+"""Loading models: the load time from each tier, and a cold model's TTFT with and without layered
+loading (issue 12). Run through `meshserve bench-models --tier-load-times` and `--cold-ttft`.
+
+- Tier load times: the model-loader's own load path (ModelLoader.open_load/finish_load, in this
+  process, no mesh) for each model of `--tier-models`: `source` (the model's files read, dequantized,
+  fused, and a GGUF's prepared form kept: what its first load does, and every load of a Hugging
+  Face directory), `disk` (a GGUF's prepared form copied back; a directory has none, so its disk
+  tier is its source), `host` (the bytes in memory, one copy). Each is timed `--repeat` times (min and median), as `answer_s`
+  (until the buffer exists and its layout is known: when a layered load is answered) and `total_s`.
+  The files are in the page cache after the first load (a cold disk is slower).
+- Cold TTFT: `meshserve up --models` with two copies of one model (the worker starts on the first),
+  then one streamed request of `--cold-prompt-tokens` tokens to the second, which is not loaded:
+  its TTFT includes the load. Once with layered loading, once with `--no-layered-loading`; then a
+  second request to it, loaded by then (the TTFT without any load).
+
+`random-1b` in `--tier-models` (and the default `--cold-model`) is a random-weight Llama of about 1B
+parameters the benchmark writes itself (bf16 safetensors, the tokenizer of `--model`), in the shape
+of `--random-shape` (hidden,intermediate,layers; default 2048,5632,20: 1.08B parameters with an
+untied head over SmolLM2's 49,152-token vocabulary).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+from meshserve.shared.models_repo import DEFAULT_MODEL, load_tokenizer
+
+RANDOM = "random-1b"
+
+
+def write_random_model(dest: Path, shape: str, tokenizer_of: str, seed: int = 0) -> tuple[Path, int]:
+    """A random-weight Llama in Hugging Face form (bf16 safetensors); returns (its directory, parameters)."""
+    import torch
+    from safetensors.torch import save_file
+
+    hidden, inter, layers = (int(x) for x in shape.split(","))
+    heads = max(1, hidden // 64)
+    kv = max(1, heads // 8)
+    d = hidden // heads
+    tok = load_tokenizer(tokenizer_of)
+    dest.mkdir(parents=True, exist_ok=True)
+    tok.save_hf_dir(dest)
+    vocab = tok.vocab_size
+    eos = tok.eos_token_ids[0] if tok.eos_token_ids else 0
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+           "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+           "num_key_value_heads": kv, "head_dim": d, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+           "rope_theta": 10000.0, "tie_word_embeddings": False, "vocab_size": vocab,
+           "bos_token_id": tok.bos_token_id if tok.bos_token_id is not None else eos, "eos_token_id": eos,
+           "torch_dtype": "bfloat16"}
+    (dest / "config.json").write_text(json.dumps(cfg, indent=2))
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: (torch.randn(*s, generator=g) * 0.02).to(torch.bfloat16)  # noqa: E731
+    sd = {"model.embed_tokens.weight": rnd(vocab, hidden), "lm_head.weight": rnd(vocab, hidden),
+          "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        sd |= {p + "self_attn.q_proj.weight": rnd(heads * d, hidden),
+               p + "self_attn.k_proj.weight": rnd(kv * d, hidden), p + "self_attn.v_proj.weight": rnd(kv * d, hidden),
+               p + "self_attn.o_proj.weight": rnd(hidden, heads * d),
+               p + "mlp.gate_proj.weight": rnd(inter, hidden), p + "mlp.up_proj.weight": rnd(inter, hidden),
+               p + "mlp.down_proj.weight": rnd(hidden, inter),
+               p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+               p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
+    save_file(sd, str(dest / "model.safetensors"))
+    return dest, sum(t.numel() for t in sd.values())
+
+
+def _stats(xs: list[float]) -> dict:
+    return {"min": round(min(xs), 4), "median": round(statistics.median(xs), 4), "runs": [round(x, 4) for x in xs]}
+
+
+def tier_load_times(model: str, dtype: str, repeat: int) -> dict:
+    """Each tier's load time of one model through the loader's own load path."""
+    from meshserve.services.model_loader.main import ModelLoader
+    from meshserve.shared.subjects import Subjects
+
+    loader = ModelLoader(types.SimpleNamespace(subjects=Subjects("bench-tiers")), "n0", max_models=4)
+    out: dict = {}
+    host = None
+
+    def timed(tier: str, **kw) -> None:
+        nonlocal host
+        answer, total = [], []
+        for _ in range(repeat):
+            t0 = time.monotonic()
+            load = loader.open_load(model, dtype, **kw)
+            answer.append(time.monotonic() - t0)
+            try:
+                loader.finish_load(load)
+                total.append(time.monotonic() - t0)
+                if host is None:
+                    host = (Path(load.path).read_bytes(), (load.specs, load.config))
+                out.setdefault("came_from", {})[tier] = load.tier
+                out["bytes"] = load.nbytes
+            finally:
+                load.release()
+        out[tier] = {"answer_s": _stats(answer), "total_s": _stats(total)}
+
+    timed("source", source=True)  # read, dequantized, fused (and a GGUF's prepared form kept)
+    timed("disk")  # a GGUF's prepared form; a directory's own files again
+    timed("host", host=host[0], meta=host[1])
+    return out
+
+
+def cold_ttft(a, model: Path, log) -> dict:
+    """TTFT of a cold model's first request, layered and not, and of its second (loaded) request."""
+    import httpx
+
+    from meshserve.bench.compare import start_mesh, stop_mesh
+
+    tmp = Path(a.tmp)
+    copies = {}
+    for name in ("warm", "cold"):
+        dst = tmp / f"cold-ttft-{name}"
+        if not dst.exists():
+            shutil.copytree(model, dst, copy_function=os.link)
+        copies[name] = dst
+    manifest = tmp / "cold-ttft.yaml"
+    manifest.write_text("".join(f"- {{name: {n}, path: '{p}'}}\n" for n, p in copies.items()))
+    tok = load_tokenizer(str(model))
+    ids = [(7 + 13 * i) % (tok.vocab_size - 10) + 5 for i in range(a.cold_prompt_tokens)]
+    body = {"model": "cold", "prompt": ids, "max_tokens": 1, "temperature": 0, "stream": True}
+    out = {}
+    for mode, flag in (("layered", ""), ("whole", "--no-layered-loading")):
+        m = types.SimpleNamespace(**vars(a))
+        m.model = str(copies["warm"])
+        m.mesh_args = f"{a.mesh_args or ''} --models {manifest} --fixed-roles --no-prewarm {flag}"
+        m.prefill, m.decode = 0, 1
+        log(f"cold TTFT, {mode}: {m.mesh_args.strip()}")
+        up, url = start_mesh(m)
+        try:
+            deadline = time.monotonic() + a.mesh_startup_timeout
+            while time.monotonic() < deadline:  # the first model written whole (a layered load answers early)
+                st = httpx.get(url + "/health", timeout=10).json().get("scheduler", {})
+                if any(x["name"] == "warm" and x["tier"] == "mapped" for node in (st.get("loaders") or {}).values()
+                       for x in node.get("models", [])):
+                    break
+                time.sleep(0.5)
+            ttfts = []
+            for _ in range(2):  # the first loads the model, the second finds it mapped
+                t0 = time.monotonic()
+                first = None
+                with httpx.stream("POST", url + "/v1/completions", json=body, timeout=900) as r:
+                    r.raise_for_status()
+                    for line in r.iter_lines():  # read to the end; the first data line is the first token
+                        if first is None and line.startswith("data:") and line != "data: [DONE]":
+                            first = time.monotonic() - t0
+                ttfts.append(first)
+            status = httpx.get(url + "/health", timeout=10).json().get("scheduler", {})
+            loads = [x for node in (status.get("loaders") or {}).values() for x in node.get("models", [])
+                     if x["name"] == "cold"]
+            out[mode] = {"cold_ttft_s": round(ttfts[0], 3), "loaded_ttft_s": round(ttfts[1], 3),
+                         "load_s": loads[0]["load_s"] if loads else None,
+                         "switch": next((s for s in status.get("recent_model_switches", []) if s["to"] == "cold"),
+                                        None)}
+        finally:
+            stop_mesh(up)
+    out["layered_over_whole"] = (out["layered"]["cold_ttft_s"] / out["whole"]["cold_ttft_s"]
+                                 if out["whole"]["cold_ttft_s"] else None)
+    return out
+
+
+def main(a, log) -> dict:
+    """bench-models --tier-load-times / --cold-ttft (see the module docstring)."""
+    os.environ["MESHSERVE_CACHE"] = str(Path(a.tmp) / "cache")  # a fresh cache: the first load is from source
+    res: dict = {"command": "meshserve bench-models " + " ".join(sys.argv[1:]), "dtype": a.dtype}
+    random_dir = None
+
+    def model_path(name: str) -> str:
+        nonlocal random_dir
+        if name != RANDOM:
+            return name
+        if random_dir is None:
+            log(f"writing a random-weight model of shape {a.random_shape} ...")
+            random_dir, n = write_random_model(Path(a.tmp) / RANDOM, a.random_shape, a.model)
+            res["random_model"] = {"shape": a.random_shape, "parameters": n}
+        return str(random_dir)
+
+    if a.tier_load_times:
+        res["tier_load_times"] = {}
+        for name in a.tier_models.split(","):
+            log(f"tier load times of {name} ...")
+            res["tier_load_times"][name] = tier_load_times(model_path(name), a.dtype, a.repeat)
+    if a.cold_ttft:
+        res["cold_ttft"] = cold_ttft(a, Path(model_path(a.cold_model)), log)
+        res["cold_ttft"]["model"] = a.cold_model
+    return res
+
+
+def add_arguments(ap) -> None:
+    ap.add_argument("--tier-load-times", action="store_true",
+                    help="time one load of each model of --tier-models from each tier (no mesh, no workload)")
+    ap.add_argument("--tier-models", default=f"{DEFAULT_MODEL},{RANDOM}",
+                    help=f"comma-separated models; {RANDOM!r}: a random ~1B model written here (default: %(default)s)")
+    ap.add_argument("--repeat", type=int, default=3, help="loads per tier (min and median reported)")
+    ap.add_argument("--cold-ttft", action="store_true",
+                    help="a cold model's TTFT with and without layered loading (two meshes, no workload)")
+    ap.add_argument("--cold-model", default=RANDOM, help="the model of --cold-ttft (default: %(default)s)")
+    ap.add_argument("--cold-prompt-tokens", type=int, default=256)
+    ap.add_argument("--random-shape", default="2048,5632,20",
+                    help="hidden,intermediate,layers of the random model (default: %(default)s, about 1B parameters)")
