@@ -62,7 +62,7 @@ def permissions(namespace: str) -> dict[str, dict]:
             "allow_responses": False},
         "scheduler": {
             "publish": [*(worker(v) for v in ("prefill", "adopt", "abort", "role", "model")), kv("release"),
-                        kv("transfer"), s.models("status", "*"), s.models("reload", "*"), s.tokens("*"),
+                        kv("transfer"), kv("status"), s.models("status", "*"), s.models("reload", "*"), s.tokens("*"),
                         s.scheduler_hello],
             "subscribe": [*(s.scheduler(e) for e in ("submit", "handoff", "done", "abort", "status", "usage", "reload")),
                           s.heartbeat, kv("events"), own("scheduler")],

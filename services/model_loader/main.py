@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import re
 import signal
 import time
@@ -154,8 +153,7 @@ class ModelLoader:
         e.tier = "loading"
         try:
             desc = await asyncio.to_thread(self._load, model, dtype, quantization, e.host, e.meta)
-            nbytes = os.path.getsize(desc.path) if desc.backend == "cpu" else sum(
-                shm.nbytes(t.dtype, t.shape) for t in desc.tensors)
+            nbytes = node_memory.weights_nbytes(desc)
             if quota_gb is not None and nbytes > quota_gb * GB:
                 node_memory.release(desc.backend, desc.path)
                 raise RuntimeError(f"its weights take {nbytes / GB:.3f} GiB, over its memory_quota_gb of "

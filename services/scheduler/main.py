@@ -103,6 +103,9 @@ class Scheduler:
         self.loaders: dict[str, dict] = {}  # node -> its model-loader's status (tiers)
         self._loaders_at = 0.0  # when the loaders' status was last asked
         self._kept_alive_at = time.monotonic()  # when the queued requests' gateways last heard of them
+        self.kv_models: dict[str, dict] = {}  # node -> its kv-pool's blocks per model (memory quotas)
+        self._kv_at = 0.0
+        self._kv_task: asyncio.Task | None = None
 
     # -- views
 
@@ -154,6 +157,7 @@ class Scheduler:
                                        self.loaders),
                 "model_switches": self.placement.switches, "recent_model_switches": self.placement.history,
                 "loaders": self.loaders,
+                "kv_by_model": self.kv_models,
                 "elastic_roles": self.roles.enabled, "role_switches": self.roles.switches,
                 "recent_role_switches": self.roles.history,
                 **({"admission": {**self.admission.status(), "waiting_by_class": self.waiting_by_class()}}
@@ -313,6 +317,15 @@ class Scheduler:
                 self.loaders[node] = orjson.loads(msg.data)
             except Exception as e:  # noqa: BLE001 - an old loader, or a restarting one: keep what we had
                 log.debug("loader of %s did not answer: %s", node, e)
+
+    async def refresh_kv_models(self) -> None:
+        """Each node's KV blocks per model, from its kv-pool (for /metrics: `meshserve:model_kv_blocks`)."""
+        for node in {w.hb.node_id for w in self.workers.values()}:
+            try:
+                msg = await self.bus.nc.request(self.bus.subjects.kv("status", node), b"{}", timeout=0.5)
+                self.kv_models[node] = orjson.loads(msg.data).get("models", {})
+            except Exception as e:  # noqa: BLE001 - a restarting pool: keep what we had
+                log.debug("kv-pool of %s did not answer: %s", node, e)
 
     async def reload(self) -> dict:
         """Re-reads the manifest (SIGHUP, or the gateway's POST /admin/models/reload) and has every
@@ -582,6 +595,9 @@ class Scheduler:
             if self.manifest is not None and time.monotonic() - self._loaders_at > 1.0:
                 self._loaders_at = time.monotonic()
                 await self.refresh_loaders()
+            if time.monotonic() - self._kv_at > 1.0 and (self._kv_task is None or self._kv_task.done()):
+                self._kv_at = time.monotonic()  # in the background: a pool that does not answer delays nothing
+                self._kv_task = asyncio.ensure_future(self.refresh_kv_models())
 
     async def keep_queued_alive(self) -> None:
         """Tells the gateways which of their requests still wait here: a batch prompt may queue

@@ -13,7 +13,12 @@ public API only:
   so the free blocks that hold prefixes stay this worker's prefix cache;
 - pool pressure: when a lease the kv-pool could not fill makes it publish `pressure`, for
   PRESSURE_S seconds every worker of the node gives back cached free blocks too, least recently
-  used first, so one worker's prefix cache never starves another's requests;
+  used first, so one worker's prefix cache never starves another's requests (when the model's
+  memory quota was the limit, only that model's workers do);
+- the model's memory quota (shared/partitions.py): the pool leases no block beyond it, so a
+  model at its quota overwrites (or spills) its own cached blocks, then its requests wait or are
+  preempted as when the arena is full; no lease is asked for once this worker alone holds the
+  quota, and a request that could never fit in it is refused (`LLMEngine.block_limit`);
 - spill and restore (the host swap tier): cached blocks about to be overwritten or given back are
   copied to the tier first (`make_room`); a prompt whose prefix continues in the tier gets those
   blocks copied back into free blocks here and registered as cached (`prepare`), so the engine
@@ -41,7 +46,7 @@ from collections.abc import Callable
 from meshserve.shared.engine import wire
 from meshserve.shared.engine.llm_engine import LLMEngine
 from meshserve.shared.kv_layout import kv_bytes_per_block
-from meshserve.shared.schemas import Handoff, KVEvent
+from meshserve.shared.schemas import Handoff, KVEvent, PoolPressure
 
 from .kv_pool_client import KVPoolClient
 
@@ -64,6 +69,7 @@ class KVBlocks:
         self.pending: dict[str, asyncio.Task] = {}  # request id -> its import from another node
         self.cancelled: set[str] = set()
         self.num_imported = self.num_import_failures = self.num_spilled = self.num_restored = 0
+        self.quota_blocks: int | None = None  # the model's KV quota on this node, as the pool's leases say
 
     async def start(self) -> None:
         if self.swap_enabled:
@@ -87,15 +93,24 @@ class KVBlocks:
         self.host.difference_update(ev.removed)
 
     async def _on_pressure(self, msg) -> None:
+        p = PoolPressure.decode(msg.data)
+        if p.model is not None and p.model != self.client.model:
+            return  # another model at its quota: not this worker's blocks to give
         self.pool_dry_until = time.monotonic() + PRESSURE_S
         self.report("reclaim", None)
 
     # -- leasing and giving back
 
     async def lease(self, n: int) -> int:
-        block_ids = await self.client.lease(n)
-        self.pool.add_free(block_ids)
-        return len(block_ids)
+        if self.quota_blocks is not None:
+            n = min(n, self.quota_blocks - self.pool.num_held)
+            if n <= 0:
+                return 0  # at the model's quota: the step takes this worker's own cached blocks
+        r = await self.client.lease(n)
+        self.pool.add_free(r.block_ids)
+        self.quota_blocks = r.quota_blocks
+        self.engine.block_limit = r.quota_blocks
+        return len(r.block_ids)
 
     async def before_step(self) -> None:
         """Free blocks for the next step, uncached ones where the arena has them, and the cached ones
