@@ -12,11 +12,11 @@ times its hidden and MLP sizes. Two decode workers (worker 0 on the small model,
 big one) under one `meshserve up --models`; three runs:
 
 - `alone`: the small model's requests (one at a time, streamed), the big model idle;
-- `shared`: the same while `--big-streams` streams keep the big model busy, no partitions (each
-  worker on `--worker-threads` threads, the cores divided as `meshserve up` divides them, but any
-  core may run either);
+- `shared`: the same while `--big-streams` streams keep the big model busy, no partitions: each
+  worker may use every core (`--worker-threads`, default: all the cores);
 - `partitioned`: the same with `cpus` in the manifest (the small model's workers on
-  `--small-cpus`, the big one's on `--big-cpus`; default: the first half of the cores and the rest).
+  `--small-cpus`, the big one's on `--big-cpus`; default: the first half of the cores and the rest),
+  each worker then on at most one thread per core of its set.
 
 Reported per run: the small model's TTFT and inter-token latency (p50, p99), and the big model's
 output tokens/s (what isolating the small one costs it); then each busy run over `alone`.
@@ -67,7 +67,8 @@ def write_random_model(like: str, into: Path, width: float, seed: int = 0) -> Pa
         sd |= {p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
                p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
                p + "self_attn.q_proj.weight": rand(heads * hd, hidden),
-               p + "self_attn.k_proj.weight": rand(kv * hd, hidden), p + "self_attn.v_proj.weight": rand(kv * hd, hidden),
+               p + "self_attn.k_proj.weight": rand(kv * hd, hidden),
+               p + "self_attn.v_proj.weight": rand(kv * hd, hidden),
                p + "self_attn.o_proj.weight": rand(hidden, heads * hd),
                p + "mlp.gate_proj.weight": rand(inter, hidden), p + "mlp.up_proj.weight": rand(inter, hidden),
                p + "mlp.down_proj.weight": rand(hidden, inter)}
@@ -83,8 +84,9 @@ def write_random_model(like: str, into: Path, width: float, seed: int = 0) -> Pa
     return into
 
 
-async def _stream(client, url: str, body: dict) -> tuple[float, list[float], int]:
-    """(TTFT, the gaps between content chunks, chunks) of one streamed completion."""
+async def _stream(client, url: str, body: dict, count: list[int] | None = None) -> tuple[float, list[float], int]:
+    """(TTFT, the gaps between content chunks, chunks) of one streamed completion; `count[0]` counts
+    the chunks as they come."""
     t0 = time.monotonic()
     times: list[float] = []
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
@@ -94,6 +96,8 @@ async def _stream(client, url: str, body: dict) -> tuple[float, list[float], int
                 chunk = json.loads(line[5:])
                 if any(c.get("text") for c in chunk.get("choices") or []):
                     times.append(time.monotonic())
+                    if count is not None:
+                        count[0] += 1
     if not times:
         raise RuntimeError("a stream with no tokens")
     return times[0] - t0, [b - a for a, b in zip(times, times[1:])], len(times)
@@ -107,24 +111,27 @@ async def _phase(url: str, a, vocab: int, busy: bool) -> dict:
     """The small model's requests one after another, with the big model kept busy meanwhile or not."""
     import httpx
 
-    rng = random.Random(a.seed)
+    rng, big_rng = random.Random(a.seed), random.Random(a.seed + 1)  # the same small prompts in every run
     small = {"model": "small", "max_tokens": a.output_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
     big = {"model": "big", "max_tokens": a.big_output_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
     async with httpx.AsyncClient(timeout=600) as c:
         for body in (small, big):  # warm-up: both workers have run a step
             await _stream(c, url, dict(body, prompt=_prompt(rng, 8, vocab), max_tokens=4))
-        stop, big_tokens, started = asyncio.Event(), [0], [0]
+        stop, big_tokens, finished, big_failed = asyncio.Event(), [0], [0], [0]
 
         async def keep_busy():
             while not stop.is_set():
-                _, _, n = await _stream(c, url, dict(big, prompt=_prompt(rng, a.prompt_tokens, vocab)))
-                big_tokens[0] += n
-                started[0] += 1
+                try:
+                    await _stream(c, url, dict(big, prompt=_prompt(big_rng, a.prompt_tokens, vocab)), big_tokens)
+                except Exception:  # noqa: BLE001 - counted; this stream stops
+                    big_failed[0] += 1
+                    return
+                finished[0] += 1
 
         busy_tasks = [asyncio.ensure_future(keep_busy()) for _ in range(a.big_streams if busy else 0)]
         if busy_tasks:
             await asyncio.sleep(a.big_ramp_s)  # the big model's streams are past their prompts
-        t0 = time.monotonic()
+        t0, big_before = time.monotonic(), big_tokens[0]
         ttft, itl, failed = [], [], 0
         for _ in range(a.small_requests):
             try:
@@ -133,14 +140,14 @@ async def _phase(url: str, a, vocab: int, busy: bool) -> dict:
                 itl += gaps
             except Exception:  # noqa: BLE001 - counted, the run goes on
                 failed += 1
-        span = time.monotonic() - t0
+        span, big_during = time.monotonic() - t0, big_tokens[0] - big_before
         stop.set()
         for t in busy_tasks:
             t.cancel()
         await asyncio.gather(*busy_tasks, return_exceptions=True)
     return {"small": {"requests": a.small_requests, "failed": failed, "ttft_s": _pct(ttft), "itl_s": _pct(itl)},
-            "big": {"streams": len(busy_tasks), "finished_streams": started[0],
-                    "output_tokens_per_s": round(big_tokens[0] / span, 2) if busy_tasks else None}}
+            "big": {"streams": len(busy_tasks), "finished_streams": finished[0], "failed": big_failed[0],
+                    "output_tokens_per_s": round(big_during / span, 2) if busy_tasks else None}}
 
 
 def _pct(xs: list[float]) -> dict:
@@ -167,7 +174,7 @@ def default_split(cores: list[int]) -> tuple[str, str]:
 def _mesh(a, manifest: Path, label: str):
     m = copy.copy(a)
     m.model, m.prefill, m.decode = a.small, 0, 2
-    m.mesh_args = f"{a.mesh_args or ''} --models {manifest} --fixed-roles"
+    m.mesh_args = f"{a.mesh_args or ''} --models {manifest} --fixed-roles --worker-threads {a.worker_threads}"
     print(f"{label}: meshserve up {m.mesh_args.strip()} ...", file=sys.stderr, flush=True)
     return start_mesh(m)
 
@@ -188,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--big-ramp-s", type=float, default=2.0, help="seconds of big-model load before measuring")
     ap.add_argument("--small-cpus", default=None, help="the small model's cores with partitions (manifest `cpus`)")
     ap.add_argument("--big-cpus", default=None, help="the big model's cores with partitions")
+    ap.add_argument("--worker-threads", type=int, default=None, help="torch threads per worker (default: all the "
+                                                                     "cores; a partition caps them at its cores)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mesh-args", default=None, help="more options for `meshserve up`, one string")
     ap.add_argument("--mesh-startup-timeout", type=float, default=600.0)
@@ -198,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     from meshserve.shared.partitions import process_cores
 
     cores = process_cores()
+    a.worker_threads = a.worker_threads or len(cores)
     split = (a.small_cpus, a.big_cpus) if a.small_cpus and a.big_cpus else default_split(cores)
     vocab = load_tokenizer(a.small).vocab_size
     tmp = Path(tempfile.mkdtemp(prefix="meshserve-bench-isolation-"))
@@ -208,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                      "small": small, "big": a.big or f"random, {a.big_width:g}x the small model's width",
                      "big_bytes": sum(f.stat().st_size for f in Path(big).glob("*.safetensors")) if Path(big).is_dir()
                      else os.path.getsize(big),
-                     "cores": len(cores), "partitions": {"small": split[0], "big": split[1]}, "runs": {}}
+                     "cores": len(cores), "worker_threads": a.worker_threads,
+                     "partitions": {"small": split[0], "big": split[1]}, "runs": {}}
         up, url = _mesh(a, _manifest(tmp / "plain.yaml", small, big, None), "alone + shared")
         try:
             res["runs"]["alone"] = asyncio.run(_phase(url, a, vocab, busy=False))

@@ -207,8 +207,8 @@ class KVPool:
         dst = self.ledger.lease(req.worker_id, n, model, limit)
         try:
             if len(dst) < n:
-                room = (f"model {model}'s memory quota leaves it {len(dst)} more blocks"
-                        if limit is not None and self.ledger.free else f"node {self.node}'s arena has {len(dst)} free blocks")
+                room = (f"model {model}'s memory quota leaves it {len(dst)} more blocks" if limit is not None
+                        and self.ledger.free else f"node {self.node}'s arena has {len(dst)} free blocks")
                 raise transfer.TransferError(f"KV transfer {req.transfer_id}: {room}, {n} needed")
             nbytes, chunks = await transfer.pull(
                 self.bus, req.src_node, req.transfer_id, req.src_worker, req.block_ids[:n], dst, self.blocks,

@@ -39,7 +39,8 @@ from meshserve.shared.engine.speculative import add_speculative_arguments
 from meshserve.shared.manifest import ManifestFile
 from meshserve.shared.model.config import ModelConfig
 from meshserve.shared.model.llama import LlamaModel
-from meshserve.shared.partitions import PartitionError, apply_cpus, format_cpus, process_cores, resolve_cpus, threads_for
+from meshserve.shared.partitions import (PartitionError, apply_cpus, format_cpus, process_cores, resolve_cpus,
+                                         threads_for)
 from meshserve.shared.schemas import (KEEPALIVE_S, Abort, Done, GenerateRequest, Handoff, Heartbeat, LoadRequest, ModelSwitch,
                                       ModelSwitchReply, RoleSwitch, TokenChunk)
 from meshserve.shared.service import run_service
