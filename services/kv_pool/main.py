@@ -270,8 +270,10 @@ class KVPool:
             reply = self.lease(req)
             await msg.respond(reply.encode())
             if len(reply.block_ids) < req.num_blocks:
-                by_quota = reply.quota_blocks is not None and reply.model_blocks >= reply.quota_blocks \
-                    and reply.free_blocks > 0
+                by_quota = reply.quota_blocks is not None and reply.model_blocks >= reply.quota_blocks
+                others = reply.model_blocks > len(self.ledger.held.get(req.worker_id, ()))
+                if by_quota and not others:
+                    return  # the asker holds its model's whole quota: nobody else's blocks would help
                 await self.bus.publish(self.kv("pressure"), PoolPressure(
                     node_id=self.node, asked=req.num_blocks, free_blocks=reply.free_blocks,
                     model=req.model if by_quota else None))

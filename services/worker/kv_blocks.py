@@ -17,8 +17,9 @@ public API only:
   memory quota was the limit, only that model's workers do);
 - the model's memory quota (shared/partitions.py): the pool leases no block beyond it, so a
   model at its quota overwrites (or spills) its own cached blocks, then its requests wait or are
-  preempted as when the arena is full; no lease is asked for once this worker alone holds the
-  quota, and a request that could never fit in it is refused (`LLMEngine.block_limit`);
+  preempted as when the arena is full; once this worker alone holds the quota it asks only every
+  QUOTA_RECHECK_S (the quota may grow), and a request that could never fit in it is refused
+  (`LLMEngine.block_limit`);
 - spill and restore (the host swap tier): cached blocks about to be overwritten or given back are
   copied to the tier first (`make_room`); a prompt whose prefix continues in the tier gets those
   blocks copied back into free blocks here and registered as cached (`prepare`), so the engine
@@ -53,6 +54,7 @@ from .kv_pool_client import KVPoolClient
 log = logging.getLogger("meshserve.worker.kv")
 
 PRESSURE_S = 5.0  # after the kv-pool ran short, this long the worker gives back cached blocks too
+QUOTA_RECHECK_S = 1.0  # at its model's quota, a worker still asks this often (the quota may have grown)
 # The free blocks kept cover a step in which this many prompts arrive first: a prompt that comes
 # (or whose prefix comes back from the host tier) does not wait on a lease round trip.
 RESERVE_PROMPTS = 2
@@ -70,6 +72,7 @@ class KVBlocks:
         self.cancelled: set[str] = set()
         self.num_imported = self.num_import_failures = self.num_spilled = self.num_restored = 0
         self.quota_blocks: int | None = None  # the model's KV quota on this node, as the pool's leases say
+        self.quota_asked = 0.0  # when it last asked the pool
 
     async def start(self) -> None:
         if self.swap_enabled:
@@ -103,9 +106,12 @@ class KVBlocks:
 
     async def lease(self, n: int) -> int:
         if self.quota_blocks is not None:
-            n = min(n, self.quota_blocks - self.pool.num_held)
-            if n <= 0:
+            room = self.quota_blocks - self.pool.num_held
+            if room > 0:
+                n = min(n, room)
+            elif time.monotonic() < self.quota_asked + QUOTA_RECHECK_S:
                 return 0  # at the model's quota: the step takes this worker's own cached blocks
+        self.quota_asked = time.monotonic()
         r = await self.client.lease(n)
         self.pool.add_free(r.block_ids)
         self.quota_blocks = r.quota_blocks
