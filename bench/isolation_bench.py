@@ -115,8 +115,8 @@ async def _phase(url: str, a, vocab: int, busy: bool) -> dict:
     small = {"model": "small", "max_tokens": a.output_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
     big = {"model": "big", "max_tokens": a.big_output_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
     async with httpx.AsyncClient(timeout=600) as c:
-        for body in (small, big):  # warm-up: both workers have run a step
-            await _stream(c, url, dict(body, prompt=_prompt(rng, 8, vocab), max_tokens=4))
+        for body in (small, big):  # warm-up: both workers have run steps of these sizes
+            await _stream(c, url, dict(body, prompt=_prompt(big_rng, a.prompt_tokens, vocab), max_tokens=4))
         stop, big_tokens, finished, big_failed = asyncio.Event(), [0], [0], [0]
 
         async def keep_busy():
