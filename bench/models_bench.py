@@ -89,6 +89,11 @@ def loader_numbers(status: dict) -> dict:
             "loads_by_tier": by_tier, "evictions": evictions, "models": per_model}
 
 
+def errors(results: list[RequestResult]) -> list[str]:
+    """The distinct errors of the failed requests (a few)."""
+    return list(dict.fromkeys(r.error for r in results if r.error))[:3]
+
+
 def per_model_ttft(results: list[RequestResult]) -> dict[str, dict]:
     out = {}
     for name in sorted({r.model for r in results if r.model}):
@@ -120,13 +125,16 @@ def run(a: argparse.Namespace, label: str, manifest: Path, budget: list[str], re
     return {"mesh_args": m.mesh_args.strip(), "completed": s.get("completed"), "failed": s.get("failed"),
             "ttft": s["ttft"], "output_throughput": s.get("output_throughput"),
             "model_switches": status.get("model_switches"), "loader": loader_numbers(status),
-            "per_model": per_model_ttft(results)}
+            "per_model": per_model_ttft(results), "errors": errors(results)}
 
 
 def _one_model(a: argparse.Namespace, path: Path, name: str) -> argparse.Namespace:
+    """`meshserve up` serving that one model under its name (a manifest of one)."""
+    manifest = path.parent / f"one-{name}.yaml"
+    manifest.write_text(f"- {{name: {name}, path: '{path}'}}\n")
     m = copy.copy(a)
     m.model = str(path)
-    m.mesh_args = f"{a.mesh_args or ''} --served-model-name {name} --fixed-roles"
+    m.mesh_args = f"{a.mesh_args or ''} --models {manifest} --fixed-roles"
     return m
 
 
@@ -186,7 +194,7 @@ def run_restarting(a: argparse.Namespace, paths: dict[str, Path], reqs, bodies) 
     return {"mesh_args": f"one-model meshserve up {a.mesh_args or ''}".strip(), "completed": s.get("completed"),
             "failed": s.get("failed"), "ttft": s["ttft"], "output_throughput": s.get("output_throughput"),
             "restarts": numbers["restarts"], "restart_s": numbers["restart_s"],
-            "hot_tier_hit_rate": numbers["hit_rate"], "per_model": per_model_ttft(results)}
+            "hot_tier_hit_rate": numbers["hit_rate"], "per_model": per_model_ttft(results), "errors": errors(results)}
 
 
 def main(argv: list[str] | None = None) -> int:
