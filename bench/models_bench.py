@@ -1,4 +1,5 @@
-"""`meshserve bench-models`: many models on one mesh, a budget against every model resident (issue 12).
+"""`meshserve bench-models`: many models on one mesh, a budget against every model resident and against
+restarting a one-model server per switch (issue 12).
 
     meshserve bench-models [--model M] [--num-models 4] [--budget-models 2] [--decode 2]
                            [--workload multi-model] [--num-requests N] [--mesh-args "..."] [--out FILE]
@@ -12,9 +13,16 @@ its model names are replaced by these models, in order) twice through `meshserve
 - `budget`: `--weights-memory-gb` holding `--budget-models` models (measured in the first run) and a
   host tier holding one.
 
-Reported per run: the loader's hot-tier hit rate (loads that found the model mapped / all loads),
-loads by tier and evictions, the scheduler's model switches, and TTFT p50/p99 per model; then the
-budget run over the resident one. Not measured here: restarting a one-model server per switch.
+- `restart`: what llama.cpp's router or Ollama (one model loaded at a time) do: a one-model
+  `meshserve up --model M` serves the requests, in arrival order; a request for another model
+  waits until the running ones finish, the server stops and one for that model starts (its start
+  is in the TTFT of every request that waited for it: TTFT counts from the request's arrival).
+  The first model's server starts before the clock does, as the meshes do. `--no-restart` skips it.
+
+Reported per run: the loader's hot-tier hit rate (loads that found the model mapped / all loads;
+for `restart`: requests that found their model's server running / all requests), loads by tier and
+evictions (`restart`: restarts and their seconds), the scheduler's model switches, and TTFT p50/p99
+per model; then the budget run and the restart run over the resident one.
 Prints the JSON on stdout (and writes it to --out).
 
 Instead of the workload (bench/model_loads_bench.py):
@@ -29,18 +37,20 @@ without layered loading; `random-1b` is a random ~1B-parameter model the benchma
 from __future__ import annotations
 
 import argparse
+import asyncio
 import copy
 import json
 import os
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from meshserve.bench import model_loads_bench
 from meshserve.bench.compare import http_run, start_mesh, stop_mesh
-from meshserve.bench.loadgen import (build_body, prepare_workload, quiet_http_logs, special_ids, workload_arg,
-                                     write_json)
+from meshserve.bench.loadgen import (HTTPTarget, build_body, measure, new_result, prepare_workload, quiet_http_logs,
+                                     special_ids, workload_arg, write_json)
 from meshserve.bench.report import RequestResult, summarize
 from meshserve.bench.workload import summary
 from meshserve.shared.models_repo import DEFAULT_MODEL, resolve
@@ -88,6 +98,11 @@ def loader_numbers(status: dict) -> dict:
             "loads_by_tier": by_tier, "evictions": evictions, "models": per_model}
 
 
+def errors(results: list[RequestResult]) -> list[str]:
+    """The distinct errors of the failed requests (a few)."""
+    return list(dict.fromkeys(r.error for r in results if r.error))[:3]
+
+
 def per_model_ttft(results: list[RequestResult]) -> dict[str, dict]:
     out = {}
     for name in sorted({r.model for r in results if r.model}):
@@ -119,7 +134,76 @@ def run(a: argparse.Namespace, label: str, manifest: Path, budget: list[str], re
     return {"mesh_args": m.mesh_args.strip(), "completed": s.get("completed"), "failed": s.get("failed"),
             "ttft": s["ttft"], "output_throughput": s.get("output_throughput"),
             "model_switches": status.get("model_switches"), "loader": loader_numbers(status),
-            "per_model": per_model_ttft(results)}
+            "per_model": per_model_ttft(results), "errors": errors(results)}
+
+
+def _one_model(a: argparse.Namespace, path: Path, name: str) -> argparse.Namespace:
+    """`meshserve up` serving that one model under its name (a manifest of one)."""
+    manifest = path.parent / f"one-{name}.yaml"
+    manifest.write_text(f"- {{name: {name}, path: '{path}'}}\n")
+    m = copy.copy(a)
+    m.model = str(path)
+    m.mesh_args = f"{a.mesh_args or ''} --models {manifest} --fixed-roles"
+    return m
+
+
+async def _restarting(a: argparse.Namespace, paths: dict[str, Path], reqs, bodies) -> tuple[list[RequestResult], dict]:
+    """The requests through a one-model server restarted whenever the requested model changes."""
+    model = reqs[0].model
+    up, url = start_mesh(_one_model(a, paths[model], model))  # before the clock, as the meshes start
+    target = HTTPTarget(url, max_connections=len(reqs) + 4)
+    await target.__aenter__()
+    inflight: set[asyncio.Task] = set()
+    results, restarts, hits = [], [], 0
+    t0 = time.perf_counter()
+
+    def clock() -> float:
+        return time.perf_counter() - t0
+
+    try:
+        for req, body in zip(reqs, bodies):
+            delay = req.arrival - clock()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if req.model != model:  # the running requests finish, then the server for this model starts
+                if inflight:
+                    await asyncio.wait(inflight)
+                await target.__aexit__(None, None, None)
+                s = time.perf_counter()
+                await asyncio.to_thread(stop_mesh, up)
+                model = req.model
+                up, url = await asyncio.to_thread(start_mesh, _one_model(a, paths[model], model))
+                restarts.append(time.perf_counter() - s)
+                target = HTTPTarget(url, max_connections=len(reqs) + 4)
+                await target.__aenter__()
+            else:
+                hits += 1
+            res = new_result(req)
+            results.append(res)
+            task = asyncio.ensure_future(measure(target, body, res, clock))
+            inflight.add(task)
+            task.add_done_callback(inflight.discard)
+        if inflight:
+            await asyncio.wait(inflight)
+    finally:
+        await target.__aexit__(None, None, None)
+        stop_mesh(up)
+    for r in results:  # from its arrival: a request that waited for a restart waited for its server
+        if r.start is not None:
+            r.start = min(r.start, r.arrival)
+    return results, {"restarts": len(restarts), "restart_s": {"total": round(sum(restarts), 2),
+                                                              "mean": round(sum(restarts) / len(restarts), 2)
+                                                              if restarts else None},
+                     "hit_rate": hits / len(reqs) if reqs else None}
+
+
+def run_restarting(a: argparse.Namespace, paths: dict[str, Path], reqs, bodies) -> dict:
+    results, numbers = asyncio.run(_restarting(a, paths, reqs, bodies))
+    s = summarize(results)
+    return {"mesh_args": f"one-model meshserve up {a.mesh_args or ''}".strip(), "completed": s.get("completed"),
+            "failed": s.get("failed"), "ttft": s["ttft"], "output_throughput": s.get("output_throughput"),
+            "restarts": numbers["restarts"], "restart_s": numbers["restart_s"],
+            "hot_tier_hit_rate": numbers["hit_rate"], "per_model": per_model_ttft(results), "errors": errors(results)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode", type=int, default=2, help="mesh decode workers")
     ap.add_argument("--mesh-args", default=None, help="more options for `meshserve up`, one string")
     ap.add_argument("--mesh-startup-timeout", type=float, default=600.0)
+    ap.add_argument("--no-restart", action="store_true", help="skip the restart-a-one-model-server-per-switch run")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument("--quiet", action="store_true")
     model_loads_bench.add_arguments(ap)
@@ -189,13 +274,25 @@ def main(argv: list[str] | None = None) -> int:
                   "--host-cache-gb", f"{1.5 * size / GB:.6f}"] if size else []
         log(f"budget: {a.budget_models:g} models mapped ({' '.join(budget)}) ...")
         res["runs"]["budget"] = run(a, "budget", manifest, budget, reqs, bodies)
-        r, b = res["runs"]["resident"], res["runs"]["budget"]
+        if not a.no_restart:
+            log("restart: a one-model server, restarted whenever the requested model changes ...")
+            res["runs"]["restart"] = run_restarting(a, dict(zip(names, paths)), reqs, bodies)
+        r = res["runs"]["resident"]
+        meshes = {k: x for k, x in res["runs"].items() if "loader" in x}
+
+        def over(x):
+            return x["ttft"]["p99"] / r["ttft"]["p99"] if x["ttft"]["p99"] and r["ttft"]["p99"] else None
+
         res["summary"] = {
-            "hot_tier_hit_rate": {k: x["loader"]["hot_tier_hit_rate"] for k, x in res["runs"].items()},
-            "loads": {k: x["loader"]["loads_by_tier"] for k, x in res["runs"].items()},
-            "evictions": {k: x["loader"]["evictions"] for k, x in res["runs"].items()},
-            "ttft_p99_budget_over_resident": (b["ttft"]["p99"] / r["ttft"]["p99"]
-                                              if b["ttft"]["p99"] and r["ttft"]["p99"] else None)}
+            "hot_tier_hit_rate": {k: x["loader"]["hot_tier_hit_rate"] if "loader" in x else x["hot_tier_hit_rate"]
+                                  for k, x in res["runs"].items()},
+            "loads": {k: x["loader"]["loads_by_tier"] for k, x in meshes.items()},
+            "evictions": {k: x["loader"]["evictions"] for k, x in meshes.items()},
+            "ttft_p50_s": {k: x["ttft"]["p50"] for k, x in res["runs"].items()},
+            "ttft_p99_s": {k: x["ttft"]["p99"] for k, x in res["runs"].items()},
+            "ttft_p99_budget_over_resident": over(res["runs"]["budget"]),
+            **({"restarts": res["runs"]["restart"]["restarts"],
+                "ttft_p99_restart_over_resident": over(res["runs"]["restart"])} if "restart" in res["runs"] else {})}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if a.out:

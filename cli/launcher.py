@@ -198,11 +198,20 @@ class Launcher:
         """A service's NATS credentials and TLS settings, for its environment (never its argv)."""
         return {**self.credentials.get(nats_auth.ROLE_USER[role], {}), **self.tls_env}
 
-    def spawn_service(self, name: str, role: str, *extra: str) -> None:
-        self.spawn(name, self.serve_cmd(role, *extra), self.service_env(role))
+    def spawn_service(self, name: str, role: str, *extra: str, env: dict | None = None) -> None:
+        self.spawn(name, self.serve_cmd(role, *extra), {**self.service_env(role), **(env or {})})
+
+    def start_mps(self) -> None:
+        """--mps: the CUDA MPS control daemon, so the models' `gpu_percent` shares hold."""
+        from meshserve.shared.partitions import MPSDaemon
+
+        self.mps = MPSDaemon()
+        self.mps.start()
 
     def start(self) -> None:
         a = self.args
+        if getattr(a, "mps", False):
+            self.start_mps()
         self.start_nats()
         models = ["--models", a.models] if getattr(a, "models", None) else []
         budgets = (["--weights-memory-gb", str(a.weights_memory_gb)] if getattr(a, "weights_memory_gb", None) else []) \
@@ -210,7 +219,7 @@ class Launcher:
             + ([] if getattr(a, "layered_loading", True) else ["--no-layered-loading"])
         self.spawn_service("model-loader", "model-loader", "--preload", *models, *budgets)
         self.spawn_service("kv-pool", "kv-pool", "--kv-cache-gb", str(a.kv_cache_gb),
-                           "--swap-space", str(a.swap_space))
+                           "--swap-space", str(a.swap_space), *models)  # the models' memory quotas
         worker_opts = ["--max-num-batched-tokens", str(a.max_num_batched_tokens), "--max-num-seqs", str(a.max_num_seqs),
                        "--scheduling", a.scheduling, "--preemption-mode", a.preemption_mode]
         from meshserve.shared.engine.speculative import speculative_options
@@ -221,15 +230,16 @@ class Launcher:
             worker_opts += ["--threads", str(threads)]
         if getattr(a, "fixed_threads", False):
             worker_opts += ["--fixed-threads"]
-        serving = worker_models(a)
+        serving, env = worker_models(a), worker_env(a)
+        worker_opts += models  # each worker's compute partition follows the model it serves
         if a.prefill == 0:  # no dedicated prefill workers: decode workers do both
             for i in range(a.decode):
-                self.spawn_service(f"decode-{i}", "decode", *worker_opts, *serving(i))
+                self.spawn_service(f"decode-{i}", "decode", *worker_opts, *serving(i), env=env(i))
         else:
             for i in range(a.prefill):
-                self.spawn_service(f"prefill-{i}", "prefill", *worker_opts, *serving(i))
+                self.spawn_service(f"prefill-{i}", "prefill", *worker_opts, *serving(i), env=env(i))
             for i in range(a.decode):
-                self.spawn_service(f"decode-{i}", "decode", *worker_opts, *serving(i))
+                self.spawn_service(f"decode-{i}", "decode", *worker_opts, *serving(i), env=env(i))
         tenants = ["--tenants", str(Path(a.tenants).expanduser().resolve())] if getattr(a, "tenants", None) else []
         fixed = ["--fixed-roles"] if getattr(a, "fixed_roles", False) else []
         prewarm = [] if getattr(a, "prewarm", True) else ["--no-prewarm"]
@@ -278,6 +288,8 @@ class Launcher:
                 except subprocess.TimeoutExpired:
                     p.kill()
         shutil.rmtree(self.tmp, ignore_errors=True)
+        if getattr(self, "mps", None) is not None:
+            self.mps.stop()
 
 
 def run(args) -> int:
@@ -292,6 +304,10 @@ def run(args) -> int:
 
     try:  # --device cuda with an int8 KV cache: refused here, not by each service
         check_kv_cache_dtype(getattr(args, "kv_cache_dtype", "auto"), getattr(args, "device", "cpu"))
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    try:  # partitions this node cannot give (a core it lacks; --mps off CUDA): refused here
+        check_partitions(args)
     except ValueError as e:
         raise CLIError(str(e)) from None
     launcher = Launcher(args)
@@ -316,7 +332,10 @@ def run(args) -> int:
         signal.signal(signal.SIGHUP, on_hangup)
     try:
         started = time.monotonic()
-        launcher.start()
+        try:
+            launcher.start()
+        except ValueError as e:  # --mps: the daemon could not start (PartitionError)
+            raise CLIError(str(e)) from None
         try:
             healthy = launcher.wait_healthy(args.startup_timeout)
         except RuntimeError as e:  # a service died while starting (its own log said why)
@@ -362,6 +381,33 @@ def worker_models(a):
         out = ["--model", m.path, "--served-model-name", m.id, "--dtype", m.dtype or a.dtype]
         return out + (["--quantization", m.quantization] if m.quantization else [])
     return opts
+
+
+def worker_env(a):
+    """The environment of the i-th worker beyond its credentials: on CUDA, the MPS share
+    (`gpu_percent`) of the model it starts on. The driver reads it when the process creates its CUDA
+    context, so it stays the worker's share after a model switch."""
+    if not getattr(a, "models", None) or getattr(a, "device", "cpu") != "cuda":
+        return lambda i: {}
+    from meshserve.shared.manifest import load_manifest
+    from meshserve.shared.partitions import mps_env
+
+    models = load_manifest(a.models).models
+    return lambda i: mps_env(models[i % len(models)].gpu_percent)
+
+
+def check_partitions(a) -> None:
+    """What `meshserve up` refuses before starting anything: cpus this node cannot give, --mps off CUDA."""
+    if getattr(a, "mps", False) and getattr(a, "device", "cpu") != "cuda":
+        raise ValueError("--mps runs the CUDA workers under MPS: it needs --device cuda")
+    if getattr(a, "models", None) and getattr(a, "device", "cpu") == "cpu":
+        from meshserve.shared.manifest import load_manifest
+        from meshserve.shared.partitions import process_cores, resolve_cpus
+
+        try:
+            resolve_cpus(load_manifest(a.models).models, process_cores())
+        except ValueError as e:
+            raise ValueError(f"--models: {e}") from None
 
 
 def worker_threads(a) -> int | None:
@@ -421,6 +467,9 @@ def add_kv_cache_dtype_argument(p) -> None:
 
 def add_arguments(p) -> None:
     add_device_argument(p)
+    p.add_argument("--mps", action="store_true",
+                   help="with --device cuda: start the CUDA MPS control daemon (nvidia-cuda-mps-control -d) unless "
+                        "one runs, and stop it at exit, so each model's gpu_percent share holds (docs/models.md)")
     add_quantization_argument(p)
     add_kv_cache_dtype_argument(p)
     p.add_argument("--host", default="127.0.0.1")

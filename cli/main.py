@@ -42,7 +42,10 @@ def _nats_credentials(args) -> int:
 
 
 ROLES = ("gateway", "scheduler", "prefill", "decode", "kv-pool", "model-loader")
-MANIFEST_ROLES = ("gateway", "scheduler", "model-loader")  # they take --models (the model manifest)
+# They take --models (the model manifest); the kv-pool for the models' memory quotas, the workers for
+# their compute partitions (each worker's --model names the model it starts on).
+MANIFEST_ROLES = ("gateway", "scheduler", "model-loader", "kv-pool", "prefill", "decode")
+WORKER_ROLES = ("prefill", "decode")
 
 
 def _common(p: argparse.ArgumentParser, nats_default: str | None = "nats://127.0.0.1:4222") -> None:
@@ -188,7 +191,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
             ("bench-soak", "bench.soak_bench", "minutes of load with a fault every few minutes: nothing lost"),
             ("bench-busy", "bench.busy_bench", "one stream's speed beside a CPU burner: fixed threads vs tuned"),
             ("bench-models", "bench.models_bench", "many models on one mesh: a weights budget against every model "
-                                                   "resident (hit rate, loads, evictions, TTFT per model)"),
+                                                   "resident and a one-model server restarted per switch (hit rate, "
+                                                   "loads, evictions, TTFT per model)"),
+            ("bench-isolation", "bench.isolation_bench", "a small model's TTFT and inter-token latency alone, beside a "
+                                                         "busy larger model, and beside it with partitions (cpus)"),
             ("bench-spec", "bench.spec_bench", "speculative decoding: batch-1 decode with and without prompt "
                                                "lookup, bf16 and int8, copy and chat workloads"),
             ("bench-quant", "bench.quant_bench", "int8 weights and int8 KV cache against bf16: decode speed and "
@@ -224,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         except ManifestError as e:
             return fail(prog, f"--models: {e}")
         args.models = str(Path(args.models).expanduser().resolve())
-        args.model, args.served_model_name = first.path, first.name  # what --model-only parts use
+        if getattr(args, "role", None) not in WORKER_ROLES:
+            args.model, args.served_model_name = first.path, first.name  # what --model-only parts use
     if getattr(args, "device", "cpu") == "cuda":  # before any process, connection or allocation: fail fast
         from meshserve.shared.node_memory import cuda_problem
 

@@ -9,7 +9,11 @@ A YAML list of models (or a mapping with the list under `models`), each:
       dtype: bfloat16               # float32 | bfloat16 (default: the command's --dtype)
       quantization: int8            # optional (docs/quantization.md)
       pinned: true                  # never evicted from the loader's hot tier
-      memory_quota_gb: 1.0          # the most its weights may take (a load above it fails)
+      memory_quota_gb: 1.0          # its weights plus its KV blocks on a node (weights above it: the load
+                                    # fails; KV: the kv-pool leases it at most the rest, shared/partitions.py)
+      cpus: "0-1"                   # CPU backend: the cores its workers run on ("0", "0-1", "0,2"), or a
+                                    # count (2: that many of the cores no model names)
+      gpu_percent: 30               # CUDA: its workers' CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (under MPS)
       layered_loading: false        # workers wait for its whole load (default: the loader's
                                     # --layered-loading, on: its first layers run while the rest loads)
       share: 90                     # canary: two or more entries of one name, each with a version and
@@ -50,6 +54,8 @@ class ServedModel(BaseModel):
     quantization: Quantization | None = None
     pinned: bool = False
     memory_quota_gb: float | None = Field(default=None, gt=0)
+    cpus: int | str | None = None
+    gpu_percent: int | None = Field(default=None, ge=1, le=100)
     share: float | None = Field(default=None, ge=0, le=100)
     variant: str | None = Field(default=None, min_length=1, pattern=r"^[^@\s]+$")
     priorities: tuple[Priority, ...] | None = Field(default=None, min_length=1)
@@ -73,6 +79,15 @@ class ServedModel(BaseModel):
     @classmethod
     def _version_text(cls, v):
         return None if v is None else str(v)
+
+    @field_validator("cpus")
+    @classmethod
+    def _cpus(cls, v):
+        if v is not None:
+            from meshserve.shared.partitions import parse_cpus
+
+            parse_cpus(v)  # a PartitionError (a ValueError) says what is wrong
+        return v
 
     def names(self) -> tuple[str, ...]:
         return (self.name, *self.aliases)
@@ -243,6 +258,30 @@ def load_manifest(path: str | Path, check_paths: bool = True) -> Manifest:
             except (UnknownModel, KeyError) as e:
                 raise ManifestError(f"{p}: model {m.name!r}: {e}") from None
     return manifest
+
+
+class ManifestFile:
+    """A manifest file re-read when it changes (its modification time): what the kv-pool and the
+    workers use, who take no SIGHUP or reload message (the file is what a reload re-reads anyway).
+    A file that became invalid keeps the last good manifest."""
+
+    def __init__(self, path: str | Path):
+        self.path, self.mtime, self.manifest = Path(path), None, None
+
+    def current(self) -> Manifest | None:
+        try:
+            mtime = self.path.stat().st_mtime_ns
+        except OSError:
+            return self.manifest
+        if mtime != self.mtime:
+            self.mtime = mtime
+            try:
+                self.manifest = load_manifest(self.path, check_paths=False)
+            except ManifestError as e:
+                import logging
+
+                logging.getLogger("meshserve.manifest").error("manifest not re-read: %s", e)
+        return self.manifest
 
 
 def _explain(e: ValidationError, data) -> str:

@@ -62,8 +62,8 @@ def permissions(namespace: str) -> dict[str, dict]:
             "allow_responses": False},
         "scheduler": {
             "publish": [*(worker(v) for v in ("prefill", "adopt", "abort", "role", "model")), kv("release"),
-                        kv("transfer"), *(s.models(v, "*") for v in ("status", "reload", "prewarm")), s.tokens("*"),
-                        s.scheduler_hello],
+                        kv("transfer"), kv("status"), *(s.models(v, "*") for v in ("status", "reload", "prewarm")),
+                        s.tokens("*"), s.scheduler_hello],
             "subscribe": [*(s.scheduler(e) for e in ("submit", "handoff", "done", "abort", "status", "usage", "reload")),
                           s.heartbeat, kv("events"), own("scheduler")],
             "allow_responses": True},

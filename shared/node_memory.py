@@ -93,3 +93,14 @@ def release(backend: str, path: str) -> None:
     memory goes with the creator's last reference to it."""
     if backend == "cpu":
         shm.unlink(path)
+
+
+def weights_nbytes(desc) -> int:
+    """The bytes a model's weights take on the node, as the loader counts them against the model's
+    `memory_quota_gb` (and the kv-pool subtracts them from it): the shared file's size, or the GPU
+    tensors' bytes."""
+    import os
+
+    if desc.backend == "cpu":
+        return os.path.getsize(desc.path)
+    return sum(shm.nbytes(t.dtype, t.shape) for t in desc.tensors)

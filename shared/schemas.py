@@ -246,11 +246,17 @@ class ArenaDescriptor(Message):
 class LeaseRequest(Message):
     worker_id: str
     num_blocks: int
+    # The model the blocks are for, and its weights' bytes on the node: the kv-pool leases a model
+    # at most its memory quota less its weights (shared/partitions.py).
+    model: str | None = None
+    weights_bytes: int = 0
 
 
 class LeaseReply(Message):
     block_ids: list[int]
     free_blocks: int
+    quota_blocks: int | None = None  # the most blocks the model may hold on the node (None: no quota)
+    model_blocks: int = 0  # the blocks the model's workers hold now, these included
 
 
 class PoolPressure(Message):
@@ -260,6 +266,7 @@ class PoolPressure(Message):
     node_id: str
     asked: int
     free_blocks: int
+    model: str | None = None  # short by that model's quota, not the arena: only its workers give back
 
 
 class BlockRefs(Message):
@@ -381,6 +388,7 @@ class KVImport(Message):
     src_worker: str  # holds one reference on each source block until the transfer closes
     block_ids: list[int]  # the handed-over blocks (all released on the source once it is over)
     num_tokens: int  # of those, the tokens whose KV is computed: only their blocks are copied
+    model: str | None = None  # the model the fresh blocks count against (its memory quota)
 
 
 class KVImportReply(Message):

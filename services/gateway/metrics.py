@@ -56,6 +56,32 @@ class WorkerRoles:
                                        labels=["model_name"])
         switches.add_metric([self.model], float(self.status.get("role_switches") or 0))
         return [role, switches]
+
+
+class ModelKV:
+    """`meshserve:model_kv_blocks` and `meshserve:model_kv_quota_blocks`, per node and `model`: the KV
+    blocks each model's workers hold on the node and its memory quota's share for them (the
+    kv-pools' counts, in the scheduler's status as `kv_by_model`)."""
+
+    def __init__(self, model_name: str):
+        self.model = model_name
+        self.status: dict = {}
+
+    def collect(self):
+        used = GaugeMetricFamily("meshserve:model_kv_blocks", "KV blocks held by a model's workers on a node.",
+                                 labels=["model_name", "node", "model"])
+        quota = GaugeMetricFamily("meshserve:model_kv_quota_blocks", "The most KV blocks a model may hold on a node "
+                                  "(its memory_quota_gb less its weights).", labels=["model_name", "node", "model"])
+        for node, models in (self.status.get("kv_by_model") or {}).items():
+            for name, m in (models or {}).items():
+                if not isinstance(m, dict):
+                    continue
+                used.add_metric([self.model, str(node), str(name)], float(m.get("blocks") or 0))
+                if isinstance(m.get("quota_blocks"), int):
+                    quota.add_metric([self.model, str(node), str(name)], float(m["quota_blocks"]))
+        return [used, quota]
+
+
 # scheduler status "spec_decode" key -> counter name (vLLM's, without _total, which the client adds)
 SPEC_DECODE_COUNTERS = {
     "num_accepted_tokens": ("meshserve:spec_decode_num_accepted_tokens",
@@ -140,6 +166,8 @@ class GatewayMetrics:
                         for key, (name, doc) in STATUS_GAUGES.items()}
         self._roles = WorkerRoles(model_name)
         r.register(self._roles)
+        self._model_kv = ModelKV(model_name)
+        r.register(self._model_kv)
         self._counters = _StatusCounters(model_name)
         r.register(self._counters)
 
@@ -174,6 +202,7 @@ class GatewayMetrics:
         if not status:
             return
         self._roles.status = status
+        self._model_kv.status = status
         for key, gauge in self._status.items():
             value = status.get(key)
             if isinstance(value, (int, float)):

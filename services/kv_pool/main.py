@@ -6,7 +6,9 @@ Workers lease free blocks in batches (no NATS round trip per block on the hot pa
 them in batches. A block may be held by several workers at once (a prefill worker keeps a prefix
 it handed to a decode worker); it is free again when its last reference is released. A worker
 that stops sending heartbeats loses all its references. Workers' KV events (prefix-cache keys
-stored and removed) are kept as the node's prefix index, per worker.
+stored and removed) are kept as the node's prefix index, per worker. With `--models` (the
+manifest), the workers of a model hold at most its `memory_quota_gb` less its weights, in blocks
+(`KVQuotas`, shared/partitions.py); the blocks each model holds are in the status.
 
 Two copies of KV bytes happen here, never in a worker's hot path and never over NATS on one node:
 - the host swap tier (swap.py): workers spill cached prefix blocks they are about to overwrite
@@ -33,7 +35,9 @@ import orjson
 from meshserve.shared import node_memory, shm
 from meshserve.shared.bus import Bus
 from meshserve.shared.kv_layout import check_kv_cache_dtype, kv_arena_dtype, kv_arena_shape, kv_bytes_per_block
+from meshserve.shared.manifest import ManifestFile
 from meshserve.shared.model.config import ModelConfig
+from meshserve.shared.partitions import kv_quota_blocks
 from meshserve.shared.schemas import (ArenaDescriptor, BlockRefs, BlockTransfer, Heartbeat, KVEvent, KVImport,
                                       KVImportReply, LeaseReply, LeaseRequest, LoadRequest, PoolPressure, ServiceHello,
                                       SwapReply, SwapRequest, TransferReply, WeightsDescriptor)
@@ -49,21 +53,40 @@ HELLO_INTERVAL = 1.0
 
 
 class BlockLedger:
-    """References per block and per worker. Pure bookkeeping: the service around it does I/O."""
+    """References per block and per worker, and the blocks each model holds (a block counts for the
+    model whose worker leased it until it is free again: a handoff moves it only between workers
+    of that model). Pure bookkeeping: the service around it does I/O."""
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self.free: deque[int] = deque(range(num_blocks))
         self.refs = [0] * num_blocks
         self.held: dict[str, Counter] = {}
+        self.model_of: list[str | None] = [None] * num_blocks
+        self.by_model: Counter = Counter()  # model -> blocks in use
+        self.peak: Counter = Counter()  # model -> the most it held at once
 
-    def lease(self, worker: str, n: int) -> list[int]:
+    def lease(self, worker: str, n: int, model: str | None = None, limit: int | None = None) -> list[int]:
+        """Up to n free blocks, and no more than leave the model within `limit` blocks."""
+        if limit is not None:
+            n = min(n, max(0, limit - self.by_model[model]))
         out = [self.free.popleft() for _ in range(min(n, len(self.free)))]
         held = self.held.setdefault(worker, Counter())
         for b in out:
             self.refs[b] = 1
             held[b] += 1
+            self.model_of[b] = model
+        if out:
+            self.by_model[model] += len(out)
+            self.peak[model] = max(self.peak[model], self.by_model[model])
         return out
+
+    def _unref(self, b: int, n: int = 1) -> None:
+        self.refs[b] -= n
+        if self.refs[b] == 0:
+            self.free.append(b)
+            self.by_model[self.model_of[b]] -= 1
+            self.model_of[b] = None
 
     def retain(self, worker: str, blocks: list[int]) -> None:
         held = self.held.setdefault(worker, Counter())
@@ -80,9 +103,7 @@ class BlockLedger:
             held[b] -= 1
             if not held[b]:
                 del held[b]
-            self.refs[b] -= 1
-            if self.refs[b] == 0:
-                self.free.append(b)
+            self._unref(b)
 
     def transfer(self, src: str, dst: str, blocks: list[int]) -> bool:
         """Moves one reference per block between holders; the block's count does not change."""
@@ -104,10 +125,29 @@ class BlockLedger:
     def drop_worker(self, worker: str) -> int:
         held = self.held.pop(worker, Counter())
         for b, n in held.items():
-            self.refs[b] -= n
-            if self.refs[b] == 0:
-                self.free.append(b)
+            self._unref(b, n)
         return sum(held.values())
+
+
+class KVQuotas:
+    """Each model's KV blocks on this node: its manifest `memory_quota_gb` less its weights (which
+    its workers report with their leases), in blocks. The manifest is re-read when its file changes."""
+
+    def __init__(self, manifest_path: str | None, block_bytes: int):
+        self.file = ManifestFile(manifest_path) if manifest_path else None
+        self.block_bytes = block_bytes
+        self.weights: dict[str, int] = {}  # model -> its weights' bytes, as its workers report them
+
+    def saw(self, model: str | None, weights_bytes: int) -> None:
+        if model is not None and weights_bytes:
+            self.weights[model] = weights_bytes
+
+    def limit(self, model: str | None) -> int | None:
+        manifest = self.file.current() if self.file is not None else None
+        spec = manifest.get(model) if manifest is not None and model else None
+        if spec is None:
+            return None
+        return kv_quota_blocks(spec.memory_quota_gb, self.weights.get(model, 0), self.block_bytes)
 
 
 class KVPool:
@@ -130,6 +170,8 @@ class KVPool:
         self.fetch = transfer.FetchServer(bus, self.blocks, self.ledger.held, self.ledger.release, self.transfers,
                                           ttl=args.transfer_ttl)
         self.tasks: set[asyncio.Task] = set()
+        self.quotas = KVQuotas(getattr(args, "models", None), self.blocks.block_bytes)
+        self.model_of: dict[str, str] = {}  # worker -> the model of its last lease
 
     def kv(self, verb: str) -> str:
         return self.bus.subjects.kv(verb, self.node)
@@ -160,11 +202,14 @@ class KVPool:
         t0 = time.monotonic()
         n = min(len(req.block_ids), -(-req.num_tokens // self.desc.block_size))  # blocks with KV in them
         self.last_seen.setdefault(req.worker_id, time.monotonic())  # reaped like any holder if it is gone
-        dst = self.ledger.lease(req.worker_id, n)
+        model = req.model or self.model_of.get(req.worker_id)
+        limit = self.quotas.limit(model)
+        dst = self.ledger.lease(req.worker_id, n, model, limit)
         try:
             if len(dst) < n:
-                raise transfer.TransferError(f"KV transfer {req.transfer_id}: node {self.node}'s arena has "
-                                             f"{len(dst)} free blocks, {n} needed")
+                room = (f"model {model}'s memory quota leaves it {len(dst)} more blocks" if limit is not None
+                        and self.ledger.free else f"node {self.node}'s arena has {len(dst)} free blocks")
+                raise transfer.TransferError(f"KV transfer {req.transfer_id}: {room}, {n} needed")
             nbytes, chunks = await transfer.pull(
                 self.bus, req.src_node, req.transfer_id, req.src_worker, req.block_ids[:n], dst, self.blocks,
                 max_chunk_bytes=self.args.transfer_chunk_bytes, timeout=self.args.transfer_timeout,
@@ -186,9 +231,29 @@ class KVPool:
                  nbytes, chunks, req.src_node, dt)
         return KVImportReply(ok=True, block_ids=dst, bytes=nbytes, chunks=chunks, seconds=dt)
 
+    def lease(self, req: LeaseRequest) -> LeaseReply:
+        """Free blocks for a worker, within its model's quota; a lease left short publishes pressure
+        (for the model's workers only when its quota, not the arena, was the limit)."""
+        self.last_seen[req.worker_id] = time.monotonic()
+        if req.model is not None:
+            self.model_of[req.worker_id] = req.model
+        self.quotas.saw(req.model, req.weights_bytes)
+        limit = self.quotas.limit(req.model)
+        blocks = self.ledger.lease(req.worker_id, req.num_blocks, req.model, limit)
+        return LeaseReply(block_ids=blocks, free_blocks=len(self.ledger.free), quota_blocks=limit,
+                          model_blocks=self.ledger.by_model[req.model])
+
+    def models_status(self) -> dict[str, dict]:
+        """Per model: the blocks its workers hold now, the most they held at once, its quota."""
+        bb = self.blocks.block_bytes
+        names = {m for m in (*self.ledger.by_model, *self.ledger.peak) if m is not None}
+        return {m: {"blocks": self.ledger.by_model[m], "bytes": self.ledger.by_model[m] * bb,
+                    "peak_blocks": self.ledger.peak[m], "quota_blocks": self.quotas.limit(m),
+                    "weights_bytes": self.quotas.weights.get(m)} for m in sorted(names)}
+
     def status(self) -> dict:
         return {"node_id": self.node, "num_blocks": self.desc.num_blocks, "free_blocks": len(self.ledger.free),
-                "block_bytes": self.blocks.block_bytes,
+                "block_bytes": self.blocks.block_bytes, "models": self.models_status(),
                 "holders": {w: sum(c.values()) for w, c in self.ledger.held.items()},
                 "cached_blocks": {w: len(i) for w, i in self.prefix_index.items()},
                 "swap": self.host.stats(),
@@ -202,12 +267,16 @@ class KVPool:
 
         async def on_lease(msg):
             req = LeaseRequest.decode(msg.data)
-            self.last_seen[req.worker_id] = time.monotonic()
-            blocks = self.ledger.lease(req.worker_id, req.num_blocks)
-            await msg.respond(LeaseReply(block_ids=blocks, free_blocks=len(self.ledger.free)).encode())
-            if len(blocks) < req.num_blocks:
+            reply = self.lease(req)
+            await msg.respond(reply.encode())
+            if len(reply.block_ids) < req.num_blocks:
+                by_quota = reply.quota_blocks is not None and reply.model_blocks >= reply.quota_blocks
+                others = reply.model_blocks > len(self.ledger.held.get(req.worker_id, ()))
+                if by_quota and not others:
+                    return  # the asker holds its model's whole quota: nobody else's blocks would help
                 await self.bus.publish(self.kv("pressure"), PoolPressure(
-                    node_id=self.node, asked=req.num_blocks, free_blocks=len(self.ledger.free)))
+                    node_id=self.node, asked=req.num_blocks, free_blocks=reply.free_blocks,
+                    model=req.model if by_quota else None))
 
         async def on_release(msg):
             r = BlockRefs.decode(msg.data)
@@ -277,6 +346,7 @@ class KVPool:
                     n = self.ledger.drop_worker(w)
                     del self.last_seen[w]
                     self.prefix_index.pop(w, None)
+                    self.model_of.pop(w, None)
                     log.warning("worker %s silent for %.1fs: reclaimed %d block references", w, now - seen, n)
             self.fetch.expire()
 

@@ -108,6 +108,9 @@ class Scheduler:
         self.rates = Rates()  # each model's decayed request rate, for prewarm (prewarm.py)
         self.prewarming: set[str] = set()  # nodes whose loader is prewarming now
         self.prewarms: list[dict] = []  # the last prewarms, for status
+        self.kv_models: dict[str, dict] = {}  # node -> its kv-pool's blocks per model (memory quotas)
+        self._kv_at = 0.0
+        self._kv_task: asyncio.Task | None = None
 
     # -- views
 
@@ -161,6 +164,7 @@ class Scheduler:
                 "request_rates": {m: round(r, 4) for m, r in self.rates.all().items()},
                 "recent_prewarms": self.prewarms,
                 "loaders": self.loaders,
+                "kv_by_model": self.kv_models,
                 "elastic_roles": self.roles.enabled, "role_switches": self.roles.switches,
                 "recent_role_switches": self.roles.history,
                 **({"admission": {**self.admission.status(), "waiting_by_class": self.waiting_by_class()}}
@@ -359,6 +363,14 @@ class Scheduler:
         finally:
             self.prewarming.discard(node)
         await self.refresh_loaders()
+    async def refresh_kv_models(self) -> None:
+        """Each node's KV blocks per model, from its kv-pool (for /metrics: `meshserve:model_kv_blocks`)."""
+        for node in {w.hb.node_id for w in self.workers.values()}:
+            try:
+                msg = await self.bus.nc.request(self.bus.subjects.kv("status", node), b"{}", timeout=0.5)
+                self.kv_models[node] = orjson.loads(msg.data).get("models", {})
+            except Exception as e:  # noqa: BLE001 - a restarting pool: keep what we had
+                log.debug("kv-pool of %s did not answer: %s", node, e)
 
     async def reload(self) -> dict:
         """Re-reads the manifest (SIGHUP, or the gateway's POST /admin/models/reload) and has every
@@ -629,6 +641,9 @@ class Scheduler:
                 self._loaders_at = time.monotonic()
                 await self.refresh_loaders()
                 await self.prewarm()
+            if time.monotonic() - self._kv_at > 1.0 and (self._kv_task is None or self._kv_task.done()):
+                self._kv_at = time.monotonic()  # in the background: a pool that does not answer delays nothing
+                self._kv_task = asyncio.ensure_future(self.refresh_kv_models())
 
     async def keep_queued_alive(self) -> None:
         """Tells the gateways which of their requests still wait here: a batch prompt may queue

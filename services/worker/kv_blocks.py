@@ -13,7 +13,13 @@ public API only:
   so the free blocks that hold prefixes stay this worker's prefix cache;
 - pool pressure: when a lease the kv-pool could not fill makes it publish `pressure`, for
   PRESSURE_S seconds every worker of the node gives back cached free blocks too, least recently
-  used first, so one worker's prefix cache never starves another's requests;
+  used first, so one worker's prefix cache never starves another's requests (when the model's
+  memory quota was the limit, only that model's workers do);
+- the model's memory quota (shared/partitions.py): the pool leases no block beyond it, so a
+  model at its quota overwrites (or spills) its own cached blocks, then its requests wait or are
+  preempted as when the arena is full; once this worker alone holds the quota it asks only every
+  QUOTA_RECHECK_S (the quota may grow), and a request that could never fit in it is refused
+  (`LLMEngine.block_limit`);
 - spill and restore (the host swap tier): cached blocks about to be overwritten or given back are
   copied to the tier first (`make_room`); a prompt whose prefix continues in the tier gets those
   blocks copied back into free blocks here and registered as cached (`prepare`), so the engine
@@ -41,13 +47,14 @@ from collections.abc import Callable
 from meshserve.shared.engine import wire
 from meshserve.shared.engine.llm_engine import LLMEngine
 from meshserve.shared.kv_layout import kv_bytes_per_block
-from meshserve.shared.schemas import Handoff, KVEvent
+from meshserve.shared.schemas import Handoff, KVEvent, PoolPressure
 
 from .kv_pool_client import KVPoolClient
 
 log = logging.getLogger("meshserve.worker.kv")
 
 PRESSURE_S = 5.0  # after the kv-pool ran short, this long the worker gives back cached blocks too
+QUOTA_RECHECK_S = 1.0  # at its model's quota, a worker still asks this often (the quota may have grown)
 # The free blocks kept cover a step in which this many prompts arrive first: a prompt that comes
 # (or whose prefix comes back from the host tier) does not wait on a lease round trip.
 RESERVE_PROMPTS = 2
@@ -64,6 +71,8 @@ class KVBlocks:
         self.pending: dict[str, asyncio.Task] = {}  # request id -> its import from another node
         self.cancelled: set[str] = set()
         self.num_imported = self.num_import_failures = self.num_spilled = self.num_restored = 0
+        self.quota_blocks: int | None = None  # the model's KV quota on this node, as the pool's leases say
+        self.quota_asked = 0.0  # when it last asked the pool
 
     async def start(self) -> None:
         if self.swap_enabled:
@@ -87,15 +96,27 @@ class KVBlocks:
         self.host.difference_update(ev.removed)
 
     async def _on_pressure(self, msg) -> None:
+        p = PoolPressure.decode(msg.data)
+        if p.model is not None and p.model != self.client.model:
+            return  # another model at its quota: not this worker's blocks to give
         self.pool_dry_until = time.monotonic() + PRESSURE_S
         self.report("reclaim", None)
 
     # -- leasing and giving back
 
     async def lease(self, n: int) -> int:
-        block_ids = await self.client.lease(n)
-        self.pool.add_free(block_ids)
-        return len(block_ids)
+        if self.quota_blocks is not None:
+            room = self.quota_blocks - self.pool.num_held
+            if room > 0:
+                n = min(n, room)
+            elif time.monotonic() < self.quota_asked + QUOTA_RECHECK_S:
+                return 0  # at the model's quota: the step takes this worker's own cached blocks
+        self.quota_asked = time.monotonic()
+        r = await self.client.lease(n)
+        self.pool.add_free(r.block_ids)
+        self.quota_blocks = r.quota_blocks
+        self.engine.block_limit = r.quota_blocks
+        return len(r.block_ids)
 
     async def before_step(self) -> None:
         """Free blocks for the next step, uncached ones where the arena has them, and the cached ones

@@ -27,6 +27,10 @@ class KVPoolClient:
     def __init__(self, bus: Bus, node: str, worker_id: str):
         self.bus, self.node, self.worker_id = bus, node, worker_id
         self.swap_paused_until = 0.0
+        # What this worker's leases count against (the model's memory quota): set by the worker
+        # whenever it serves a model.
+        self.model: str | None = None
+        self.weights_bytes = 0
 
     def subject(self, verb: str) -> str:
         return self.bus.subjects.kv(verb, self.node)
@@ -52,11 +56,12 @@ class KVPoolClient:
         return await self.bus.request(self.subject("arena"), LeaseRequest(worker_id=self.worker_id, num_blocks=0),
                                       ArenaDescriptor, timeout=900)
 
-    async def lease(self, n: int) -> list[int]:
-        """Up to n free blocks of the arena, now this worker's (fewer when the arena is short)."""
-        r = await self.bus.request(self.subject("lease"), LeaseRequest(worker_id=self.worker_id, num_blocks=n),
-                                   LeaseReply, timeout=10)
-        return r.block_ids
+    async def lease(self, n: int) -> LeaseReply:
+        """Up to n free blocks of the arena, now this worker's (fewer when the arena is short or its
+        model at its quota; the reply says the quota)."""
+        return await self.bus.request(self.subject("lease"), LeaseRequest(
+            worker_id=self.worker_id, num_blocks=n, model=self.model, weights_bytes=self.weights_bytes),
+            LeaseReply, timeout=10)
 
     async def release(self, block_ids: list[int]) -> None:
         await self.bus.publish(self.subject("release"), BlockRefs(worker_id=self.worker_id, block_ids=block_ids))
@@ -92,7 +97,8 @@ class KVPoolClient:
         worker: (those block ids, None), or (None, why not)."""
         rid = h.request.request_id
         imp = KVImport(transfer_id=f"{rid}.{uuid.uuid4().hex[:8]}", worker_id=self.worker_id, src_node=h.node_id,
-                       src_worker=h.from_worker, block_ids=h.block_ids, num_tokens=h.num_computed_tokens)
+                       src_worker=h.from_worker, block_ids=h.block_ids, num_tokens=h.num_computed_tokens,
+                       model=self.model)
         try:
             with telemetry.span("kv.transfer", h.request.trace, worker=self.worker_id, request_id=rid,
                                 src_node=h.node_id, blocks=len(h.block_ids)):

@@ -36,8 +36,11 @@ from meshserve.shared.engine.llm_engine import (EngineConfig, LLMEngine, Request
 from meshserve.shared.engine.policy import PRIORITIES, add_scheduling_arguments
 from meshserve.shared.engine.scheduler import SchedulerConfig
 from meshserve.shared.engine.speculative import add_speculative_arguments
+from meshserve.shared.manifest import ManifestFile
 from meshserve.shared.model.config import ModelConfig
 from meshserve.shared.model.llama import LlamaModel
+from meshserve.shared.partitions import (PartitionError, apply_cpus, format_cpus, process_cores, resolve_cpus,
+                                         threads_for)
 from meshserve.shared.schemas import (KEEPALIVE_S, Abort, Done, GenerateRequest, Handoff, Heartbeat, LoadRequest, ModelSwitch,
                                       ModelSwitchReply, RoleSwitch, TokenChunk)
 from meshserve.shared.service import run_service
@@ -73,10 +76,16 @@ class Worker:
         # Steps always run on this one thread: OpenMP keeps one warm thread team per calling
         # thread, and a pool that hands steps to different threads multiplies the spinning teams.
         threads = args.threads or int(os.environ.get("MESHSERVE_WORKER_THREADS", "0"))
+        self.threads = threads
         self.stepper = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step",
                                                              initializer=_set_threads, initargs=(threads,))
+        # The cores it may use, before any partition narrows them (shared/partitions.py).
+        self.node_cores = process_cores()
+        self.cores = self.node_cores
+        # The manifest, for the compute partition of each model it serves (re-read when it changes).
+        self.manifest = ManifestFile(args.models) if getattr(args, "models", None) else None
         # Each step's thread count by measured speed (threads.py), unless --fixed-threads.
-        self.tuner = None if args.fixed_threads else ThreadTuner(threads or os.cpu_count() or 1, _set_threads)
+        self.tuner = None if args.fixed_threads else ThreadTuner(threads or len(self.node_cores), _set_threads)
         self.received: dict[str, float] = {}  # wall clock, for the queue and prefill spans
         self.decode_start: dict[str, float] = {}
         self.tokens_streamed = 0
@@ -100,6 +109,8 @@ class Worker:
         self.load = LoadRequest(model=a.model, dtype=a.dtype, quantization=a.quantization, worker_id=self.id,
                                 name=self.served)
         self.engine, w = await model_switch.build_engine(self, self.load, self.served)
+        pool.model, pool.weights_bytes = self.served, node_memory.weights_nbytes(w)
+        await self.apply_partition()
         if kv.is_cuda:  # what tests/test_cuda_mesh.py reads: one copy of the weights, opened by handle
             import torch
 
@@ -191,12 +202,38 @@ class Worker:
         await self._heartbeat()  # the scheduler routes by the model a heartbeat names
         await msg.respond(reply.encode())
 
-    async def replace_engine(self, engine: LLMEngine, served: str, load: LoadRequest) -> None:
-        """At an iteration boundary with nothing running: the old engine's blocks go back to the pool."""
+    async def replace_engine(self, engine: LLMEngine, served: str, load: LoadRequest, weights_bytes: int) -> None:
+        """At an iteration boundary with nothing running: the old engine's blocks go back to the pool,
+        the new model's are leased under its quota, and its compute partition applies."""
         await self.blocks.close()
         self.engine, self.served, self.load = engine, served, load
+        self.pool.model, self.pool.weights_bytes = served, weights_bytes
         self.blocks = KVBlocks(engine, self.pool, self.args.lease_blocks, self.arena.swap_blocks, report=self._post)
         await self.blocks.start()
+        await self.apply_partition()
+
+    async def apply_partition(self) -> None:
+        """The cores of the model it serves (the manifest's `cpus`, CPU backend): every thread of the
+        process moves onto them and steps run at most one torch thread per core; a model without
+        `cpus` runs on all the cores the worker started with. A partition this node cannot give
+        (a core it lacks) is logged and ignored."""
+        if self.manifest is None or getattr(self.args, "device", "cpu") != "cpu":
+            return
+        m = self.manifest.current()
+        if m is None or (all(x.cpus is None for x in m.models) and self.cores == self.node_cores):
+            return  # nothing partitioned, now or before: leave the threads as they are
+        try:
+            cores = resolve_cpus(m.models, self.node_cores).get(self.served, self.node_cores)
+        except PartitionError as e:
+            log.error("worker %s: the manifest's cpus cannot be applied here: %s; using every core", self.id, e)
+            cores = self.node_cores
+        apply_cpus(cores)
+        n = threads_for(cores, self.threads)
+        await asyncio.get_running_loop().run_in_executor(self.stepper, _set_threads, n)
+        if self.tuner is not None:
+            self.tuner.limit(n)
+        self.cores = cores
+        log.info("worker %s runs %s on cores %s (%d torch threads)", self.id, self.served, format_cpus(cores), n)
 
     async def _on_superseded(self, msg) -> None:
         """A gateway re-submitted a request (its scheduler restarted...): the old attempt stops here,

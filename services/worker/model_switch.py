@@ -112,7 +112,7 @@ async def switch_model(worker, m: ModelSwitch) -> ModelSwitchReply:
         except Exception as again:  # noqa: BLE001
             log.warning("worker %s: could not re-register %s with the loader: %s", worker.id, old, again)
         return ModelSwitchReply(ok=False, error=str(e), seconds=time.perf_counter() - t0)
-    await worker.replace_engine(engine, m.name, load)
+    await worker.replace_engine(engine, m.name, load, node_memory.weights_nbytes(w))
     took = time.perf_counter() - t0
     log.info("worker %s model %s -> %s in %.3f s (weights from %s in %.3f s%s): %s", worker.id, old, m.name, took,
              w.tier, w.load_s, ", layered: its layers still loading" if w.ready_path else "", m.reason)

@@ -31,6 +31,16 @@ class ThreadTuner:
         self.current = self.candidates[-1]  # what the step thread starts with (set there, not here)
         self.chosen = {n: 0 for n in self.candidates}  # steps run per thread count (stats)
 
+    def limit(self, max_threads: int) -> None:
+        """The step thread now runs `max_threads` threads (its owner set that many there): the cores of
+        a compute partition (shared/partitions.py). The candidates are 1 and that many, never more,
+        and what was measured on other cores is forgotten."""
+        self.candidates = sorted({1, max(1, max_threads)})
+        self.avg.clear()
+        self.count.clear()
+        self.current = self.candidates[-1]
+        self.chosen = {n: self.chosen.get(n, 0) for n in self.candidates}
+
     @staticmethod
     def bucket(num_tokens: int) -> int:
         return max(0, int(num_tokens).bit_length() - 1)

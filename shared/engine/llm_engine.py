@@ -99,6 +99,9 @@ class LLMEngine:
         self.kv_cache = kv_cache
         use_decode_kernel(kv_cache[0])  # builds the compiled attention kernel now, not on the first request
         self.block_pool = BlockPool(num_blocks, free_blocks=free)
+        # The most blocks its owner may ever hold (the mesh: its model's KV quota on the node), when
+        # below the arena: a request that needs more can never run.
+        self.block_limit: int | None = None
         self.kv_cache_manager = KVCacheManager(self.block_pool, config.block_size, config.enable_prefix_caching,
                                                model_name)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
@@ -149,9 +152,12 @@ class LLMEngine:
             check_context_length(n, params.max_tokens, self.max_model_len)
         except LimitError as e:
             raise RequestError(str(e)) from None
-        if self.kv_cache_manager.blocks_needed(n + params.max_tokens) > self.block_pool.num_blocks:
+        cap = self.block_pool.num_blocks if self.block_limit is None else min(self.block_limit,
+                                                                                self.block_pool.num_blocks)
+        if self.kv_cache_manager.blocks_needed(n + params.max_tokens) > cap:
             raise RequestError(f"the request needs {n + params.max_tokens} tokens of KV cache; "
-                               f"the pool holds {self.block_pool.num_blocks * self.config.block_size}")
+                               f"the pool holds {cap * self.config.block_size}"
+                               + (" (the model's memory quota)" if cap < self.block_pool.num_blocks else ""))
         seq = self.new_sequence(request_id, prompt_token_ids, params, arrival_time, output_token_ids, priority)
         self.requests[request_id] = seq
         self.scheduler.add(seq, self.requests.get(after) if after is not None else None)
