@@ -40,9 +40,10 @@ MODEL_ROLES = ("model-loader", "kv-pool", "prefill", "decode")  # they ask the l
 KV_ROLES = ("kv-pool", "prefill", "decode")  # they make or map the node's KV arena: --kv-cache-dtype
 HEALTH_POLL_S = 0.1  # how often start-up asks the gateway's /health: the mesh is announced within this
 
+DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024  # NATS' default is 1 MB; a long prompt's GenerateRequest outgrows it
 NATS_CONF = """\
 listen: 127.0.0.1:{port}
-max_payload: 8MB
+max_payload: {max_payload}
 jetstream {{
   store_dir: "{store}"
   max_memory_store: 256MB
@@ -171,18 +172,21 @@ class Launcher:
         creds = getattr(a, "nats_credentials", None)
         cert, key, ca = (getattr(a, f"nats_tls_{k}", None) for k in ("cert", "key", "ca"))
         if a.nats_url:
-            if creds:
+            if creds:  # each worker its own worker-<i>.env where the directory has one, else the shared worker.env
                 self.credentials_dir = Path(creds).expanduser()
-                self.credentials = {u: nats_auth.read_credentials(self.credentials_dir / f"{u}.env")
-                                    for u in nats_auth.SERVICE_USERS}
+                users = (*nats_auth.SERVICE_USERS, *(nats_auth.worker_user(i) for i in range(num_workers(a))))
+                self.credentials = {u: nats_auth.read_credentials(self.credentials_dir / f"{u}.env") for u in users
+                                    if u in nats_auth.SERVICE_USERS or (self.credentials_dir / f"{u}.env").exists()}
             self.tls_env = {k: str(Path(v).resolve()) for k, v in ((nats_auth.ENV_TLS_CA, ca),
                             (nats_auth.ENV_TLS_CERT, cert), (nats_auth.ENV_TLS_KEY, key)) if v}
             return
-        passwords = nats_auth.generate_passwords()
+        passwords = nats_auth.generate_passwords(workers=num_workers(a))  # a user of its own for each worker
         self.credentials_dir = Path(creds).expanduser() if creds else self.tmp / "credentials"
         nats_auth.write_credentials(self.credentials_dir, passwords)
-        self.credentials = {u: nats_auth.env_for(u, passwords[u]) for u in nats_auth.SERVICE_USERS}
-        text = NATS_CONF.format(port=a.nats_port, store=self.tmp / "jetstream")
+        self.credentials = {u: nats_auth.env_for(u, pw) for u, pw in passwords.items()
+                            if u not in (nats_auth.PUBLIC, nats_auth.ADMIN)}
+        text = NATS_CONF.format(port=a.nats_port, store=self.tmp / "jetstream",
+                                max_payload=getattr(a, "nats_max_payload", DEFAULT_MAX_PAYLOAD))
         if cert:
             if not key:
                 raise ValueError("--nats-tls-cert needs --nats-tls-key")
@@ -194,12 +198,15 @@ class Launcher:
         self.spawn("nats-server", [nats_server_binary(), "-c", str(conf)])
         a.nats_url = f"{'tls' if cert else 'nats'}://127.0.0.1:{a.nats_port}"
 
-    def service_env(self, role: str) -> dict[str, str]:
-        """A service's NATS credentials and TLS settings, for its environment (never its argv)."""
-        return {**self.credentials.get(nats_auth.ROLE_USER[role], {}), **self.tls_env}
+    def service_env(self, role: str, user: str | None = None) -> dict[str, str]:
+        """A service's NATS credentials and TLS settings, for its environment (never its argv); a
+        worker's own user when it has one, else its role's."""
+        creds = self.credentials.get(user) if user else None
+        return {**(creds or self.credentials.get(nats_auth.ROLE_USER[role], {})), **self.tls_env}
 
-    def spawn_service(self, name: str, role: str, *extra: str, env: dict | None = None) -> None:
-        self.spawn(name, self.serve_cmd(role, *extra), {**self.service_env(role), **(env or {})})
+    def spawn_service(self, name: str, role: str, *extra: str, env: dict | None = None,
+                      user: str | None = None) -> None:
+        self.spawn(name, self.serve_cmd(role, *extra), {**self.service_env(role, user), **(env or {})})
 
     def start_mps(self) -> None:
         """--mps: the CUDA MPS control daemon, so the models' `gpu_percent` shares hold."""
@@ -232,14 +239,11 @@ class Launcher:
             worker_opts += ["--fixed-threads"]
         serving, env = worker_models(a), worker_env(a)
         worker_opts += models  # each worker's compute partition follows the model it serves
-        if a.prefill == 0:  # no dedicated prefill workers: decode workers do both
-            for i in range(a.decode):
-                self.spawn_service(f"decode-{i}", "decode", *worker_opts, *serving(i), env=env(i))
-        else:
-            for i in range(a.prefill):
-                self.spawn_service(f"prefill-{i}", "prefill", *worker_opts, *serving(i), env=env(i))
-            for i in range(a.decode):
-                self.spawn_service(f"decode-{i}", "decode", *worker_opts, *serving(i), env=env(i))
+        # no dedicated prefill workers (--prefill 0): decode workers do both
+        names = [(role, n) for role, count in (("prefill", a.prefill), ("decode", a.decode)) for n in range(count)]
+        for i, (role, n) in enumerate(names):  # worker i connects as its own user, worker-<i>
+            self.spawn_service(f"{role}-{n}", role, *worker_opts, *serving(n), env=env(n),
+                               user=nats_auth.worker_user(i))
         tenants = ["--tenants", str(Path(a.tenants).expanduser().resolve())] if getattr(a, "tenants", None) else []
         fixed = ["--fixed-roles"] if getattr(a, "fixed_roles", False) else []
         prewarm = [] if getattr(a, "prewarm", True) else ["--no-prewarm"]
@@ -367,6 +371,10 @@ def run(args) -> int:
 MANIFEST_SERVICES = ("model-loader", "scheduler", "gateway")  # they re-read --models on SIGHUP
 
 
+def num_workers(a) -> int:
+    return (a.prefill + a.decode) if a.prefill else a.decode
+
+
 def worker_models(a):
     """The model options of the i-th worker: with --models, the manifest's models in turn (worker i
     starts on model i mod n; the scheduler switches them as the traffic asks), else --model."""
@@ -419,7 +427,7 @@ def worker_threads(a) -> int | None:
         return a.worker_threads
     if getattr(a, "device", "cpu") != "cpu" or os.environ.get("MESHSERVE_WORKER_THREADS"):
         return None  # the GPU does the work / the environment decides
-    workers = (a.prefill + a.decode) if a.prefill else a.decode
+    workers = num_workers(a)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores // max(1, workers))
 
@@ -475,6 +483,9 @@ def add_arguments(p) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--nats-port", type=int, default=4222, help="port of the embedded nats-server")
+    p.add_argument("--nats-max-payload", type=int, default=DEFAULT_MAX_PAYLOAD, metavar="BYTES",
+                   help="the embedded nats-server's largest message (default: 8 MiB); a larger request is a 413, "
+                        "a larger NATS API reply a 400 response_too_large (docs/security.md)")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (0: decode workers prefill too)")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
     p.add_argument("--kv-cache-gb", type=float, default=2.0)

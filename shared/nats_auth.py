@@ -8,6 +8,11 @@ MESHSERVE_NATS_USER, MESHSERVE_NATS_PASSWORD and MESHSERVE_NATS_INBOX (its reply
 each service user has its own, so no other user can read the replies to its requests), plus
 MESHSERVE_NATS_TLS_CA/_CERT/_KEY for TLS. Credentials in the URL (nats://user:pw@host) work too.
 
+Each worker may have a user of its own (`worker-<i>`, which `meshserve up` makes for each of its
+workers; `worker` is the one all workers of compose/Kubernetes share): a worker's id starts with its
+user's name (`<name>.<role>-<node>-<pid>`, shared/subjects.py), so its user may subscribe to its own
+`worker.<name>.*.<verb>` subjects and no other worker's, whatever pid a restart gives it.
+
 The rules (docs/security.md): workers cannot publish on the public API nor on scheduler.submit;
 only the kv-pool subscribes to (answers) kv subjects, other services hear only its broadcasts
 (hello, pressure, host_events) and the scheduler the KV events; the public user may only send
@@ -21,13 +26,15 @@ import secrets
 import ssl
 import stat
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from .subjects import Subjects
 
 ENV_USER, ENV_PASSWORD, ENV_INBOX = "MESHSERVE_NATS_USER", "MESHSERVE_NATS_PASSWORD", "MESHSERVE_NATS_INBOX"
 ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY = "MESHSERVE_NATS_TLS_CA", "MESHSERVE_NATS_TLS_CERT", "MESHSERVE_NATS_TLS_KEY"
 
-SERVICE_USERS = ("gateway", "scheduler", "model-loader", "kv-pool", "worker")
+WORKER = "worker"  # the worker user shared by every worker that has none of its own
+SERVICE_USERS = ("gateway", "scheduler", "model-loader", "kv-pool", WORKER)
 PUBLIC, ADMIN = "public", "admin"
 USERS = (*SERVICE_USERS, PUBLIC, ADMIN)
 PUBLIC_INBOX = "_INBOX"
@@ -40,39 +47,48 @@ ROLE_USER = {"gateway": "gateway", "scheduler": "scheduler", "model-loader": "mo
              "kv-pool": "kv-pool", "prefill": "worker", "decode": "worker"}
 
 
+WORKER_VERBS = ("prefill", "adopt", "abort", "role", "model")  # what the scheduler sends one worker
+
+
+def worker_user(i: int) -> str:
+    """The user of a launcher's i-th worker (its own credentials and subjects)."""
+    return f"{WORKER}-{i}"
+
+
+def worker_name(env=None, url: str | None = None) -> str:
+    """The first part of a worker's id: its NATS user (from the environment, else the URL), whose
+    permissions name this worker's subjects; `worker` for a worker connecting without one."""
+    env = os.environ if env is None else env
+    return env.get(ENV_USER) or (urlsplit(url).username if url else None) or WORKER
+
+
 def inbox(user: str) -> str:
     """A service user's own reply-subject prefix (one subject token)."""
     return PUBLIC_INBOX if user in (PUBLIC, ADMIN) else f"_INBOX_{user}"
 
 
-def permissions(namespace: str) -> dict[str, dict]:
+def permissions(namespace: str, workers: tuple[str, ...] = ()) -> dict[str, dict]:
     """Each user's {"publish": [...], "subscribe": [...], "allow_responses": bool}; admin: none
-    (everything). A request's reply goes to the requester's inbox: a responder may publish there
-    through allow_responses (one reply per request: answers and acknowledgements, Bus.ack); the
-    gateway streams many chunks to a public client's reply subject, so it may publish on _INBOX.>."""
+    (everything); `workers`: the per-worker users besides the shared `worker`. A request's reply goes
+    to the requester's inbox: a responder may publish there through allow_responses (one reply per
+    request: answers and acknowledgements, Bus.ack); the gateway streams many chunks to a public
+    client's reply subject, so it may publish on _INBOX.>."""
     s = Subjects(namespace)
     ns = namespace
     kv = lambda verb: s.kv(verb, "*")  # noqa: E731 - every node's subject
-    worker = lambda verb: s.worker("*", verb)  # noqa: E731
     own = lambda user: f"{inbox(user)}.>"  # noqa: E731
-    return {
+    perms = {
         "gateway": {
             "publish": [s.submit, s.abort, s.usage, s.scheduler_status, s.scheduler("reload"), f"{PUBLIC_INBOX}.>"],
             "subscribe": [s.completions, s.chat_completions, s.tokens("*"), s.scheduler_hello, own("gateway")],
             "allow_responses": False},
         "scheduler": {
-            "publish": [*(worker(v) for v in ("prefill", "adopt", "abort", "role", "model")), kv("release"),
+            "publish": [*(s.worker("*.*", v) for v in WORKER_VERBS), kv("release"),  # every worker's (two tokens)
                         kv("transfer"), kv("status"), *(s.models(v, "*") for v in ("status", "reload", "prewarm")),
                         s.tokens("*"), s.scheduler_hello],
             "subscribe": [*(s.scheduler(e) for e in ("submit", "handoff", "done", "abort", "status", "usage", "reload")),
                           s.heartbeat, kv("events"), own("scheduler")],
             "allow_responses": True},
-        "worker": {
-            "publish": [s.tokens("*"), s.handoff, s.done, s.heartbeat, s.models("load", "*"),
-                        *(kv(v) for v in ("arena", "lease", "release", "retain", "events", "swap", "import"))],
-            "subscribe": [*(worker(v) for v in ("prefill", "adopt", "abort", "role", "model")), s.abort,
-                          *(kv(v) for v in ("hello", "pressure", "host_events")), own("worker")],
-            "allow_responses": True},  # it acknowledges the scheduler's deliveries (Bus.ack), answers model switches
         "kv-pool": {
             "publish": [f"{ns}.kv.>", s.models("load", "*")],
             "subscribe": [f"{ns}.kv.>", s.heartbeat, own("kv-pool")],
@@ -88,6 +104,14 @@ def permissions(namespace: str) -> dict[str, dict]:
             "subscribe": [f"{PUBLIC_INBOX}.>"],
             "allow_responses": False},
     }
+    for user in (WORKER, *workers):
+        perms[user] = {  # its own worker.<user>.*.<verb> subjects, whichever incarnation (pid) it is
+            "publish": [s.tokens("*"), s.handoff, s.done, s.heartbeat, s.models("load", "*"),
+                        *(kv(v) for v in ("arena", "lease", "release", "retain", "events", "swap", "import"))],
+            "subscribe": [*(s.worker(f"{user}.*", v) for v in WORKER_VERBS), s.abort,
+                          *(kv(v) for v in ("hello", "pressure", "host_events")), own(user)],
+            "allow_responses": True}  # it acknowledges the scheduler's deliveries (Bus.ack), answers model switches
+    return perms
 
 
 def _quoted(items: list[str]) -> str:
@@ -97,9 +121,10 @@ def _quoted(items: list[str]) -> str:
 def authorization_block(namespace: str, passwords: dict[str, str], indent: str = "") -> str:
     """nats-server's `authorization { users = [...] }` for these passwords. A password that starts
     with `$` is left unquoted: the server reads it from its environment (deploy/nats.conf)."""
-    perms = permissions(namespace)
+    workers = tuple(u for u in passwords if u not in USERS)
+    perms = permissions(namespace, workers)
     lines = ["authorization {", "  users = ["]
-    for user in USERS:
+    for user in (*USERS, *workers):
         pw = passwords[user]
         pw = pw if pw.startswith("$") else f'"{pw}"'
         entry = f'    {{user: "{user}", password: {pw}'
@@ -122,8 +147,9 @@ def password_env(user: str) -> str:
     return f"NATS_{user.upper().replace('-', '_')}_PASSWORD"
 
 
-def generate_passwords() -> dict[str, str]:
-    return {user: secrets.token_urlsafe(24) for user in USERS}
+def generate_passwords(workers: int = 0) -> dict[str, str]:
+    """A fresh password for every user, and for `workers` per-worker users (worker-0, worker-1, ...)."""
+    return {user: secrets.token_urlsafe(24) for user in (*USERS, *(worker_user(i) for i in range(workers)))}
 
 
 def env_for(user: str, password: str) -> dict[str, str]:
@@ -140,6 +166,7 @@ def write_private(path: Path, text: str) -> None:
 
 
 SERVER_ENV = "nats-server.env"  # every password as NATS_<USER>_PASSWORD: what deploy/nats.conf reads
+AUTHORIZATION_CONF = "nats-authorization.conf"  # `meshserve nats-credentials`: the server's block for its users
 
 
 def write_credentials(directory: Path, passwords: dict[str, str]) -> None:

@@ -12,7 +12,9 @@ a typo is an error where the subject is built, not a message nobody hears.
     <ns>.scheduler.usage                             gateway -> scheduler (a tenant's request ended)
     <ns>.scheduler.hello                             scheduler -> gateways (its id, every second)
     <ns>.scheduler.abort                             gateway -> scheduler, and workers (aborts of a superseded attempt)
-    <ns>.worker.<id>.{prefill,adopt,abort,role}      scheduler -> one worker (role: elastic roles)
+    <ns>.worker.<id>.{prefill,adopt,abort,role}      scheduler -> one worker (role: elastic roles); the id
+                                                     `<name>.<role>-<node>-<pid>` is two tokens, its NATS
+                                                     user's name first (shared/nats_auth.py)
     <ns>.workers.heartbeat                           workers -> scheduler, kv-pools
     <ns>.kv.<node>.{arena,lease,release,retain,transfer,status}  workers, scheduler <-> the node's kv-pool
     <ns>.kv.<node>.swap                              workers -> kv-pool (arena <-> host swap tier, by block ids)
@@ -67,6 +69,13 @@ def node_token(node: str) -> str:
     return node if node == "*" else re.sub(r"[.*>\s]", "_", node)
 
 
+def instance_token(worker_id: str) -> str:
+    """A worker id as subject tokens: `<name>.<rest>` stays two tokens (each made one token), so
+    that a permission can name every worker of one NATS user (`worker.<name>.*.adopt`) and nothing
+    else; an id without a dot is one token."""
+    return ".".join(node_token(part) for part in worker_id.split(".", 1))
+
+
 @dataclass(frozen=True)
 class Subjects:
     ns: str = DEFAULT_NAMESPACE
@@ -80,7 +89,9 @@ class Subjects:
         if component.per_instance != (instance is not None):
             raise ValueError(f"{component.name!r} subjects {'need' if component.per_instance else 'take no'} "
                              "instance")
-        parts = [self.ns, component.name] + ([node_token(instance)] if instance is not None else []) + [endpoint]
+        if instance is not None:
+            instance = instance_token(instance) if component is WORKER else node_token(instance)
+        parts = [self.ns, component.name] + ([instance] if instance is not None else []) + [endpoint]
         return ".".join(parts)
 
     # public API

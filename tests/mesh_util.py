@@ -22,8 +22,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def _ask(nats_url: str, subject: str) -> dict:
-    nc = await nats.connect(nats_url)
+async def _ask(nats_url: str, subject: str, **options) -> dict:
+    nc = await nats.connect(nats_url, **options)
     try:
         return orjson.loads((await nc.request(subject, b"", timeout=5)).data)
     finally:
@@ -48,6 +48,9 @@ class Mesh:
         self.credentials = tmp / f"nats-credentials-{self.port}"  # the launcher writes one <user>.env per user
         # --nats-url: an external server, no credentials (a test that sets one up sets nats_url too)
         self.external_nats = "--nats-url" in (extra or [])
+        # --nats-tls-cert: the embedded server speaks TLS only, its (self-signed) certificate is what to trust
+        args = list(extra or [])
+        self.tls_ca = Path(args[args.index("--nats-tls-cert") + 1]) if "--nats-tls-cert" in args else None
         self._nats_url: str | None = None
         self.namespace, self.model = namespace, str(model)
         self.num_workers = prefill + decode
@@ -80,7 +83,16 @@ class Mesh:
 
     def user_url(self, user: str) -> str:
         env = self.user_env(user)
-        return f"nats://{env['MESHSERVE_NATS_USER']}:{env['MESHSERVE_NATS_PASSWORD']}@{self.nats_address}"
+        scheme = "tls" if self.tls_ca else "nats"
+        return f"{scheme}://{env['MESHSERVE_NATS_USER']}:{env['MESHSERVE_NATS_PASSWORD']}@{self.nats_address}"
+
+    def nats_options(self) -> dict:
+        """nats.connect() options besides the URL: the TLS context that trusts the mesh's server."""
+        if self.tls_ca is None:
+            return {}
+        import ssl
+
+        return {"tls": ssl.create_default_context(cafile=str(self.tls_ca))}
 
     @property
     def nats_url(self) -> str:
@@ -125,7 +137,7 @@ class Mesh:
 
     def ask(self, subject: str) -> dict:
         """The JSON reply of a request on `<namespace>.<subject>` (a status subject)."""
-        return asyncio.run(_ask(self.nats_url, f"{self.namespace}.{subject}"))
+        return asyncio.run(_ask(self.nats_url, f"{self.namespace}.{subject}", **self.nats_options()))
 
     def children(self) -> list[int]:
         """Every process started under the launcher (they run in their own sessions)."""

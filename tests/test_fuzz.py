@@ -6,12 +6,15 @@ API. Every answer must be a 2xx, or a 4xx (or a documented 503) with an OpenAI e
 no hang, and afterwards every process is the one that started (none died) and the mesh serves.
 
 CI-sized: HTTP_EXAMPLES per HTTP operation and mode, NATS_EXAMPLES per NATS subject; generation is capped at
-MAX_TOKENS tokens (the fuzzer's max_tokens would otherwise make a run minutes long)."""
+MAX_TOKENS tokens (the fuzzer's max_tokens would otherwise make a run minutes long). A larger run sets
+MESHSERVE_FUZZ_EXAMPLES (HTTP, per operation and mode; NATS gets three times as many, or
+MESHSERVE_FUZZ_NATS_EXAMPLES) and MESHSERVE_FUZZ_SEED (docs/security.md records one)."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import os
 from pathlib import Path
 
 import httpx
@@ -19,7 +22,7 @@ import nats
 import nats.errors
 import orjson
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis.errors import Unsatisfiable
 from hypothesis import strategies as st
 from openai import OpenAI
@@ -29,16 +32,20 @@ from meshserve.shared import nats_auth
 
 schemathesis = pytest.importorskip("schemathesis")
 
-HTTP_EXAMPLES = 25  # per operation and mode (5 routes with a body x 2 modes, 3 without)
-NATS_EXAMPLES = 75  # per NATS API subject
+# per operation and mode (5 routes with a body x 2 modes, 3 without)
+HTTP_EXAMPLES = int(os.environ.get("MESHSERVE_FUZZ_EXAMPLES", 25))
+NATS_EXAMPLES = int(os.environ.get("MESHSERVE_FUZZ_NATS_EXAMPLES", 3 * HTTP_EXAMPLES))  # per NATS API subject
+SEED = os.environ.get("MESHSERVE_FUZZ_SEED")  # unset: hypothesis' derandomized (fixed) examples
 MAX_TOKENS = 4
 LIMITS = {"max-body-bytes": 65536, "max-messages": 8, "max-stop": 4, "max-logprobs": 5, "max-json-depth": 16}
 COUNTS: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)  # printed at the end
 
 
 def fuzz_settings(examples: int):
-    return settings(max_examples=examples, deadline=None, database=None, derandomize=True,
-                    suppress_health_check=list(HealthCheck))
+    """A fixed set of examples (derandomized), or with MESHSERVE_FUZZ_SEED the ones that seed gives."""
+    s = settings(max_examples=examples, deadline=None, database=None, derandomize=SEED is None,
+                 suppress_health_check=list(HealthCheck))
+    return (lambda f: seed(int(SEED))(s(f))) if SEED is not None else s
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +56,9 @@ def mesh(tiny_llama, tmp_path_factory):
                                                "decode")}
         yield m
     print("fuzzing, status codes per target:", {k: dict(v) for k, v in COUNTS.items()})
+    total = sum((c for c in COUNTS.values()), collections.Counter())
+    print(f"fuzzing: {sum(total.values())} requests ({HTTP_EXAMPLES} HTTP examples per operation and mode, "
+          f"{NATS_EXAMPLES} per NATS subject), status codes {dict(sorted(total.items()))}")
 
 
 def check_error_body(data: bytes, status: int, where: str) -> None:
@@ -114,8 +124,9 @@ def test_auth_on_by_default_serves_end_to_end(mesh):
     with pytest.raises(asyncio.TimeoutError):  # (the server refused the publish: a permissions violation)
         asyncio.run(nats_call(url, public, f"{ns}.scheduler.status", b"{}", timeout=1))
     # credentials travel in the environment, never on a command line
-    passwords = [nats_auth.read_credentials(mesh.credentials / f"{u}.env")[nats_auth.ENV_PASSWORD]
-                 for u in nats_auth.USERS]
+    passwords = [nats_auth.read_credentials(f)[nats_auth.ENV_PASSWORD] for f in mesh.credentials.glob("*.env")
+                 if f.name != nats_auth.SERVER_ENV]  # every user's, the workers' own included
+    assert len(passwords) == len(nats_auth.USERS) + 1  # (one worker: worker-0)
     for pid in [mesh.proc.pid, *mesh.children()]:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
         assert not any(pw in argv for pw in passwords), argv

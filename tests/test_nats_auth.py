@@ -1,19 +1,25 @@
 """NATS authentication and subject permissions (shared/nats_auth.py) on a real nats-server started
-with the config `meshserve up` writes: who may connect, publish and subscribe; the bus's refusal of
-messages over max_payload; TLS with a self-signed certificate. The whole mesh under these rules
-is tests/test_fuzz.py's."""
+with the config `meshserve up` writes: who may connect, publish and subscribe (each worker its own
+user); the bus's refusal of messages over max_payload; TLS with a self-signed certificate. Then one
+real `meshserve up` with TLS on, a small max_payload and a user per worker: served end to end over
+TLS while a plain connection is refused, a NATS API reply over max_payload refused naming the limit,
+one worker's credentials kept off another worker's subjects. The fuzzed mesh is tests/test_fuzz.py's."""
 
 from __future__ import annotations
 
 import asyncio
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import nats
 import nats.errors
+import orjson
 import pytest
+from openai import OpenAI
 
 from meshserve.cli.launcher import nats_server_binary
 from meshserve.shared import nats_auth
@@ -22,15 +28,15 @@ from meshserve.shared.schemas import LeaseRequest
 from meshserve.shared.subjects import Subjects
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mesh_util import free_port  # noqa: E402
+from mesh_util import Mesh, free_port  # noqa: E402
 
 NS = "authtest"
 S = Subjects(NS)
 
 
-def start_server(tmp: Path, extra: str = "", max_payload: str = "1MB"):
+def start_server(tmp: Path, extra: str = "", max_payload: str = "1MB", workers: int = 0):
     port = free_port()
-    passwords = nats_auth.generate_passwords()
+    passwords = nats_auth.generate_passwords(workers=workers)
     conf = tmp / f"nats-{port}.conf"
     nats_auth.write_private(conf, f"listen: 127.0.0.1:{port}\nmax_payload: {max_payload}\n{extra}"
                             + nats_auth.authorization_block(NS, passwords))
@@ -41,7 +47,7 @@ def start_server(tmp: Path, extra: str = "", max_payload: str = "1MB"):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    proc, port, passwords = start_server(tmp_path_factory.mktemp("nats-auth"))
+    proc, port, passwords = start_server(tmp_path_factory.mktemp("nats-auth"), workers=2)
     yield f"nats://127.0.0.1:{port}", passwords
     proc.terminate()
     proc.wait(10)
@@ -203,10 +209,7 @@ def test_messages_over_max_payload_fail_at_once_naming_the_limit(tmp_path):
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make a certificate")
 def test_tls_with_a_self_signed_certificate(tmp_path):
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-                    "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=meshserve-test",
-                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    cert, key = make_certificate(tmp_path)
     proc, port, passwords = start_server(tmp_path, extra=f'tls {{\n  cert_file: "{cert}"\n  key_file: "{key}"\n}}\n')
     try:
         async def go():
@@ -228,3 +231,198 @@ def test_tls_with_a_self_signed_certificate(tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_each_worker_reaches_only_its_own_subjects(server):
+    """worker-0 and worker-1 (the users `meshserve up` gives its workers): the scheduler reaches each
+    one's subjects, whatever its pid; neither may read the other's, publish on any worker's, nor on
+    the public API; the shared `worker` user does not reach theirs either."""
+    url, passwords = server
+    mine, theirs = "worker-0.prefill-node0-11", "worker-1.decode-node0-12"  # ids as Worker makes them
+
+    async def go():
+        admin = await connect_as(url, passwords, "admin")
+        heard = []
+
+        async def hear(msg):
+            heard.append(msg.subject)
+        for subject in (S.worker(theirs, "adopt"), S.worker(theirs, "prefill"), S.completions):
+            await admin.subscribe(subject, cb=hear)
+        await admin.flush()
+        errors: list[str] = []
+        w0 = await connect_as(url, passwords, "worker-0", errors)
+        got_own = asyncio.Event()
+
+        async def own(msg):
+            got_own.set()
+        await w0.subscribe(S.worker(mine, "adopt"), cb=own)
+        await w0.flush()
+        await w0.flush()
+        scheduler = await connect_as(url, passwords, "scheduler")
+        await scheduler.publish(S.worker(mine, "adopt"), b"{}")
+        await asyncio.wait_for(got_own.wait(), 5)  # its own subjects work
+        for subject in (S.worker(theirs, "adopt"), S.completions):  # another's, the public API: refused
+            await w0.publish(subject, b"{}")
+        await w0.subscribe(S.worker(theirs, "prefill"))  # nor may it read another's
+        await w0.subscribe(S.worker("worker.*", "prefill"))  # ...nor the shared user's
+        got = await violations_of(w0, errors, 4)
+        assert any("publish" in e.lower() and S.worker(theirs, "adopt") in e for e in got), got
+        assert any("subscription" in e.lower() and S.worker(theirs, "prefill") in e for e in got), got
+        shared_errors: list[str] = []
+        shared = await connect_as(url, passwords, "worker", shared_errors)
+        await shared.subscribe(S.worker(theirs, "prefill"))
+        await violations_of(shared, shared_errors, 1)
+        await admin.flush()
+        assert heard == []  # nothing a worker published reached those subjects
+        for nc in (admin, w0, scheduler, shared):
+            await nc.close()
+    run(go())
+
+
+# -- one real mesh: TLS on, a small max_payload, a user per worker
+
+MESH_MAX_PAYLOAD = 65536
+
+
+def make_certificate(tmp: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 (openssl: the `cryptography` package is not a dependency)."""
+    cert, key = tmp / "cert.pem", tmp / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=meshserve-test",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    return cert, key
+
+
+@pytest.fixture(scope="module")
+def secure_mesh(tiny_llama, tmp_path_factory):
+    if shutil.which("openssl") is None:
+        pytest.skip("needs openssl to make a certificate")
+    tmp = tmp_path_factory.mktemp("secure-mesh")
+    cert, key = make_certificate(tmp)
+    with Mesh(tiny_llama, tmp, prefill=1, decode=1, extra=[
+            "--nats-tls-cert", str(cert), "--nats-tls-key", str(key),
+            "--nats-max-payload", str(MESH_MAX_PAYLOAD)]) as m:
+        m.pids = {s: m.service_pid(s) for s in ("nats-server", "gateway", "scheduler", "prefill", "decode")}
+        yield m
+        assert {s: m.service_pid(s) for s in m.pids} == m.pids  # nothing the tests sent killed anything
+
+
+async def mesh_connect(mesh, user: str, errors: list | None = None):
+    async def on_error(e):
+        if errors is not None:
+            errors.append(str(e))
+    return await nats.connect(mesh.user_url(user), allow_reconnect=False, error_cb=on_error, **mesh.nats_options())
+
+
+async def public_call(mesh, subject: str, body: dict, timeout: float = 60.0) -> list:
+    """Every message of a NATS API answer as the public user (a stream: up to its [DONE])."""
+    nc = await mesh_connect(mesh, "public")
+    try:
+        inbox, got, done = nc.new_inbox(), [], asyncio.Event()
+
+        async def on_msg(msg):
+            got.append(msg)
+            if not body.get("stream") or msg.data == b"[DONE]":
+                done.set()
+        await nc.subscribe(inbox, cb=on_msg)
+        await nc.publish(subject, orjson.dumps(body), reply=inbox)
+        await asyncio.wait_for(done.wait(), timeout)
+        return got
+    finally:
+        await nc.close()
+
+
+def test_tls_mesh_serves_end_to_end_and_refuses_plain_connections(secure_mesh):
+    m = secure_mesh
+    assert f"NATS tls://{m.nats_address}" in m.log.read_text()  # every service was given the TLS URL
+    r = OpenAI(base_url=m.url + "/v1", api_key="none").completions.create(
+        model=m.model, prompt="Hello", max_tokens=4, temperature=0)  # HTTP -> gateway -> NATS over TLS -> workers
+    assert r.usage.completion_tokens == 4
+    (msg,) = asyncio.run(public_call(m, f"{m.namespace}.v1.completions",
+                                     {"prompt": "Hello", "max_tokens": 4, "temperature": 0}))
+    assert orjson.loads(msg.data)["choices"][0]["text"] == r.choices[0].text  # and the public NATS API over TLS
+    # a plain connection: the server's INFO demands TLS, and a CONNECT in the clear gets no PONG
+    with socket.create_connection(("127.0.0.1", m.nats_port), timeout=10) as sock:
+        info = sock.recv(4096)
+        assert info.startswith(b"INFO ") and orjson.loads(info[5:])["tls_required"] is True
+        pw = m.user_env("admin")[nats_auth.ENV_PASSWORD]
+        sock.sendall(b'CONNECT {"user":"admin","pass":"' + pw.encode() + b'","verbose":false}\r\nPING\r\n')
+        answer = b""
+        try:
+            while chunk := sock.recv(4096):
+                answer += chunk
+        except (ConnectionError, TimeoutError):
+            pass
+    assert b"PONG" not in answer, answer
+    # and a client that does not trust the mesh's certificate is refused
+    with pytest.raises(Exception, match="(?i)certificate"):
+        asyncio.run(nats.connect(m.user_url("admin"), allow_reconnect=False, error_cb=_ignore))
+
+
+def test_over_max_payload_requests_and_replies_fail_naming_the_limit(secure_mesh):
+    m = secure_mesh
+    subject = f"{m.namespace}.v1.chat.completions"
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 24, "ignore_eos": True, "n": 4,
+            "logprobs": True, "top_logprobs": 20, "temperature": 0}
+
+    async def oversized_request():
+        nc = await mesh_connect(m, "public")
+        try:
+            assert nc.max_payload == MESH_MAX_PAYLOAD  # the limit, as the server announced it
+            t0 = asyncio.get_running_loop().time()
+            with pytest.raises(nats.errors.MaxPayloadError):  # refused by the client at once, nothing sent
+                await nc.request(subject, b" " * (MESH_MAX_PAYLOAD + 1), timeout=30)
+            assert asyncio.get_running_loop().time() - t0 < 1
+        finally:
+            await nc.close()
+    asyncio.run(oversized_request())
+    # an HTTP body under --max-body-bytes whose request outgrows the bus: a 413 naming the limit
+    r = httpx.post(m.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1, "stop_token_ids": [100] * 20000},
+                   timeout=60)
+    assert r.status_code == 413 and str(MESH_MAX_PAYLOAD) in r.json()["error"]["message"], r.text
+    # a reply too large for one message: refused with an OpenAI error naming the limit, not a 500
+    (msg,) = asyncio.run(public_call(m, subject, body))
+    assert msg.headers["Meshserve-Status"] == "400", msg.data
+    err = orjson.loads(msg.data)["error"]
+    assert err["code"] == "response_too_large" and f"max_payload ({MESH_MAX_PAYLOAD} bytes)" in err["message"], err
+    assert '"stream": true' in err["message"]
+    # ...which the same request streamed gets whole, one chunk a message
+    msgs = asyncio.run(public_call(m, subject, {**body, "stream": True, "stream_options": {"include_usage": True}}))
+    assert msgs[-1].data == b"[DONE]" and not any((x.headers or {}).get("Meshserve-Status") for x in msgs)
+    chunks = [orjson.loads(x.data) for x in msgs[:-1]]
+    assert chunks[-1]["usage"]["completion_tokens"] == 4 * 24
+    assert sum(len(x.data) for x in msgs) > MESH_MAX_PAYLOAD  # what one reply could not have carried
+    assert all(len(c["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 20 for c in chunks[:-1]
+               if c["choices"] and c["choices"][0]["logprobs"])
+
+
+def test_a_workers_credentials_stay_off_other_workers_subjects(secure_mesh):
+    m = secure_mesh
+    ids = sorted(w["id"] for w in m.ask("scheduler.status")["workers"])
+    assert [i.split(".")[0] for i in ids] == ["worker-0", "worker-1"], ids  # each its own user, named in its id
+    other, s = ids[1], Subjects(m.namespace)
+
+    async def go():
+        admin = await mesh_connect(m, "admin")
+        heard = []
+
+        async def hear(msg):
+            heard.append(msg.subject)
+        for subject in (s.worker(other, "adopt"), s.worker(other, "prefill"), s.completions):
+            await admin.subscribe(subject, cb=hear)
+        await admin.flush()
+        errors: list[str] = []
+        w0 = await mesh_connect(m, "worker-0", errors)
+        await w0.publish(s.worker(other, "adopt"), b"{}")  # another worker's adopt
+        await w0.publish(s.completions, b"{}")  # the public API
+        await w0.subscribe(s.worker(other, "prefill"))  # reading another worker's requests
+        got = await violations_of(w0, errors, 3)
+        assert any("publish" in e.lower() and s.worker(other, "adopt") in e for e in got), got
+        await admin.flush()
+        assert heard == []
+        await admin.close()
+        await w0.close()
+    asyncio.run(asyncio.wait_for(go(), 30))
+    r = httpx.post(m.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200  # and the mesh serves on
+

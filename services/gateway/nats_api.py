@@ -4,7 +4,8 @@ Same bodies and responses as HTTP, framed as messages: a non-streaming request g
 streaming one gets one message per chunk on its reply subject, then b"[DONE]". There is no status
 line, so an error is the OpenAI error JSON, with its HTTP status in the `Meshserve-Status` header
 (and `Retry-After` where HTTP has one). With a tenants file, a request carries its API key in an
-`Authorization: Bearer <key>` header, as on HTTP.
+`Authorization: Bearer <key>` header, as on HTTP. A reply larger than the server's max_payload is
+refused with a 400 `response_too_large` naming the limit (a streamed answer fits: one chunk a message).
 Gateways subscribe in one queue group, so each request is served by exactly one of them.
 """
 
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 QUEUE_GROUP = "gateway"
 DONE = b"[DONE]"
 STATUS_HEADER = "Meshserve-Status"
+RESPONSE_TOO_LARGE = "response_too_large"  # the error code of a reply over the server's max_payload
 
 
 class NatsAPI:
@@ -88,7 +90,7 @@ class NatsAPI:
                 await self._send(msg.reply, await gen.body())
                 return
             async for chunk in gen.chunks():
-                await self._send(msg.reply, chunk)
+                await self._send(msg.reply, chunk, chunk=True)
         except OpenAIError as e:
             await self._send_error(msg.reply, e)
         except asyncio.CancelledError:
@@ -103,12 +105,10 @@ class NatsAPI:
             if streaming:
                 await self._publish(msg.reply, DONE)
 
-    async def _send(self, reply: str, body: dict) -> None:
+    async def _send(self, reply: str, body: dict, chunk: bool = False) -> None:
         data = orjson.dumps(body)
         if len(data) > self.gw.bus.max_payload:
-            raise OpenAIError(f"the response ({len(data)} bytes) exceeds the NATS max_payload "
-                              f"({self.gw.bus.max_payload}); ask for fewer logprobs or stream it",
-                              500, type="server_error")
+            raise response_too_large(len(data), self.gw.bus.max_payload, chunk)
         await self._publish(reply, data)
 
     async def _send_error(self, reply: str, e: OpenAIError) -> None:
@@ -119,6 +119,16 @@ class NatsAPI:
             await self.gw.bus.nc.publish(reply, data, headers=headers)
         except Exception as e:  # noqa: BLE001 - the connection is going away; nothing to tell anyone
             log.warning("could not reply on %s: %s", reply, e)
+
+
+def response_too_large(size: int, limit: int, chunk: bool) -> OpenAIError:
+    """A reply NATS would not carry: the client's request asked for more than one message holds.
+    Not split: a client that wants a large answer streams it (each chunk is a message of its own)."""
+    what, fix = (("a chunk of the stream", "ask for fewer logprobs") if chunk else
+                 ("the response", 'send it with "stream": true (each chunk is a message of its own), '
+                                  "or ask for fewer tokens, choices or logprobs"))
+    return OpenAIError(f"{what} ({size} bytes) exceeds the NATS server's max_payload ({limit} bytes): {fix}",
+                       400, code=RESPONSE_TOO_LARGE)
 
 
 def _header(msg, name: str) -> str | None:

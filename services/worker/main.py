@@ -28,7 +28,7 @@ import time
 
 import nats.errors
 
-from meshserve.shared import node_memory, shm
+from meshserve.shared import nats_auth, node_memory, shm
 from meshserve.shared.bus import Bus
 from meshserve.shared.engine import wire
 from meshserve.shared.engine.llm_engine import (EngineConfig, LLMEngine, RequestError, RequestOutput,
@@ -65,7 +65,9 @@ def _set_threads(n: int) -> None:
 class Worker:
     def __init__(self, bus: Bus, args, role: str):
         self.bus, self.args, self.role = bus, args, role
-        self.id = f"{role}-{args.node_id}-{os.getpid()}"  # unique per node, and names the process
+        # unique per node, names the process, and starts with its NATS user's name: the user that may
+        # read this worker's subjects (shared/nats_auth.py)
+        self.id = f"{nats_auth.worker_name(url=args.nats_url)}.{role}-{args.node_id}-{os.getpid()}"
         self.inbox: list[tuple[str, object]] = []
         self.wake = asyncio.Event()
         self.streams: dict[str, GenerateRequest] = {}  # request id -> its request (stream subject)
