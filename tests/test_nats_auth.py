@@ -202,6 +202,18 @@ def test_messages_over_max_payload_fail_at_once_naming_the_limit(tmp_path):
             assert asyncio.get_running_loop().time() - t0 < 1  # an error, not a timeout
             await bus.close()
         run(go())
+        # a client that sends one anyway: the server says why and closes the connection
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            assert orjson.loads(sock.recv(4096)[5:])["max_payload"] == 4096  # INFO: the limit, for every client
+            sock.sendall(b'CONNECT {"user":"admin","pass":"' + passwords["admin"].encode() + b'","verbose":false}\r\n'
+                         + b"PUB " + S.kv("release", "n").encode() + b" 5000\r\n" + b"x" * 5000 + b"\r\n")
+            answer = b""
+            try:
+                while chunk := sock.recv(4096):
+                    answer += chunk
+            except (ConnectionError, TimeoutError):
+                pass
+        assert b"Maximum Payload" in answer, answer
     finally:
         proc.terminate()
         proc.wait(10)
