@@ -181,6 +181,7 @@ def test_fuzz_http_with_schemathesis(mesh):
                 fuzz()
             except Unsatisfiable:  # a request without parameters or body: nothing to break
                 assert mode == schemathesis.GenerationMode.NEGATIVE, op.path
+    print("HTTP fuzzing, status codes per route:", {k: dict(v) for k, v in COUNTS.items() if not k.startswith("NATS")})
 
 
 def _json_values():
@@ -224,6 +225,7 @@ def test_fuzz_nats_api_with_hypothesis(mesh):
                         if (m.headers or {}).get("Meshserve-Status"):
                             check_error_body(m.data, int(m.headers["Meshserve-Status"]), f"{subject} {body[:300]!r}")
             fuzz()
+            print(f"NATS fuzzing, {endpoint}: {dict(COUNTS[f'NATS {endpoint}'])}")
     finally:
         loop.close()
 
