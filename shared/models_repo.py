@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_MODEL", "KNOWN_MODELS", "ModelSpec", "UnknownModel", "cache_dir", "cached_path", "check", "pull",
-           "resolve", "load_model_files", "load_tokenizer", "generation_defaults", "GENERATION_DEFAULT_FIELDS"]
+           "resolve", "load_model_files", "model_config", "load_tokenizer", "generation_defaults",
+           "GENERATION_DEFAULT_FIELDS"]
 
 # The sampling fields of a Hugging Face generation_config.json a request inherits when it does not
 # set them (the same ones vLLM takes); the request's name of each.
@@ -254,6 +255,28 @@ def generation_defaults(name_or_path: str | Path) -> dict[str, float | int]:
     cfg = json.loads(file.read_text(encoding="utf-8"))
     return {req: cfg[hf] for hf, req in GENERATION_DEFAULT_FIELDS.items()
             if isinstance(cfg.get(hf), (int, float)) and not isinstance(cfg.get(hf), bool)}
+
+
+def model_config(name_or_path: str | Path) -> "ModelConfig":
+    """A model's hyper-parameters without its weights: an HF directory's config.json (no torch), or a
+    GGUF file's metadata (through the weights module, which imports torch)."""
+    import json
+
+    from .model.config import ModelConfig
+
+    path = resolve(name_or_path)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text(encoding="utf-8")))
+        found = _find_gguf(path)
+        if found is None:
+            raise FileNotFoundError(f"{path} has neither config.json nor a .gguf file")
+        path = found
+    import gguf
+
+    from .model.weights import gguf_config
+
+    return gguf_config(gguf.GGUFReader(str(path)))
 
 
 def load_model_files(name_or_path: str | Path) -> tuple["ModelConfig", dict[str, "torch.Tensor"], "Tokenizer"]:

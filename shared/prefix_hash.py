@@ -12,6 +12,12 @@ import hashlib
 import numpy as np
 
 
+def namespace(model: str, lora_key: str | None = None) -> str:
+    """What keys are salted with: the model, and a LoRA adapter's identity when the request has one
+    (an adapter changes every layer's K and V, so its blocks are not the base model's)."""
+    return model if lora_key is None else f"{model}+lora:{lora_key}"
+
+
 def block_hash(parent: int | None, tokens: list[int], model: str) -> int:
     h = hashlib.blake2b(digest_size=8)
     h.update((parent or 0).to_bytes(8, "little", signed=False))

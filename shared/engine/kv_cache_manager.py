@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..prefix_hash import block_hash, prompt_block_hashes
+from ..prefix_hash import block_hash, namespace, prompt_block_hashes
 from .block_pool import BlockPool
 from .sequence import Sequence
 
@@ -27,18 +27,18 @@ class KVCacheManager:
 
     def _block_keys(self, seq: Sequence, upto: int) -> list[int]:
         """Extends seq.block_hashes to cover the full blocks among its first `upto` tokens."""
-        bs = self.block_size
+        bs, ns = self.block_size, namespace(self.model, seq.lora_key)
         for i in range(len(seq.block_hashes), upto // bs):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            seq.block_hashes.append(block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs], self.model))
+            seq.block_hashes.append(block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs], ns))
         return seq.block_hashes
 
-    def prefix_keys(self, tokens: list[int]) -> list[int]:
-        """The keys a sequence of these tokens looks up when admitted (its full blocks, less the last
-        token, which is always computed); none without prefix caching."""
+    def prefix_keys(self, tokens: list[int], lora_key: str | None = None) -> list[int]:
+        """The keys a sequence of these tokens (with that LoRA adapter) looks up when admitted (its
+        full blocks, less the last token, which is always computed); none without prefix caching."""
         if not self.enable_prefix_caching:
             return []
-        return prompt_block_hashes(tokens[:len(tokens) - 1], self.block_size, self.model)
+        return prompt_block_hashes(tokens[:len(tokens) - 1], self.block_size, namespace(self.model, lora_key))
 
     def _match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks covering the sequence's leading tokens; at least one token is left to compute."""

@@ -18,6 +18,7 @@ import torch
 from meshserve.kernels.paged_attention import use_decode_kernel
 from meshserve.shared.kv_layout import check_kv_cache_dtype, kv_arena_dtype, kv_arena_shape, kv_bytes_per_block
 from meshserve.shared.limits import LimitError, check_context_length, check_token_ids
+from meshserve.shared.model.lora import LoRAWeights
 
 from .block_pool import BlockPool
 from .constraints import ConstraintError, Grammars
@@ -109,7 +110,9 @@ class LLMEngine:
             self.set_swapper(HostSwap(kv_cache, config.block_size, config.swap_space_bytes))
         self.eos_token_ids = set(eos_token_ids if eos_token_ids is not None else cfg.eos_token_ids)
         self.grammars = None if tokenizer is None else Grammars(tokenizer, cfg.vocab_size, sorted(self.eos_token_ids))
-        self.runner = ModelRunner(model, self.kv_cache, config.block_size, sorted(self.eos_token_ids), self.grammars)
+        self.loras: dict[str, LoRAWeights] = {}  # adapters requests may name (add_lora), applied per row
+        self.runner = ModelRunner(model, self.kv_cache, config.block_size, sorted(self.eos_token_ids), self.grammars,
+                                  self.loras)
         self.requests: dict[str, Sequence] = {}
         self.speculator = None
         if config.speculative is not None:
@@ -120,18 +123,42 @@ class LLMEngine:
                                          self.grammars)
             self.scheduler.max_draft_tokens = config.speculative.num_speculative_tokens
 
+    def load_lora(self, name: str, path: str, base_names: tuple[str, ...] = ()) -> LoRAWeights:
+        """Reads and checks the PEFT adapter at `path` against this model (shared/lora.py; raises
+        LoRAError saying why it does not fit) and adds it under `name` (replacing one not in use)."""
+        w = LoRAWeights.load(name, path, self.model.cfg, self.model.dtype, self.model.device, base_names)
+        self.add_lora(w)
+        return w
+
+    def add_lora(self, weights: LoRAWeights) -> None:
+        if weights.name in self.loras and self.lora_in_use(weights.name):
+            raise RequestError(f"the LoRA adapter {weights.name!r} is in use: it cannot be replaced now")
+        self.loras[weights.name] = weights
+
+    def remove_lora(self, name: str) -> None:
+        """Drops an adapter no sequence uses (RequestError while one does)."""
+        if self.lora_in_use(name):
+            raise RequestError(f"the LoRA adapter {name!r} is in use by a running request")
+        self.loras.pop(name, None)
+
+    def lora_in_use(self, name: str) -> bool:
+        return any(s.lora == name for s in list(self.requests.values()))
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, output_token_ids: list[int] | None = None,
-                    priority: int | str = NORMAL, after: str | None = None) -> Sequence:
+                    priority: int | str = NORMAL, after: str | None = None, lora: str | None = None) -> Sequence:
         """output_token_ids: tokens already generated elsewhere (a re-dispatch): recomputed, then continued.
         priority: "interactive" (0), "normal" (1) or "background" (2); see scheduler.py.
         after: the request id of a sibling with the same prompt (the first choice of n): this one
-        waits until that one's prompt is in the prefix cache, so the prompt is computed once."""
+        waits until that one's prompt is in the prefix cache, so the prompt is computed once.
+        lora: the name of an adapter added with load_lora/add_lora (None: the base model)."""
         try:
             params.validate()
             priority = priority_level(priority)
         except ValueError as e:
             raise RequestError(str(e)) from None
+        if lora is not None and lora not in self.loras:
+            raise RequestError(f"no LoRA adapter {lora!r} is loaded in this engine")
         vocab = self.model.cfg.vocab_size
         if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
             raise RequestError(f"logit_bias token ids must be in [0, {vocab})")
@@ -158,16 +185,18 @@ class LLMEngine:
             raise RequestError(f"the request needs {n + params.max_tokens} tokens of KV cache; "
                                f"the pool holds {cap * self.config.block_size}"
                                + (" (the model's memory quota)" if cap < self.block_pool.num_blocks else ""))
-        seq = self.new_sequence(request_id, prompt_token_ids, params, arrival_time, output_token_ids, priority)
+        seq = self.new_sequence(request_id, prompt_token_ids, params, arrival_time, output_token_ids, priority, lora)
         self.requests[request_id] = seq
         self.scheduler.add(seq, self.requests.get(after) if after is not None else None)
         return seq
 
     def new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      arrival_time: float | None = None, output_token_ids: list[int] | None = None,
-                     priority: int | str = NORMAL) -> Sequence:
-        """A sequence that may continue output generated elsewhere, its seeded stream included."""
-        seq = Sequence(request_id, prompt_token_ids, params, arrival_time, priority_level(priority))
+                     priority: int | str = NORMAL, lora: str | None = None) -> Sequence:
+        """A sequence that may continue output generated elsewhere, its seeded stream included; lora:
+        the name of one of this engine's adapters (its identity then salts the prefix-cache keys)."""
+        key = self.loras[lora].key if lora is not None else None
+        seq = Sequence(request_id, prompt_token_ids, params, arrival_time, priority_level(priority), lora, key)
         if output_token_ids:
             seq.token_ids += output_token_ids
             seq.prompt_logprobs = None  # they went out with the first token

@@ -16,6 +16,7 @@ import torch
 
 from meshserve.kernels.paged_attention import (AttentionMetadata, PrefillChunk, decode_slots_and_mask,
                                                use_decode_kernel)
+from meshserve.shared.model.lora import LoRABatch
 
 from .rejection_sampler import verify
 from .sampler import TokenLogprobs, logprobs_of, sample
@@ -44,8 +45,9 @@ def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) 
 
 class ModelRunner:
     def __init__(self, model, kv_cache: torch.Tensor, block_size: int, eos_token_ids: list[int] = (),
-                 grammars=None):
+                 grammars=None, loras: dict | None = None):
         self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
+        self.loras = loras if loras is not None else {}  # the engine's adapters by name (shared/model/lora.py)
         self.eos_token_ids = sorted(eos_token_ids)
         self.grammars = grammars  # constraints.Grammars, when the engine has a tokenizer
         self._masker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
@@ -110,7 +112,10 @@ class ModelRunner:
                  if batch.seqs[i].params.constraint is not None}
         if matchers or ahead:
             masks = self._masker.submit(self.grammars.fill, matchers + [m for ms in ahead.values() for m in ms])
-        hidden = self.model(ids, pos, meta, self.kv_cache)
+        lora = LoRABatch.of([(self.loras[s.lora] if s.lora else None, n) for s, n in zip(batch.seqs, batch.num_tokens)],
+                            ids.device)
+        hidden = self.model(ids, pos, meta, self.kv_cache) if lora is None else \
+            self.model(ids, pos, meta, self.kv_cache, lora=lora)
         out = [StepResult() for _ in rows]
         start = 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):

@@ -17,6 +17,7 @@ from meshserve.kernels.paged_attention import AttentionMetadata, paged_attention
 
 from .config import QUANTIZATIONS, ModelConfig
 from .layer_gate import LayerGate
+from .lora import LoRABatch
 from .rope import rope_cos_sin
 
 
@@ -105,10 +106,16 @@ class LlamaModel:
             weights = {name: w.to(device) for name, w in weights.items()}
         return cls(cfg, weights)
 
+    def _project(self, i: int, name: str, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        """Layer i's projection `name` of x, plus each row's LoRA adapter when the batch has any."""
+        y = self.proj[i][name](x)
+        return y if lora is None else lora.apply(y, x, i, name)
+
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 kv_cache: torch.Tensor) -> torch.Tensor:
+                 kv_cache: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         """input_ids, positions: [N]. kv_cache: [layers, 2, num_slots, kv_heads, head_dim].
+        lora: which rows run which adapter (shared/model/lora.py); None: the base model alone.
         Returns the final hidden states [N, hidden]."""
         cfg, ops, gate = self.cfg, self.ops, self.gate
         n, hq, hkv, d = input_ids.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -118,18 +125,19 @@ class LlamaModel:
         x = F.embedding(input_ids, self.embed) if self.embed is not None else self.head.rows(input_ids, self.dtype)
         h = ops.rms_norm(x, self.attn_norm[0])
         next_norm = self.attn_norm[1:] + [self.norm]
-        for i, proj in enumerate(self.proj):
+        for i in range(len(self.proj)):
             if gate is not None:  # layer i ends with the next layer's input norm
                 gate.wait(min(i + 2, cfg.num_hidden_layers))
-            qkv = proj["qkv"](h)
+            qkv = self._project(i, "qkv", h, lora)
             ops.rope_(qkv, positions, self.cos, self.sin, hq + hkv, d)
             q = qkv[:, :hq * d].view(n, hq, d)
             k = qkv[:, hq * d:(hq + hkv) * d].view(n, hkv, d)
             v = qkv[:, (hq + hkv) * d:].view(n, hkv, d)
             write_kv(kv_cache[i], k, v, meta.slot_mapping)
             attn = paged_attention(q, k, v, kv_cache[i], meta, self.scale)
-            h = ops.add_rms_norm_(proj["o"](attn), x, self.mlp_norm[i])
-            h = ops.add_rms_norm_(proj["down"](ops.silu_mul(proj["gate_up"](h))), x, next_norm[i])
+            h = ops.add_rms_norm_(self._project(i, "o", attn, lora), x, self.mlp_norm[i])
+            g = ops.silu_mul(self._project(i, "gate_up", h, lora))
+            h = ops.add_rms_norm_(self._project(i, "down", g, lora), x, next_norm[i])
         return h
 
     @torch.inference_mode()
