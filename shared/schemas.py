@@ -53,6 +53,21 @@ class Sampling(Message):
         check_sampling(self)
 
 
+class LoRARef(Message):
+    """The LoRA adapter a request runs with, as the gateway checked it (shared/lora.py): its served
+    name, its directory (each worker reads the files itself: they are small) and its identity (a hash
+    of the files), which the prefix-cache keys include. The request's `model` is the adapter's base."""
+
+    name: str
+    path: str
+    key: str
+
+    @property
+    def engine_name(self) -> str:
+        """What a worker's engine calls it: a changed adapter under the same name is another adapter."""
+        return f"{self.name}@{self.key}"
+
+
 class GenerateRequest(Message):
     """A tokenized request, from the gateway to the scheduler and on to a worker."""
 
@@ -74,6 +89,9 @@ class GenerateRequest(Message):
     # n > 1: the request id of the first choice (same prompt). The scheduler sends this one to that
     # one's worker while it is there, and the engine holds it until that prompt is in the prefix cache.
     after: str | None = None
+    # A LoRA adapter of `model` (docs/models.md "Adapters"); None: the base model alone. Requests of
+    # different adapters of one base run on the same workers and share their steps.
+    lora: LoRARef | None = None
 
 
 NOT_READY = "not_ready"  # SubmitReply.error_code of a 503 while no worker serves the model yet (a starting mesh)

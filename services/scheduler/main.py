@@ -47,7 +47,7 @@ import orjson
 from meshserve.shared.bus import Bus
 from meshserve.shared.engine.policy import add_scheduling_arguments
 from meshserve.shared.limits import LimitError, check_context_length
-from meshserve.shared.prefix_hash import prompt_block_hashes
+from meshserve.shared.prefix_hash import namespace, prompt_block_hashes
 from meshserve.shared.schemas import (KEEPALIVE_S, NOT_READY, Abort, BlockRefs, BlockTransfer, Done, GenerateRequest,
                                       Handoff, Heartbeat, KVEvent, ModelSwitch, ModelSwitchReply, PrewarmRequest,
                                       RoleSwitch, ServiceHello, SubmitReply, TokenChunk, TransferReply, Usage)
@@ -416,7 +416,8 @@ class Scheduler:
         if not cands:
             return None
         block_size = cands[0].hb.block_size
-        hashes = prompt_block_hashes(req.prompt_token_ids + req.output_token_ids, block_size, req.model)
+        hashes = prompt_block_hashes(req.prompt_token_ids + req.output_token_ids, block_size,
+                                     namespace(req.model, req.lora.key if req.lora else None))
         n_prompt = len(req.prompt_token_ids) + len(req.output_token_ids)
         first = self._first_choice_worker(req, cands)
         if first is not None:

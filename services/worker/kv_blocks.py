@@ -181,13 +181,13 @@ class KVBlocks:
             self.host.add(key)
         self.num_spilled += len(victims)
 
-    async def prepare(self, tokens: list[int]) -> int:
-        """Before a prompt is queued: marks its cached prefix as recently used, and brings back the
-        blocks of that prefix the host tier has. Returns how many blocks came back."""
+    async def prepare(self, tokens: list[int], lora_key: str | None = None) -> int:
+        """Before a prompt (of that LoRA adapter) is queued: marks its cached prefix as recently used,
+        and brings back the blocks of that prefix the host tier has. Returns how many blocks came back."""
         if not self.swap_enabled:
             return 0
         pool, protect, wanted = self.pool, set(), []
-        for key in self.engine.kv_cache_manager.prefix_keys(tokens):
+        for key in self.engine.kv_cache_manager.prefix_keys(tokens, lora_key):
             b = pool.lookup(key)  # the chain until its first key that is neither here nor in the tier
             if b is not None:
                 protect.add(b)
@@ -224,11 +224,13 @@ class KVBlocks:
             await self.client.retain(shared)
         return seq, blocks, shared
 
-    def adopt(self, h: Handoff) -> None:
-        """Continues a sequence handed off on this node's blocks (the pool moved a reference here)."""
+    def adopt(self, h: Handoff, lora: str | None = None) -> None:
+        """Continues a sequence handed off on this node's blocks (the pool moved a reference here);
+        lora: the engine's name of its adapter, already loaded."""
         req = h.request
         seq = self.engine.new_sequence(req.request_id, req.prompt_token_ids, wire.sampling_params(req.sampling),
-                                       time.monotonic(), h.token_ids[len(req.prompt_token_ids):], req.priority)
+                                       time.monotonic(), h.token_ids[len(req.prompt_token_ids):], req.priority,
+                                       lora)
         self.engine.adopt(seq, h.block_ids, h.shared_block_ids, h.num_computed_tokens, h.num_cached_tokens)
 
     def import_remote(self, h: Handoff) -> None:

@@ -39,10 +39,11 @@ from meshserve.shared.engine.speculative import add_speculative_arguments
 from meshserve.shared.manifest import ManifestFile
 from meshserve.shared.model.config import ModelConfig
 from meshserve.shared.model.llama import LlamaModel
+from meshserve.shared.lora import LoRAError
 from meshserve.shared.partitions import (PartitionError, apply_cpus, format_cpus, process_cores, resolve_cpus,
                                          threads_for)
-from meshserve.shared.schemas import (KEEPALIVE_S, Abort, Done, GenerateRequest, Handoff, Heartbeat, LoadRequest, ModelSwitch,
-                                      ModelSwitchReply, RoleSwitch, TokenChunk)
+from meshserve.shared.schemas import (KEEPALIVE_S, Abort, Done, GenerateRequest, Handoff, Heartbeat, LoadRequest,
+                                      LoRARef, ModelSwitch, ModelSwitchReply, RoleSwitch, TokenChunk)
 from meshserve.shared.service import run_service
 from meshserve.shared import telemetry
 
@@ -52,6 +53,7 @@ from .kv_pool_client import KVPoolClient
 from .threads import ThreadTuner
 
 log = logging.getLogger("meshserve.worker")
+KEEP_LORAS = 16  # LoRA adapters a worker keeps loaded (the least recently used idle one goes first)
 
 
 def _set_threads(n: int) -> None:
@@ -96,6 +98,7 @@ class Worker:
         self.unpublished: list[RequestOutput] = []  # a decode step's outputs, streamed while the next step runs
         self.received_by_priority = dict.fromkeys(PRIORITIES, 0)  # requests the scheduler sent to prefill
         self.pending_model = None  # (ModelSwitch, its message): applied once the engine is empty
+        self.lora_used: dict[str, float] = {}  # the engine's LoRA adapters -> when a request last named one
 
     # -- start-up: map the weights and the KV arena, lease blocks
 
@@ -263,7 +266,7 @@ class Worker:
                 if self.attempts.get(m.request.request_id, m.request.attempt) < m.request.attempt:
                     await self._abort(Abort(request_id=m.request.request_id, reason="superseded",
                                             attempt=m.request.attempt - 1))  # its old attempt still runs here
-                self._adopt(m)
+                await self._adopt(m)
             elif kind == "recompute":  # its blocks could not come over from another node
                 self.chunk_seq[m.request.request_id] = m.next_seq
                 await self._add(m.request.model_copy(
@@ -295,16 +298,15 @@ class Worker:
     async def _add(self, req: GenerateRequest) -> None:
         if self.attempts.get(req.request_id, req.attempt) < req.attempt:  # its old attempt still runs here
             await self._abort(Abort(request_id=req.request_id, reason="superseded", attempt=req.attempt - 1))
-        await self.blocks.prepare(req.prompt_token_ids + req.output_token_ids)  # its prefix back from the host tier
+        # its prefix back from the host tier
+        await self.blocks.prepare(req.prompt_token_ids + req.output_token_ids, req.lora.key if req.lora else None)
         try:
+            lora = await self._lora(req.lora)
             self.engine.add_request(req.request_id, req.prompt_token_ids, wire.sampling_params(req.sampling),
                                     arrival_time=time.monotonic(), output_token_ids=req.output_token_ids,
-                                    priority=req.priority, after=req.after)
+                                    priority=req.priority, after=req.after, lora=lora)
         except RequestError as e:
-            await self.bus.publish(req.stream_subject, TokenChunk(
-                request_id=req.request_id, seq=0, index=len(req.output_token_ids), token_ids=[], finished=True,
-                finish_reason="error", error=str(e), worker_id=self.id, attempt=req.attempt))
-            await self._done(req.request_id, "error", req.attempt)
+            await self._refuse(req, str(e), len(req.output_token_ids))
             return
         self.streams[req.request_id] = req
         self.attempts[req.request_id] = req.attempt
@@ -316,9 +318,49 @@ class Worker:
         if self.role == "prefill":
             self.to_hand_off.add(req.request_id)
 
-    def _adopt(self, h: Handoff) -> None:
+    async def _refuse(self, req: GenerateRequest, error: str, index: int, seq: int = 0) -> None:
+        """Ends a request this worker cannot run, with the reason in its stream."""
+        await self.bus.publish(req.stream_subject, TokenChunk(
+            request_id=req.request_id, seq=seq, index=index, token_ids=[], finished=True,
+            finish_reason="error", error=error, worker_id=self.id, attempt=req.attempt))
+        await self._done(req.request_id, "error", req.attempt)
+
+    async def _lora(self, ref: LoRARef | None) -> str | None:
+        """The engine's name of a request's LoRA adapter, which this worker reads from the adapter's
+        files the first time (they are small; the gateway checked them) and keeps, the KEEP_LORAS
+        most recently used that no sequence uses; raises RequestError saying why it cannot load."""
+        if ref is None:
+            return None
+        name = ref.engine_name
+        if name not in self.engine.loras:
+            idle = sorted((t, n) for n, t in self.lora_used.items()
+                          if n in self.engine.loras and not self.engine.lora_in_use(n))
+            for _, old in idle[:max(0, len(self.engine.loras) + 1 - KEEP_LORAS)]:
+                self.engine.remove_lora(old)
+            t0 = time.perf_counter()
+            try:
+                w = await asyncio.get_running_loop().run_in_executor(
+                    self.stepper, lambda: self.engine.load_lora(name, ref.path))
+            except LoRAError as e:
+                raise RequestError(f"the LoRA adapter {ref.name!r} cannot be served: {e}") from None
+            except Exception as e:  # noqa: BLE001 - a corrupt file fails its requests, not the worker
+                raise RequestError(f"the LoRA adapter {ref.name!r} cannot be served: reading {ref.path} failed: "
+                                   f"{type(e).__name__}: {e}") from None
+            log.info("worker %s: LoRA adapter %s loaded from %s in %.3f s (%d bytes)", self.id, ref.name, ref.path,
+                     time.perf_counter() - t0, w.nbytes)
+        self.lora_used[name] = time.monotonic()
+        return name
+
+    async def _adopt(self, h: Handoff) -> None:
         req = h.request
-        self.blocks.adopt(h)
+        try:
+            lora = await self._lora(req.lora)
+        except RequestError as e:  # its blocks are this worker's now: adopted, then freed by the abort
+            self.blocks.adopt(h)
+            self.engine.abort(req.request_id, "error")
+            await self._refuse(req, str(e), len(h.token_ids) - len(req.prompt_token_ids), h.next_seq)
+            return
+        self.blocks.adopt(h, lora)
         self.streams[req.request_id] = req
         self.attempts[req.request_id] = req.attempt
         self.chunk_seq[req.request_id] = h.next_seq
