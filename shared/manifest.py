@@ -21,6 +21,8 @@ A YAML list of models (or a mapping with the list under `models`), each:
       variant: int8                 # variants: entries of one name, each serving the request classes
       priorities: [background]      # and the tenants it lists (a tenant's entry first, then a class's:
       tenants: [nightly-jobs]       # `variant_for`); the one entry with neither is the default
+      adapters:                     # LoRA adapters of this model (PEFT directories), each served
+        - {name: chat-sql, path: ./adapters/sql}   # under its own name on the base's workers
 
 `--model M` is the one-model manifest (`Manifest.single`). One module parses and checks it for every
 service (the gateway, the scheduler, the model-loader and the launcher read it; none imports torch
@@ -43,6 +45,15 @@ class ManifestError(ValueError):
     """The manifest file is missing, not YAML, or not a valid list of models."""
 
 
+class AdapterEntry(BaseModel):
+    """A LoRA adapter served under its own name on its base model's workers (shared/lora.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1)
+    path: str = Field(min_length=1)
+
+
 class ServedModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -61,6 +72,7 @@ class ServedModel(BaseModel):
     priorities: tuple[Priority, ...] | None = Field(default=None, min_length=1)
     tenants: tuple[str, ...] | None = Field(default=None, min_length=1)
     layered_loading: bool | None = None
+    adapters: tuple[AdapterEntry, ...] = ()
 
     @property
     def id(self) -> str:
@@ -113,6 +125,13 @@ class Manifest(BaseModel):
                     raise ValueError(f"the name {n!r} is given twice (models {seen[n]!r} and {m.name!r}); "
                                      "each served name and alias must be unique")
                 seen[n] = m.name
+        for m in self.models:
+            for a in m.adapters:
+                if a.name in seen:
+                    raise ValueError(f"the adapter name {a.name!r} of model {m.name!r} is already the name of "
+                                     f"{'model ' + repr(seen[a.name]) if seen[a.name] else 'another adapter'}; "
+                                     "each served name must be unique")
+                seen[a.name] = ""
         for name, group in groups.items():
             if any(m.variant is not None or not m.is_default_variant for m in group):
                 _check_variants(name, group)
@@ -147,6 +166,10 @@ class Manifest(BaseModel):
             return self.models[0]
         return next((m for m in self.models if m.id == name), None) or \
             next((m for m in self.models if name in m.names()), None)
+
+    def adapter(self, name: str | None) -> tuple[AdapterEntry, ServedModel] | None:
+        """The adapter a served name names, and its base model; None when it names none."""
+        return next(((a, m) for m in self.models for a in m.adapters if a.name == name), None)
 
     def versions(self, name: str) -> list[ServedModel]:
         """The entries a served name or alias reaches (one, or its versions or variants)."""
@@ -241,9 +264,11 @@ def load_manifest(path: str | Path, check_paths: bool = True) -> Manifest:
     models = []
     for i, item in enumerate(data):
         if isinstance(item, dict) and isinstance(item.get("path"), str):
-            q = Path(item["path"]).expanduser()
-            if not q.is_absolute() and (p.parent / q).exists():
-                item = {**item, "path": str((p.parent / q).resolve())}
+            item = {**item, "path": _relative_to(p, item["path"])}
+        if isinstance(item, dict) and isinstance(item.get("adapters"), list):
+            item = {**item, "adapters": [{**a, "path": _relative_to(p, a["path"])}
+                                         if isinstance(a, dict) and isinstance(a.get("path"), str) else a
+                                         for a in item["adapters"]]}
         models.append(item)
     try:
         manifest = Manifest(models=models)
@@ -282,6 +307,14 @@ class ManifestFile:
 
                 logging.getLogger("meshserve.manifest").error("manifest not re-read: %s", e)
         return self.manifest
+
+
+def _relative_to(manifest: Path, path: str) -> str:
+    """A path relative to the manifest file's directory when it exists there (else as written)."""
+    q = Path(path).expanduser()
+    if not q.is_absolute() and (manifest.parent / q).exists():
+        return str((manifest.parent / q).resolve())
+    return path
 
 
 def _explain(e: ValidationError, data) -> str:

@@ -32,7 +32,7 @@ from meshserve.shared import nats_auth
 
 schemathesis = pytest.importorskip("schemathesis")
 
-# per operation and mode (5 routes with a body x 2 modes, 3 without)
+# per operation and mode (7 routes with a body x 2 modes, 3 without)
 HTTP_EXAMPLES = int(os.environ.get("MESHSERVE_FUZZ_EXAMPLES", 25))
 NATS_EXAMPLES = int(os.environ.get("MESHSERVE_FUZZ_NATS_EXAMPLES", 3 * HTTP_EXAMPLES))  # per NATS API subject
 SEED = os.environ.get("MESHSERVE_FUZZ_SEED")  # unset: hypothesis' derandomized (fixed) examples

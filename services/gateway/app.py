@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from meshserve.shared.openai_protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
 from meshserve.shared.openai_responses import ResponsesRequest
 
-from . import openapi, responses, tokenize
+from . import adapters, openapi, responses, tokenize
 from .auth import AUTH_HEADER
 from .handler import VARIANT_HEADER, VERSION_HEADER, Gateway, Generation, Kind
 
@@ -234,6 +234,23 @@ def create_app(gw: Gateway) -> FastAPI:
         does (docs/models.md)."""
         return json_response(await gw.reload_models())
 
+    @app.post("/v1/load_lora_adapter", responses={
+        200: {"description": "the adapter is served under lora_name"},
+        400: {"model": openapi.ErrorBody, "description": "an adapter that does not fit its base model, or a name in use"},
+        404: {"model": openapi.ErrorBody, "description": "base_model names no served model"}})
+    async def load_lora_adapter(request: Request):
+        """Serves a LoRA adapter (a PEFT directory) under its own name on its base model's workers, as
+        vLLM's endpoint of that name does (docs/models.md, "LoRA adapters")."""
+        return json_response(await gw.load_lora_adapter(await _json_body(request, gw)))
+
+    @app.post("/v1/unload_lora_adapter", responses={
+        200: {"description": "the adapter is no longer served"},
+        400: {"model": openapi.ErrorBody, "description": "an adapter the manifest lists"},
+        404: {"model": openapi.ErrorBody, "description": "no such adapter"}})
+    async def unload_lora_adapter(request: Request):
+        """Stops serving a LoRA adapter loaded at run time (requests already running finish)."""
+        return json_response(await gw.unload_lora_adapter(await _json_body(request, gw)))
+
     @app.get("/health", responses={200: {"model": openapi.Health, "description": "a request can be served"},
                                    503: {"model": openapi.ErrorBody, "description": "no scheduler, or no worker yet"}})
     async def health():
@@ -256,6 +273,8 @@ def create_app(gw: Gateway) -> FastAPI:
         "/v1/completions": [CompletionRequest], "/v1/chat/completions": [ChatCompletionRequest],
         "/v1/responses": [ResponsesRequest],
         "/tokenize": [tokenize.TokenizeCompletionRequest, tokenize.TokenizeChatRequest],
-        "/detokenize": [tokenize.DetokenizeRequest]},
+        "/detokenize": [tokenize.DetokenizeRequest],
+        "/v1/load_lora_adapter": [adapters.LoadLoRAAdapterRequest],
+        "/v1/unload_lora_adapter": [adapters.UnloadLoRAAdapterRequest]},
         extra_models=[openapi.CompletionChunk, openapi.ChatCompletionChunk, openapi.ResponseEvent])
     return app

@@ -1,9 +1,10 @@
 """The gateway's view of the models it serves: the manifest (shared/manifest.py), and per model its
 tokenizer and generation defaults, loaded on first use (a model nobody asks for costs nothing here).
 
-Requests name a model by its served name or an alias; `entry` resolves it (of a name with canary
-versions: one by their shares; with variants: the one for the request's class and tenant) or raises
-the OpenAI error (404 for a name not in the manifest, 500 naming the cause when its tokenizer cannot load).
+Requests name a model by its served name, an alias or a LoRA adapter's name (adapters.py: the
+request then runs on the adapter's base); `entry` resolves it (of a name with canary versions: one
+by their shares; with variants: the one for the request's class and tenant) or raises the OpenAI
+error (404 for a name not in the manifest, 500 naming the cause when its tokenizer cannot load).
 `reload` swaps in a re-read manifest: requests already running keep the entry they resolved.
 """
 
@@ -17,7 +18,10 @@ from dataclasses import dataclass, field
 from meshserve.shared.manifest import Manifest, ServedModel, load_manifest
 from meshserve.shared.models_repo import generation_defaults, load_tokenizer
 from meshserve.shared.openai_protocol import OpenAIError
+from meshserve.shared.schemas import LoRARef
 from meshserve.shared.tokenizer import Tokenizer
+
+from .adapters import Adapters
 
 log = logging.getLogger("meshserve.gateway")
 
@@ -27,11 +31,12 @@ class ModelEntry:
     spec: ServedModel
     tokenizer: Tokenizer
     generation_defaults: dict = field(default_factory=dict)
+    lora: LoRARef | None = None  # a LoRA adapter of spec's model, served under its own name (adapters.py)
 
     @property
     def name(self) -> str:
-        """The served name (what the response says)."""
-        return self.spec.name
+        """The served name (what the response says): the model's, or its adapter's."""
+        return self.lora.name if self.lora is not None else self.spec.name
 
     @property
     def id(self) -> str:
@@ -44,6 +49,7 @@ class Catalog:
         self.manifest, self.path = manifest, path
         self._entries: dict[str, ModelEntry] = dict(preloaded or {})
         self._lock = threading.Lock()
+        self.adapters = Adapters(manifest)  # LoRA adapters of the manifest's models, and loaded at run time
 
     @classmethod
     def single(cls, name: str, tokenizer: Tokenizer, defaults: dict | None = None, path: str | None = None):
@@ -57,11 +63,18 @@ class Catalog:
 
     def entry(self, name: str | None, priority: str | None = None, tenant: str | None = None) -> ModelEntry:
         """The model a request runs on (of a name with versions: one of them, by their shares; of a
-        name with variants: the one for its class and tenant, shared/manifest.py `variant_for`)."""
+        name with variants: the one for its class and tenant, shared/manifest.py `variant_for`); for a
+        LoRA adapter's name, its base model with the adapter."""
+        adapter = self.adapters.find(name) if name is not None else None
+        if adapter is not None:
+            ref = self.adapters.ref(adapter)
+            base = self.entry_of(adapter.base)
+            return ModelEntry(base.spec, base.tokenizer, base.generation_defaults, ref)
         spec = self.manifest.pick(name, random.random(), priority, tenant)
         if spec is None:
+            served = self.manifest.names + [a.name for a in self.adapters.all()]
             raise OpenAIError(f"the model {name!r} does not exist; this server serves "
-                              f"{', '.join(repr(n) for n in self.manifest.names)}", 404, param="model",
+                              f"{', '.join(repr(n) for n in served)}", 404, param="model",
                               code="model_not_found")
         return self.entry_of(spec)
 
@@ -87,6 +100,7 @@ class Catalog:
             raise OpenAIError("this gateway was started without --models: there is no manifest to reload", 400,
                               code="no_manifest")
         m = load_manifest(self.path)
+        self.adapters.reload(m)
         with self._lock:
             self.manifest = m
             names = set(m.ids)

@@ -26,6 +26,7 @@ from meshserve.shared.schemas import Abort, GenerateRequest, Logprob, Message, S
 from meshserve.shared.tenants import Tenant
 from meshserve.shared.tokenizer import IncrementalDetokenizer, Tokenizer
 
+from .adapters import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, validate
 from .auth import Auth, rejection_reason
 from .catalog import Catalog, ModelEntry
 from .metrics import GatewayMetrics
@@ -214,7 +215,7 @@ class Gateway:
             request_id=rid if i == 0 else f"{rid}-{i}", model=p.model.id,
             prompt_token_ids=p.prompt_token_ids, sampling=p.choice_sampling(i), priority=p.priority,
             stream_subject=self.streams.subject, arrival_time=arrival, trace=trace,
-            tenant=tenant and tenant.name, after=None if i == 0 else rid) for i in range(p.n)]
+            tenant=tenant and tenant.name, after=None if i == 0 else rid, lora=p.model.lora) for i in range(p.n)]
         streams = [self.streams.open(r) for r in requests]
         try:
             await self._submit_when_ready(requests[0], streams[0])
@@ -356,7 +357,34 @@ class Gateway:
                                      "error": x.get("error"), "workers": x.get("workers", 0)}
                                     for v, x in zip(versions, sts)]
             data.append(card)
+        by_id = {c["id"]: c for c in data}
+        for a in self.catalog.adapters.all():  # LoRA adapters: their base's state, unless they fail to load
+            base = by_id.get(a.base.name, {})
+            got = await asyncio.to_thread(self.catalog.adapters.state, a)
+            failed = isinstance(got, str)
+            data.append({"id": a.name, "object": "model", "created": self.created, "owned_by": "meshserve",
+                         "root": a.path, "parent": a.base.name, "max_model_len": self.max_model_len,
+                         "state": "failed" if failed else base.get("state", "unknown"),
+                         "error": got if failed else base.get("error"), "workers": base.get("workers", 0),
+                         "aliases": [], "version": None, "pinned": False, "load_times_s": {},
+                         "lora": {"path": a.path, "source": "runtime" if a.runtime else "manifest"}})
         return {"object": "list", "data": data}
+
+    async def load_lora_adapter(self, body) -> dict:
+        """vLLM's POST /v1/load_lora_adapter: checks the adapter against its base (a 4xx saying why it
+        does not fit) and serves it under lora_name from then on (adapters.py)."""
+        req = validate(LoadLoRAAdapterRequest, body)
+        a = await asyncio.to_thread(self.catalog.adapters.load, req)
+        log.info("LoRA adapter %s loaded from %s for %s", a.name, a.path, a.base.name)
+        return {"object": "lora_adapter", "lora_name": a.name, "lora_path": a.path, "parent": a.base.name,
+                "message": f"Success: LoRA adapter '{a.name}' added successfully."}
+
+    async def unload_lora_adapter(self, body) -> dict:
+        """vLLM's POST /v1/unload_lora_adapter: no new request may name it (those running finish)."""
+        a = self.catalog.adapters.unload(validate(UnloadLoRAAdapterRequest, body))
+        log.info("LoRA adapter %s unloaded", a.name)
+        return {"object": "lora_adapter", "lora_name": a.name, "parent": a.base.name,
+                "message": f"Success: LoRA adapter '{a.name}' removed successfully."}
 
     async def reload_models(self) -> dict:
         """Re-reads the manifest here and has the scheduler (and through it the model-loaders) do the

@@ -260,6 +260,8 @@ class ModelCard(BaseModel):
     versions: list[dict[str, Any]] | None = Field(None, description="a canary: each version, its share and state")
     variants: list[dict[str, Any]] | None = Field(
         None, description="variants by class and tenant: each variant, its priorities, tenants, format and state")
+    lora: dict[str, Any] | None = Field(None, description="a LoRA adapter (its base is `parent`): its path and "
+                                                          "source, manifest or runtime")
 
 
 class ModelList(BaseModel):
