@@ -88,8 +88,12 @@ def _safetensors_header(data: bytes, where: Path) -> dict:
 
 def read_adapter(path: str | Path) -> AdapterSpec:
     """Reads an adapter directory's config and tensor list; raises LoRAError saying what is wrong."""
-    d = Path(path).expanduser()
-    if not d.is_dir():
+    try:
+        d = Path(path).expanduser()
+        is_dir = d.is_dir()
+    except (OSError, ValueError, RuntimeError):  # a NUL byte, an unknown ~user
+        is_dir = False
+    if not is_dir:
         raise LoRAError(f"the LoRA adapter path {str(path)!r} is not a directory")
     try:
         raw_cfg = (d / CONFIG_FILE).read_bytes()
@@ -126,8 +130,10 @@ def read_adapter(path: str | Path) -> AdapterSpec:
         if m is None:
             raise LoRAError(f"the adapter at {d} holds the tensor {name!r}, which is not a LoRA A/B matrix of a "
                             "decoder layer's projection (only q/k/v/o/gate/up/down_proj are supported)")
+        if not isinstance(info, dict) or not isinstance(info.get("shape"), list):
+            raise LoRAError(f"{d / WEIGHTS_FILE} is not a safetensors file (tensor {name!r} has no shape)")
         layer, _, module, ab = int(m.group(1)), m.group(2), m.group(3), m.group(4)
-        tensors[name] = (layer, module, ab, tuple(info.get("shape", ())), str(info.get("dtype")))
+        tensors[name] = (layer, module, ab, tuple(info["shape"]), str(info.get("dtype")))
     if not tensors:
         raise LoRAError(f"the adapter at {d} holds no LoRA tensors")
     key = hashlib.blake2b(raw_cfg + raw_weights, digest_size=8).hexdigest()

@@ -122,7 +122,12 @@ class Adapters:
             raise OpenAIError(str(e), 400, param="lora_path", code="invalid_lora_adapter") from None
         base = self._base_of(req.base_model, spec.base_model)
         try:
-            check_adapter(spec, model_config(base.path), base_names(base))
+            cfg = model_config(base.path)
+        except Exception as e:  # noqa: BLE001 - not the request's fault: say what failed
+            raise OpenAIError(f"the base model {base.name!r} cannot be read to check the adapter: "
+                              f"{type(e).__name__}: {e}", 500, type="server_error") from None
+        try:
+            check_adapter(spec, cfg, base_names(base))
         except LoRAError as e:
             raise OpenAIError(f"the LoRA adapter {name!r} does not fit the model {base.name!r}: {e}", 400,
                               param="lora_path", code="invalid_lora_adapter") from None
