@@ -101,8 +101,8 @@ def _hf(path: Path):
 
 def test_two_adapters_and_the_base_in_one_batch_equal_merged_models(tiny_llama, adapters):
     cfg, sd = load_hf_dir(tiny_llama)
-    eng = LLMEngine(LlamaModel.from_hf(cfg, sd, torch.float32),
-                    EngineConfig(block_size=8, num_kv_blocks=256, scheduler=SchedulerConfig(max_num_batched_tokens=512)))
+    config = EngineConfig(block_size=8, num_kv_blocks=256, scheduler=SchedulerConfig(max_num_batched_tokens=512))
+    eng = LLMEngine(LlamaModel.from_hf(cfg, sd, torch.float32), config)
     eng.load_lora("a", str(adapters["a"]), base_names=(str(tiny_llama),))
     eng.load_lora("b", str(adapters["b"]), base_names=(str(tiny_llama),))
     g = torch.Generator().manual_seed(7)
@@ -184,7 +184,8 @@ def test_mesh_serves_manifest_and_runtime_adapters(tiny_llama, adapters, tmp_pat
     root = adapters["root"]
     manifest = tmp_path / "models.yaml"
     manifest.write_text(f"- name: base\n  path: '{tiny_llama}'\n  adapters:\n"
-                        f"    - {{name: ad-a, path: '{adapters['a']}'}}\n    - {{name: ad-b, path: '{adapters['b']}'}}\n"
+                        f"    - {{name: ad-a, path: '{adapters['a']}'}}\n"
+                        f"    - {{name: ad-b, path: '{adapters['b']}'}}\n"
                         f"    - {{name: ad-wrong, path: '{adapters['wrong']}'}}\n")
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0)
     oracle = {"base": LLM(str(tiny_llama), "float32").generate([PROMPT], params)[0].text}
@@ -199,8 +200,8 @@ def test_mesh_serves_manifest_and_runtime_adapters(tiny_llama, adapters, tmp_pat
         r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "ad-c", "lora_path": str(adapters["c"])},
                        timeout=30)
         assert r.status_code == 200 and r.json()["parent"] == "base", r.text
-        bad = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "ad-w2", "lora_path": str(adapters["wrong"])},
-                         timeout=30)
+        bad = httpx.post(url + "/v1/load_lora_adapter",
+                         json={"lora_name": "ad-w2", "lora_path": str(adapters["wrong"])}, timeout=30)
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_lora_adapter", bad.text
         assert "does not fit the model 'base'" in bad.json()["error"]["message"]
         dup = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "ad-a", "lora_path": str(adapters["c"])},

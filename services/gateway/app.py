@@ -236,7 +236,7 @@ def create_app(gw: Gateway) -> FastAPI:
 
     @app.post("/v1/load_lora_adapter", responses={
         200: {"description": "the adapter is served under lora_name"},
-        400: {"model": openapi.ErrorBody, "description": "an adapter that does not fit its base model, or a name in use"},
+        400: {"model": openapi.ErrorBody, "description": "an adapter that does not fit its base, or a name in use"},
         404: {"model": openapi.ErrorBody, "description": "base_model names no served model"}})
     async def load_lora_adapter(request: Request):
         """Serves a LoRA adapter (a PEFT directory) under its own name on its base model's workers, as

@@ -112,8 +112,8 @@ class ModelRunner:
                  if batch.seqs[i].params.constraint is not None}
         if matchers or ahead:
             masks = self._masker.submit(self.grammars.fill, matchers + [m for ms in ahead.values() for m in ms])
-        lora = LoRABatch.of([(self.loras[s.lora] if s.lora else None, n) for s, n in zip(batch.seqs, batch.num_tokens)],
-                            ids.device)
+        adapters = [self.loras[s.lora] if s.lora else None for s in batch.seqs]
+        lora = LoRABatch.of(list(zip(adapters, batch.num_tokens)), ids.device)  # None: no row has an adapter
         hidden = self.model(ids, pos, meta, self.kv_cache) if lora is None else \
             self.model(ids, pos, meta, self.kv_cache, lora=lora)
         out = [StepResult() for _ in rows]

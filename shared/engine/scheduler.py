@@ -32,10 +32,10 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from ..prefix_hash import namespace
 from .kv_cache_manager import KVCacheManager
 from .policy import INTERACTIVE, NORMAL, PRIORITIES, Policy, PreemptionCosts
 from .sequence import Sequence, SequenceStatus
-from ..prefix_hash import namespace
 from .swap import swap_keys
 
 
