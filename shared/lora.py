@@ -72,12 +72,22 @@ def module_shape(cfg: ModelConfig, module: str) -> tuple[int, int]:
             "up_proj": (h, i), "down_proj": (i, h)}[module]
 
 
-def _safetensors_header(data: bytes, where: Path) -> dict:
-    if len(data) < 8:
-        raise LoRAError(f"{where} is not a safetensors file (too short)")
-    (n,) = struct.unpack("<Q", data[:8])
+def _read_weights(where: Path, digest) -> dict:
+    """The safetensors header of the weights file (its tensor list), hashing the whole file into
+    `digest` as it goes (in chunks: an adapter may be hundreds of MB)."""
+    with open(where, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise LoRAError(f"{where} is not a safetensors file (too short)")
+        (n,) = struct.unpack("<Q", head)
+        if n > 100 << 20:
+            raise LoRAError(f"{where} is not a safetensors file (a {n}-byte header)")
+        raw = f.read(n)
+        digest.update(head + raw)
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
     try:
-        header = json.loads(data[8:8 + n])
+        header = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise LoRAError(f"{where} is not a safetensors file (its header is not JSON)") from None
     if not isinstance(header, dict):
@@ -95,9 +105,11 @@ def read_adapter(path: str | Path) -> AdapterSpec:
         is_dir = False
     if not is_dir:
         raise LoRAError(f"the LoRA adapter path {str(path)!r} is not a directory")
+    digest = hashlib.blake2b(digest_size=8)
     try:
         raw_cfg = (d / CONFIG_FILE).read_bytes()
-        raw_weights = (d / WEIGHTS_FILE).read_bytes()
+        digest.update(raw_cfg)
+        header = _read_weights(d / WEIGHTS_FILE, digest)
     except OSError as e:
         raise LoRAError(f"the LoRA adapter at {d} cannot be read: {e.strerror or e}: {e.filename}") from None
     try:
@@ -122,10 +134,10 @@ def read_adapter(path: str | Path) -> AdapterSpec:
     if r <= 0:
         raise LoRAError(f"{d / CONFIG_FILE}: r must be positive, not {r}")
     targets = cfg.get("target_modules") or []
-    if isinstance(targets, str):  # PEFT also takes a regex over module names: the tensors say which
-        targets = [m for m in MODULES if re.search(targets, m)] or [targets]
+    if isinstance(targets, str) or not isinstance(targets, list):  # a regex over module paths (PEFT):
+        targets = []  # the tensors say which modules it adapts, and each is checked below
     tensors = {}
-    for name, info in _safetensors_header(raw_weights, d / WEIGHTS_FILE).items():
+    for name, info in header.items():
         m = _KEY.match(name)
         if m is None:
             raise LoRAError(f"the adapter at {d} holds the tensor {name!r}, which is not a LoRA A/B matrix of a "
@@ -136,7 +148,7 @@ def read_adapter(path: str | Path) -> AdapterSpec:
         tensors[name] = (layer, module, ab, tuple(info["shape"]), str(info.get("dtype")))
     if not tensors:
         raise LoRAError(f"the adapter at {d} holds no LoRA tensors")
-    key = hashlib.blake2b(raw_cfg + raw_weights, digest_size=8).hexdigest()
+    key = digest.hexdigest()
     base = cfg.get("base_model_name_or_path")
     return AdapterSpec(str(d.resolve()), r, alpha, bool(cfg.get("use_rslora", False)), base if base else None,
                        tuple(str(t) for t in targets), tensors, key)
