@@ -209,6 +209,7 @@ class Gateway:
         rid = uuid.uuid4().hex
         span = telemetry.start("gateway.request", None, request_id=rid, model=p.model.id,
                                model_version=p.model.spec.version, model_variant=p.model.spec.variant,
+                               lora=p.model.lora and p.model.lora.name,
                                prompt_tokens=len(p.prompt_token_ids))
         trace = telemetry.inject_span(span)
         requests = [GenerateRequest(
