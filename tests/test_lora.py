@@ -195,7 +195,8 @@ def test_mesh_serves_manifest_and_runtime_adapters(tiny_llama, adapters, tmp_pat
             merge(tiny_llama, adapters[name], merged)
         oracle[f"ad-{name}"] = LLM(str(merged), "float32").generate([PROMPT], params)[0].text
     assert len(set(oracle.values())) == 4
-    with Mesh(tiny_llama, tmp_path, prefill=0, decode=1, extra=["--models", str(manifest)]) as m:
+    # a prefill and a decode worker: each reads the adapters itself (the decode worker at the handoff)
+    with Mesh(tiny_llama, tmp_path, prefill=1, decode=1, extra=["--models", str(manifest)]) as m:
         url = m.url
         r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "ad-c", "lora_path": str(adapters["c"])},
                        timeout=30)
@@ -216,7 +217,7 @@ def test_mesh_serves_manifest_and_runtime_adapters(tiny_llama, adapters, tmp_pat
         assert cards["ad-a"]["state"] == cards["base"]["state"] != "failed"
 
         client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        names = ["ad-a", "ad-b", "ad-c", "base"] * 2  # at once: one worker batches them together
+        names = ["ad-a", "ad-b", "ad-c", "base"] * 2  # at once: each worker batches them together
 
         def complete(model: str) -> str:
             return client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_NEW,
