@@ -93,8 +93,11 @@ def load(name: str, source: str) -> ModuleType | None:
     with _lock:
         if name in _modules:
             return _modules[name]
-        directory = build_dir() / name
-        stamp, library, want = directory / "meshserve.stamp", directory / f"{name}.so", _stamp(name, source)
+        want = _stamp(name, source)
+        # One directory per source version: checkouts of different versions sharing the cache (or
+        # building at once) never load or overwrite each other's library.
+        directory = build_dir() / f"{name}-{want[:16]}"
+        stamp, library = directory / "meshserve.stamp", directory / f"{name}.so"
         try:
             if library.is_file() and stamp.is_file() and stamp.read_text() == want:
                 _modules[name] = _import_built(name, library)

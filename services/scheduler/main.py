@@ -503,6 +503,9 @@ class Scheduler:
         dst = pick_decode(self.decode_candidates(h.request.model), h.node_id)
         if dst is None:
             dst = self.workers.get(src)  # no decode worker: the prefill worker decodes it itself
+            log.info("request %s: no decode worker for %s (workers: %s); %s decodes it", rid, h.request.model,
+                     ", ".join(f"{w.hb.worker_id} {self.role_of(w)} {w.hb.model}{' draining' if w.hb.draining else ''}"
+                               for w in self.workers.values()), src)
         if dst is None:
             await self._lost(self.requests.pop(rid).req)
             return
