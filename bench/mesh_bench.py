@@ -139,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
+            if up.poll() is not None:
+                raise RuntimeError(f"`meshserve up` exited with {up.returncode}: {' '.join(cmd)}")
             try:
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
                     break

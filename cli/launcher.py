@@ -247,7 +247,9 @@ class Launcher:
         tenants = ["--tenants", str(Path(a.tenants).expanduser().resolve())] if getattr(a, "tenants", None) else []
         fixed = ["--fixed-roles"] if getattr(a, "fixed_roles", False) else []
         prewarm = [] if getattr(a, "prewarm", True) else ["--no-prewarm"]
-        self.spawn_service("scheduler", "scheduler", "--scheduling", a.scheduling, *tenants, *fixed, *models, *prewarm)
+        depth = ["--queue-depth", str(a.queue_depth)] if getattr(a, "queue_depth", None) is not None else []
+        self.spawn_service("scheduler", "scheduler", "--scheduling", a.scheduling, *tenants, *fixed, *models, *prewarm,
+                           *depth)
         self.spawn_service("gateway", "gateway", "--host", a.host, "--port", str(a.port),
                            "--ready-timeout", str(a.ready_timeout), *gateway_log_options(a), *gateway_limit_options(a),
                            *tenants, *models)
@@ -512,6 +514,9 @@ def add_arguments(p) -> None:
     p.add_argument("--request-log", default=None,
                    help="the gateway's request log (default: ~/.cache/meshserve/logs/requests.jsonl)")
     p.add_argument("--no-request-log", action="store_true", help="the gateway writes no request log")
+    p.add_argument("--queue-depth", type=float, default=None,
+                   help="the scheduler's --queue-depth: steps of prompt tokens of a class a worker may have waiting "
+                        "before the rest waits at the scheduler (default: the scheduler's)")
     p.add_argument("--fixed-roles", action="store_true",
                    help="workers keep the roles they start with (default: with two or more workers, the scheduler "
                         "switches them between prefill and decode as the traffic asks)")

@@ -8,7 +8,7 @@ public API only:
 - leasing: before each step, enough free blocks for it even if RESERVE_PROMPTS more prompts
   arrive first (Scheduler.blocks_next_step), `lease_blocks // 4` at a time at least; and while the
   arena has blocks no one uses, fresh ones rather than overwrite a cached prefix (the step takes
-  uncached free blocks first: BlockPool.uncached_first);
+  uncached free blocks first: BlockPool.num_uncached_free);
 - give-back: beyond two leases of surplus (and nothing waiting), the blocks that cache nothing,
   so the free blocks that hold prefixes stay this worker's prefix cache;
 - pool pressure: when a lease the kv-pool could not fill makes it publish `pressure`, for
@@ -127,7 +127,7 @@ class KVBlocks:
             await self.lease(max(want - pool.num_free, lease // 4))
         elif pool.num_free > want + 2 * lease and not sched.num_waiting:
             await self.give_back(pool.num_free - want - lease, keep_uncached=need)
-        uncached = pool.uncached_first()
+        uncached = pool.num_uncached_free()
         if uncached < min(need, pool.num_free) and time.monotonic() >= self.pool_dry_until:
             # The step would overwrite cached prefixes: while the node's arena has blocks no one
             # uses, lease those instead, and spill (or lose) prefixes only once it has none.
@@ -147,7 +147,7 @@ class KVBlocks:
         nothing). Under pressure, those too, least recently used first, spilled to the host tier on
         the way."""
         if time.monotonic() >= self.pool_dry_until:
-            n = min(n, self.pool.uncached_first() - keep_uncached)
+            n = min(n, self.pool.num_uncached_free() - keep_uncached)
         if n <= 0:
             return
         await self.make_room(n)

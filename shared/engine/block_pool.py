@@ -1,7 +1,9 @@
 """The KV blocks one engine holds, and what each of them holds.
 
 Every block held is in exactly one of three states:
-- free: in the LRU free queue, this engine may overwrite it (least recently used first);
+- free: in the free queue, this engine may overwrite it. The queue is two segments, so that the
+  next allocation is found in O(1): the blocks that cache nothing first, then the cached ones in
+  LRU order (a cached prefix is overwritten only once no empty block is left);
 - referenced: in the block table of one or more of this engine's sequences (a refcount);
 - idle shared: held together with another worker (a prefix handed off), unreferenced here and
   still cached; read-only here, so never in the free queue.
@@ -31,8 +33,11 @@ class BlockPool:
         self._ref = [0] * num_blocks
         self._key: list[int | None] = [None] * num_blocks
         self._index: dict[int, int] = {}  # key -> block
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks) if free_blocks is None
-                                                                  else free_blocks)
+        # the free queue: blocks caching nothing (in the order allocation takes them), then the
+        # cached ones, least recently used first
+        self._empty: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks) if free_blocks is None
+                                                                   else free_blocks)
+        self._lru: OrderedDict[int, None] = OrderedDict()
         self._shared: set[int] = set()  # held with another worker: read-only here
         self._idle_shared: OrderedDict[int, None] = OrderedDict()  # shared, unreferenced, cached
         self._num_referenced = 0
@@ -44,19 +49,32 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._empty) + len(self._lru)
 
     @property
     def num_held(self) -> int:
-        return self._num_referenced + len(self._free) + len(self._idle_shared)
+        return self._num_referenced + self.num_free + len(self._idle_shared)
 
     @property
     def usage(self) -> float:
         held = self.num_held
-        return 1.0 - len(self._free) / held if held else 0.0
+        return 1.0 - self.num_free / held if held else 0.0
 
     def is_free(self, bid: int) -> bool:
-        return bid in self._free
+        return bid in self._empty or bid in self._lru
+
+    def _free_queue(self):
+        """The free blocks in the order allocation takes them."""
+        yield from self._empty
+        yield from self._lru
+
+    def _unfree(self, bid: int) -> None:
+        """Out of the free queue (it must be there)."""
+        (self._empty if self._key[bid] is None else self._lru).pop(bid)
+
+    def _to_free(self, bid: int) -> None:
+        """Into the free queue, last of its segment (the most recently used cached block)."""
+        (self._empty if self._key[bid] is None else self._lru)[bid] = None
 
     def ref_count(self, bid: int) -> int:
         return self._ref[bid]
@@ -77,13 +95,14 @@ class BlockPool:
 
     def held_blocks(self) -> list[int]:
         """Every block held, in any state (O(num_blocks): for shutting down)."""
-        return [b for b in range(self.num_blocks) if self._ref[b]] + list(self._free) + list(self._idle_shared)
+        return [b for b in range(self.num_blocks) if self._ref[b]] + list(self._free_queue()) + list(self._idle_shared)
 
     # -- references
 
     def take(self) -> int:
-        """The least recently used free block, its key dropped, with one reference."""
-        bid, _ = self._free.popitem(last=False)
+        """The next free block (one caching nothing, else the least recently used), its key dropped,
+        with one reference."""
+        bid, _ = (self._empty or self._lru).popitem(last=False)
         self.forget(bid)
         self._ref[bid] = 1
         self._num_referenced += 1
@@ -92,7 +111,10 @@ class BlockPool:
     def ref(self, bid: int) -> None:
         """One more reference to a held block (a prefix-cache hit): out of the free queue if it was there."""
         if self._ref[bid] == 0:
-            (self._idle_shared if bid in self._shared else self._free).pop(bid)
+            if bid in self._shared:
+                self._idle_shared.pop(bid)
+            else:
+                self._unfree(bid)
             self._num_referenced += 1
         self._ref[bid] += 1
 
@@ -102,7 +124,7 @@ class BlockPool:
             return
         self._num_referenced -= 1
         if bid not in self._shared:
-            self._free[bid] = None
+            self._to_free(bid)
         elif self._key[bid] is not None:
             self._idle_shared[bid] = None
             while len(self._idle_shared) > self.max_shared_cached:
@@ -121,58 +143,55 @@ class BlockPool:
         """The block now holds the prefix named by key (a "stored" event), unless it already has a
         key or another block holds this one."""
         if self._key[bid] is None and key not in self._index:
+            free = self._empty.pop(bid, False) is None
             self._index[key] = bid
             self._key[bid] = key
             self._stored.append(key)
+            if free:
+                self._lru[bid] = None
 
     def forget(self, bid: int) -> None:
-        """Drops the block's key (a "removed" event); the block itself stays where it is."""
+        """Drops the block's key (a "removed" event); a free block moves to the empty ones."""
         key = self._key[bid]
         if key is not None:
             if self._index.get(key) == bid:
                 del self._index[key]
                 self._removed.append(key)
             self._key[bid] = None
+            if self._lru.pop(bid, False) is None:
+                self._empty[bid] = None
 
     def restore(self, bid: int, key: int) -> None:
         """A free block whose bytes were put back from elsewhere (the host tier) caches key again
         (a "stored" event), as the most recently used free block."""
+        self._unfree(bid)
         self._key[bid] = key
         self._index[key] = bid
         self._stored.append(key)
-        self._free.move_to_end(bid)
+        self._lru[bid] = None
 
     def refresh(self, bid: int) -> None:
         """A free block becomes the most recently used (its prefix is about to be hit)."""
-        if bid in self._free:
-            self._free.move_to_end(bid)
+        if bid in self._lru:
+            self._lru.move_to_end(bid)
 
-    def uncached_first(self) -> int:
-        """Puts the free blocks that cache nothing before the cached ones, so allocation takes them
-        first and the cached ones are the next victims; returns how many there are."""
-        uncached = [b for b in self._free if self._key[b] is None]
-        for b in reversed(uncached):
-            self._free.move_to_end(b, last=False)
-        return len(uncached)
+    def num_uncached_free(self) -> int:
+        """Free blocks that cache nothing: allocation takes them before any cached one."""
+        return len(self._empty)
 
     def cached_in_next(self, n: int) -> list[tuple[int, int]]:
-        """(block, key) of the cached blocks among the next n that allocation takes, once the
-        uncached free blocks are put first: the prefixes those allocations would overwrite."""
-        if all(self._key[b] is None for b in islice(self._free, n)):
-            return []
-        k = n - self.uncached_first()
-        if k <= 0:
-            return []
-        return [(b, self._key[b]) for b in islice(self._free, n - k, n)]
+        """(block, key) of the cached blocks among the next n that allocation takes: the prefixes
+        those allocations would overwrite."""
+        k = n - len(self._empty)
+        return [(b, self._key[b]) for b in islice(self._lru, k)] if k > 0 else []
 
     def restore_targets(self, m: int, keep: set[int]) -> tuple[list[int], list[tuple[int, int]]]:
         """Up to m free blocks to put restored bytes in: (the uncached ones first, then (block, key)
         of the least recently used cached ones not in keep, whose keys are spilled first)."""
-        n_uncached = self.uncached_first()
-        dest = list(islice(self._free, min(n_uncached, m)))
+        dest = list(islice(self._empty, m))
         victims: list[tuple[int, int]] = []
         if len(dest) < m:
-            for b in islice(self._free, n_uncached, None):
+            for b in self._lru:
                 if b not in keep:
                     victims.append((b, self._key[b]))
                     if len(dest) + len(victims) == m:
@@ -183,17 +202,15 @@ class BlockPool:
 
     def add_free(self, block_ids: Iterable[int]) -> None:
         for b in block_ids:
-            self._free[b] = None
-            self._free.move_to_end(b, last=False)  # fresh blocks are used before cached ones
+            self._empty[b] = None
+            self._empty.move_to_end(b, last=False)  # fresh blocks are used before the empty ones freed here
 
     def release_surplus(self, n: int) -> int:
         """Up to n free blocks leave the pool (for drain_releases), the least useful first: those
         that cache nothing, then the least recently used. Returns how many."""
-        out = list(islice((b for b in self._free if self._key[b] is None), n))
-        for b in out:
-            del self._free[b]
-        while len(out) < n and self._free:
-            b, _ = self._free.popitem(last=False)
+        out = [self._empty.popitem(last=False)[0] for _ in range(min(n, len(self._empty)))]
+        while len(out) < n and self._lru:
+            b, _ = self._lru.popitem(last=False)
             self.forget(b)
             out.append(b)
         self._released.extend(out)
@@ -216,7 +233,10 @@ class BlockPool:
         """A reference that comes with a sequence from another worker (shared: that worker keeps
         the block too, so it is read-only here)."""
         if self._ref[bid] == 0:
-            (self._idle_shared if bid in self._shared else self._free).pop(bid, None)  # already held idle
+            if bid in self._shared:
+                self._idle_shared.pop(bid, None)
+            elif self.is_free(bid):  # already held idle
+                self._unfree(bid)
             self._num_referenced += 1
         self._ref[bid] += 1
         if shared:
@@ -235,7 +255,10 @@ class BlockPool:
 
     def check(self) -> None:
         """Asserts the pool's invariants (O(num_blocks): for tests)."""
-        free, idle = set(self._free), set(self._idle_shared)
+        free, idle = set(self._empty) | set(self._lru), set(self._idle_shared)
+        assert not set(self._empty) & set(self._lru), "a block in both segments of the free queue"
+        assert all(self._key[b] is None for b in self._empty), "a cached block among the empty ones"
+        assert all(self._key[b] is not None for b in self._lru), "an empty block among the cached ones"
         referenced = {b for b in range(self.num_blocks) if self._ref[b]}
         assert all(r >= 0 for r in self._ref), "a negative refcount"
         assert not free & referenced and not idle & referenced and not free & idle, "a block in two states"
