@@ -237,6 +237,8 @@ class Launcher:
             worker_opts += ["--threads", str(threads)]
         if getattr(a, "fixed_threads", False):
             worker_opts += ["--fixed-threads"]
+        if not getattr(a, "compute_yield", True):
+            worker_opts += ["--no-compute-yield"]
         serving, env = worker_models(a), worker_env(a)
         worker_opts += models  # each worker's compute partition follows the model it serves
         # no dedicated prefill workers (--prefill 0): decode workers do both
@@ -498,6 +500,9 @@ def add_arguments(p) -> None:
     from meshserve.shared.engine.policy import add_scheduling_arguments
 
     add_scheduling_arguments(p, preemption=True)
+    from meshserve.services.worker.compute_claims import add_compute_yield_argument
+
+    add_compute_yield_argument(p)
     from meshserve.shared.engine.speculative import add_speculative_arguments
 
     add_speculative_arguments(p)

@@ -13,7 +13,8 @@ workers; `worker` is the one all workers of compose/Kubernetes share): a worker'
 user's name (`<name>.<role>-<node>-<pid>`, shared/subjects.py), so its user may subscribe to its own
 `worker.<name>.*.<verb>` subjects and no other worker's, whatever pid a restart gives it.
 
-The rules (docs/security.md): workers cannot publish on the public API nor on scheduler.submit;
+The rules (docs/security.md): workers cannot publish on the public API nor on scheduler.submit
+(they do publish and hear each other's compute claims, `compute.*.claim`);
 only the kv-pool subscribes to (answers) kv subjects, other services hear only its broadcasts
 (hello, pressure, host_events) and the scheduler the KV events; the public user may only send
 requests on `<ns>.v1.*` and read replies on _INBOX; a connection without credentials is refused.
@@ -107,9 +108,11 @@ def permissions(namespace: str, workers: tuple[str, ...] = ()) -> dict[str, dict
     for user in (WORKER, *workers):
         perms[user] = {  # its own worker.<user>.*.<verb> subjects, whichever incarnation (pid) it is
             "publish": [s.tokens("*"), s.handoff, s.done, s.heartbeat, s.models("load", "*"),
-                        *(kv(v) for v in ("arena", "lease", "release", "retain", "events", "swap", "import"))],
+                        *(kv(v) for v in ("arena", "lease", "release", "retain", "events", "swap", "import")),
+                        s.compute("claim", "*")],  # its compute claims, to the other workers of its node
             "subscribe": [*(s.worker(f"{user}.*", v) for v in WORKER_VERBS), s.abort,
-                          *(kv(v) for v in ("hello", "pressure", "host_events")), own(user)],
+                          *(kv(v) for v in ("hello", "pressure", "host_events")), s.compute("claim", "*"),
+                          own(user)],
             "allow_responses": True}  # it acknowledges the scheduler's deliveries (Bus.ack), answers model switches
     return perms
 

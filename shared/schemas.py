@@ -223,7 +223,25 @@ class Heartbeat(Message):
     pending_decode_tokens: int = 0
     # SIGTERM: it takes nothing new, hands its sequences on (or finishes them) and exits.
     draining: bool = False
+    # Node-level compute priority (services/worker/compute_claims.py): how many times, and for how
+    # many seconds in all, it held a step back for another worker's claim; whether it claims now.
+    compute_yields: int = 0
+    compute_yield_s: float = 0.0
+    compute_claim: bool = False
     time: float
+
+
+class ComputeClaim(Message):
+    """A worker -> the other workers of its node (`<ns>.compute.<node>.claim`): it computes prompt
+    work of class `priority` (active), or no longer does (not active). A claim is a lease: it is
+    repeated while it lasts, and one not heard again within `lease_s` has ended (its worker died).
+    `cores`: those its steps run on (empty: the whole node); only workers sharing one yield."""
+
+    worker_id: str
+    priority: Priority = "interactive"
+    active: bool = True
+    lease_s: float = 1.0
+    cores: list[int] = Field(default_factory=list)
 
 
 class RoleSwitch(Message):

@@ -26,6 +26,8 @@ a typo is an error where the subject is built, not a message nobody hears.
     <ns>.kv.<node>.hello                             kv-pool -> its workers (its arena epoch, every second)
     <ns>.models.<node>.{load,list}                   workers, kv-pool -> the node's model-loader
     <ns>.models.<node>.{status,reload,prewarm}       scheduler -> the node's model-loader
+    <ns>.compute.<node>.claim                        a worker -> the other workers of its node (it computes
+                                                     interactive prompts: lower classes wait; compute_claims.py)
     <ns>.tokens.<gateway id>                         workers -> the gateway that owns the request (the
                                                      instance is the whole address: one stream per gateway)
 """
@@ -45,6 +47,7 @@ WorkersEndpoint = Literal["heartbeat"]
 KVEndpoint = Literal["arena", "lease", "release", "retain", "transfer", "status", "swap", "import", "fetch",
                      "chunk", "close", "events", "pressure", "host_events", "hello"]
 ModelsEndpoint = Literal["load", "list", "status", "reload", "prewarm"]
+ComputeEndpoint = Literal["claim"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,7 @@ WORKER = Component("worker", get_args(WorkerEndpoint), per_instance=True)
 WORKERS = Component("workers", get_args(WorkersEndpoint), per_instance=False)  # all workers at once
 KV = Component("kv", get_args(KVEndpoint), per_instance=True)  # the node's kv-pool
 MODELS = Component("models", get_args(ModelsEndpoint), per_instance=True)  # the node's model-loader
+COMPUTE = Component("compute", get_args(ComputeEndpoint), per_instance=True)  # the node's cores, among its workers
 TOKENS = "tokens"  # <ns>.tokens.<gateway id>: no endpoint
 
 
@@ -150,6 +154,10 @@ class Subjects:
     # model-loader: one per node too (its descriptors name memory on that node)
     def models(self, endpoint: ModelsEndpoint, node: str) -> str:
         return self.subject(MODELS, endpoint, node)
+
+    # compute claims: among the workers of one node (they share its cores)
+    def compute(self, endpoint: ComputeEndpoint, node: str) -> str:
+        return self.subject(COMPUTE, endpoint, node)
 
     # token streams: one per gateway
     def tokens(self, gateway_id: str) -> str:

@@ -86,6 +86,7 @@ def test_subjects_are_built_from_one_scheme_and_keep_their_names():
     assert s.kv("lease", "node0") == "ns.kv.node0.lease" and s.kv("events", "*") == "ns.kv.*.events"
     assert s.kv("swap", "ip-10.0.0.1") == "ns.kv.ip-10_0_0_1.swap"  # one token per instance
     assert s.models("load", "node0") == "ns.models.node0.load"
+    assert s.compute("claim", "node0") == "ns.compute.node0.claim"
     assert s.tokens("abc") == "ns.tokens.abc"
 
 

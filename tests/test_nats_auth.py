@@ -291,6 +291,39 @@ def test_each_worker_reaches_only_its_own_subjects(server):
     run(go())
 
 
+def test_workers_hear_each_others_compute_claims(server):
+    """A worker's compute claim (services/worker/compute_claims.py) reaches the other workers, with
+    their own users or the shared one; nothing else may publish claims."""
+    url, passwords = server
+
+    async def go():
+        subject = S.compute("claim", "node0")
+        heard: dict[str, asyncio.Event] = {}
+        listeners = []
+        for user in ("worker-1", "worker"):
+            nc = await connect_as(url, passwords, user)
+            heard[user] = asyncio.Event()
+
+            async def hear(msg, e=heard[user]):
+                e.set()
+            await nc.subscribe(subject, cb=hear)
+            await nc.flush()
+            await nc.flush()
+            listeners.append(nc)
+        w0 = await connect_as(url, passwords, "worker-0")
+        await w0.publish(subject, b"{}")
+        for e in heard.values():
+            await asyncio.wait_for(e.wait(), 5)
+        errors: list[str] = []
+        gateway = await connect_as(url, passwords, "gateway", errors)
+        await gateway.publish(subject, b"{}")
+        got = await violations_of(gateway, errors, 1)
+        assert any("publish" in e.lower() and subject in e for e in got), got
+        for nc in (*listeners, w0, gateway):
+            await nc.close()
+    run(go())
+
+
 # -- one real mesh: TLS on, a small max_payload, a user per worker
 
 MESH_MAX_PAYLOAD = 65536

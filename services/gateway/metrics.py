@@ -58,6 +58,28 @@ class WorkerRoles:
         return [role, switches]
 
 
+class ComputeYields:
+    """`meshserve:compute_yields_total` and `meshserve:compute_yield_seconds_total` by worker: the
+    steps a worker held back for another worker's compute claim on its node (runs of waits, and
+    seconds; services/worker/compute_claims.py), from the scheduler's last status."""
+
+    def __init__(self, model_name: str):
+        self.model = model_name
+        self.status: dict = {}
+
+    def collect(self):
+        labels = ["model_name", "worker"]
+        yields = CounterMetricFamily("meshserve:compute_yields", "Times a worker held its steps back for an "
+                                     "interactive prompt another worker of its node computes.", labels=labels)
+        seconds = CounterMetricFamily("meshserve:compute_yield_seconds", "Seconds a worker held its steps back for "
+                                      "another worker's compute claim.", labels=labels)
+        for w in self.status.get("workers") or []:
+            if isinstance(w, dict) and isinstance(w.get("compute_yields"), int):
+                yields.add_metric([self.model, str(w.get("id"))], float(w["compute_yields"]))
+                seconds.add_metric([self.model, str(w.get("id"))], float(w.get("compute_yield_s") or 0))
+        return [yields, seconds]
+
+
 class ModelKV:
     """`meshserve:model_kv_blocks` and `meshserve:model_kv_quota_blocks`, per node and `model`: the KV
     blocks each model's workers hold on the node and its memory quota's share for them (the
@@ -168,6 +190,8 @@ class GatewayMetrics:
         r.register(self._roles)
         self._model_kv = ModelKV(model_name)
         r.register(self._model_kv)
+        self._yields = ComputeYields(model_name)
+        r.register(self._yields)
         self._counters = _StatusCounters(model_name)
         r.register(self._counters)
 
@@ -203,6 +227,7 @@ class GatewayMetrics:
             return
         self._roles.status = status
         self._model_kv.status = status
+        self._yields.status = status
         for key, gauge in self._status.items():
             value = status.get(key)
             if isinstance(value, (int, float)):

@@ -142,7 +142,9 @@ class Scheduler:
                              "running": w.hb.num_running, "waiting": w.hb.num_waiting,
                              "assigned": len(w.assigned),
                              "free_blocks": w.hb.free_blocks, "io_cpu_s": w.hb.io_cpu_s,
-                             "tokens_streamed": w.hb.tokens_streamed} for w in ws],
+                             "tokens_streamed": w.hb.tokens_streamed,
+                             "compute_yields": w.hb.compute_yields, "compute_yield_s": round(w.hb.compute_yield_s, 3),
+                             "compute_claim": w.hb.compute_claim} for w in ws],
                 "scheduling": "fcfs" if self.fcfs else "priority",
                 "queue_wait": dict(self.queue_wait),
                 "queued_by_priority": {"interactive": 0, "normal": 0, "background": 0}

@@ -14,8 +14,10 @@ after a prefill. The weights and the arena stay mapped: nothing is reloaded.
 
 Everything that changes the engine (new requests, adoptions, aborts, a role) is queued by the NATS
 callbacks and applied between steps, at iteration boundaries. The step itself runs in a thread so
-heartbeats and messages keep flowing while it computes. Which blocks of the node's KV arena the
-worker holds (leases, give-back, host-tier spill and restore, handoffs, imports) is kv_blocks.py's.
+heartbeats and messages keep flowing while it computes. Before a step it may wait while another
+worker of its node computes interactive prompts (compute_claims.py): only the step loop waits. Which
+blocks of the node's KV arena the worker holds (leases, give-back, host-tier spill and restore,
+handoffs, imports) is kv_blocks.py's.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from meshserve.shared.bus import Bus
 from meshserve.shared.engine import wire
 from meshserve.shared.engine.llm_engine import (EngineConfig, LLMEngine, RequestError, RequestOutput,
                                                 SequenceStatus)
-from meshserve.shared.engine.policy import PRIORITIES, add_scheduling_arguments
+from meshserve.shared.engine.policy import INTERACTIVE, PRIORITIES, add_scheduling_arguments
 from meshserve.shared.engine.scheduler import SchedulerConfig
 from meshserve.shared.engine.speculative import add_speculative_arguments
 from meshserve.shared.manifest import ManifestFile
@@ -48,6 +50,7 @@ from meshserve.shared.service import run_service
 from meshserve.shared import telemetry
 
 from . import model_switch
+from .compute_claims import MAX_YIELD_S, ComputeClaims, add_compute_yield_argument
 from .kv_blocks import KVBlocks
 from .kv_pool_client import KVPoolClient
 from .threads import ThreadTuner
@@ -99,6 +102,11 @@ class Worker:
         self.received_by_priority = dict.fromkeys(PRIORITIES, 0)  # requests the scheduler sent to prefill
         self.pending_model = None  # (ModelSwitch, its message): applied once the engine is empty
         self.lora_used: dict[str, float] = {}  # the engine's LoRA adapters -> when a request last named one
+        # Node-level compute priority among the node's workers (compute_claims.py).
+        cpu = getattr(args, "device", "cpu") == "cpu"
+        self.compute = ComputeClaims(bus, self.id, args.node_id, cores=self.cores if cpu else (),
+                                     enabled=args.compute_yield, scheduling=args.scheduling,
+                                     max_yield_s=args.max_yield_s)
 
     # -- start-up: map the weights and the KV arena, lease blocks
 
@@ -124,6 +132,7 @@ class Worker:
                      arena.ipc["handle"][:16], torch.cuda.memory_allocated(kv.device))
         self.blocks = KVBlocks(self.engine, pool, a.lease_blocks, arena.swap_blocks, report=self._post)
         await self.blocks.start()
+        await self.compute.start()
         for verb, cb in (("prefill", self._on_request), ("adopt", self._on_adopt), ("abort", self._on_abort),
                         ("role", self._on_role), ("model", self._on_model)):
             await self.bus.nc.subscribe(s.worker(self.id, verb), cb=cb)
@@ -162,6 +171,7 @@ class Worker:
         if self.deliveries:
             await asyncio.wait(self.deliveries, timeout=2.0)
         await self.blocks.close()
+        await self.compute.close()
         await self.bus.nc.flush()
 
     # -- messages in (applied between steps)
@@ -176,6 +186,8 @@ class Worker:
         req = GenerateRequest.decode(msg.data)
         self.received_by_priority[req.priority] += 1
         self._post("request", req)
+        if req.priority == "interactive":  # claimed now, not after the step in progress
+            await self.compute.hold(INTERACTIVE)
 
     async def _on_adopt(self, msg) -> None:
         await self.bus.ack(msg)
@@ -233,6 +245,7 @@ class Worker:
             log.error("worker %s: the manifest's cpus cannot be applied here: %s; using every core", self.id, e)
             cores = self.node_cores
         apply_cpus(cores)
+        self.compute.cores = list(cores)  # its claims and yields concern these cores
         n = threads_for(cores, self.threads)
         await asyncio.get_running_loop().run_in_executor(self.stepper, _set_threads, n)
         if self.tuner is not None:
@@ -386,6 +399,7 @@ class Worker:
         # detach sequences from the engine, which only happens between steps.
         while True:
             await self._apply_inbox()
+            await self._claim_compute()
             await self._switch_model_when_idle()
             if not self.engine.has_unfinished():
                 if self.unpublished:
@@ -394,6 +408,8 @@ class Worker:
                 self.wake.clear()
                 if not self.inbox:
                     await self.wake.wait()
+                continue
+            if await self._yield_compute():
                 continue
             try:
                 await self.blocks.before_step()
@@ -407,6 +423,8 @@ class Worker:
             step = asyncio.get_running_loop().run_in_executor(self.stepper, self._step)
             await self._flush()
             outputs = await step
+            self.compute.stepped()
+            await self._claim_compute()  # an interactive prompt just computed: the claim ends at once
             await self.blocks.publish_changes()
             if waited and not self.engine.scheduler.num_waiting:  # room now: the scheduler hears it at once
                 await self._heartbeat()
@@ -414,6 +432,26 @@ class Worker:
                 await self._publish(outputs)
             else:
                 self.unpublished = outputs
+
+    async def _claim_compute(self) -> None:
+        """Between steps: claims the node's cores while interactive prompts are to be computed here
+        (queued or in the engine), and ends the claim once none is (compute_claims.py)."""
+        prompts = self.engine.scheduler.has_prompt_work(INTERACTIVE) or any(
+            kind == "request" and m.priority == "interactive" for kind, m in self.inbox)
+        await self.compute.hold(INTERACTIVE if prompts else None)
+
+    async def _yield_compute(self) -> bool:
+        """Before a step: while another worker of the node claims the cores for a class above this
+        step's best, wait (bounded; compute_claims.py). The last step's tokens go out first. True: it
+        waited (the loop applies what came meanwhile and asks again)."""
+        level = self.engine.scheduler.top_class()
+        if self.compute.wait_until(level) is None:
+            return False
+        await self._flush()
+        self.wake.clear()
+        if not self.inbox:
+            await self.compute.wait(level, self.wake)
+        return True
 
     async def _flush(self) -> None:
         outputs, self.unpublished = self.unpublished, []
@@ -574,7 +612,8 @@ class Worker:
             received_by_priority=dict(self.received_by_priority), preemptions_by_mode=stats["preemptions_by_mode"],
             spec_decode=stats["spec_decode"], io_cpu_s=time.thread_time(), tokens_streamed=self.tokens_streamed,
             pending_prefill_tokens=pending_prefill, pending_decode_tokens=pending_decode, draining=self.draining,
-            time=time.time()))
+            compute_yields=self.compute.yields, compute_yield_s=self.compute.yield_s,
+            compute_claim=self.compute.claiming, time=time.time()))
 
 
 def add_arguments(p) -> None:
@@ -586,6 +625,10 @@ def add_arguments(p) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to hand off or finish its sequences before exiting")
     add_scheduling_arguments(p, preemption=True)
+    add_compute_yield_argument(p)
+    p.add_argument("--max-yield-s", type=float, default=MAX_YIELD_S,
+                   help="the longest a step waits in a row for another worker's compute claim, after which one step "
+                        "runs (default: %(default)s)")
     p.add_argument("--fixed-threads", action="store_true",
                    help="every step on --threads threads (default: each kind of step on 1 or --threads threads, "
                         "whichever measures faster; a busy core makes 1 faster)")

@@ -221,6 +221,23 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self.held)
 
+    def _sequences(self):
+        yield from self.running
+        yield from self.waiting
+        yield from self.held
+
+    def top_class(self) -> int | None:
+        """The best class (lowest level) among its sequences, which its next step includes (the
+        policy serves the best class first); None: nothing to run."""
+        return min((s.priority for s in self._sequences()), default=None)
+
+    def has_prompt_work(self, level: int) -> bool:
+        """A sequence of class `level` waiting, or running with prompt tokens still to compute
+        (not one that only decodes)."""
+        return any(s.priority == level and (s.status is not SequenceStatus.RUNNING
+                                            or s.num_tokens - s.num_computed_tokens > 1)
+                   for s in self._sequences())
+
     def blocks_next_step(self, new_prompts: int = 0) -> int:
         """At most how many free blocks the next schedule() takes, if `new_prompts` more prompts are
         queued before it: one per running sequence, plus, when prompts are to be computed, the step's
