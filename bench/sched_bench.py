@@ -12,7 +12,8 @@ baseline of "interactive TTFT with the batch running". Reported per workload:
   priority / fcfs (target >= 0.9). Short requests: the class named `short`, else the `interactive`
   class, else prompts of at most --short-prompt-tokens;
 - interactive TTFT p99 with the batch / alone (target <= 1.5), and whether the batch completed;
-- the workers' preemptions by mode (scheduler status, at the end of each run).
+- the workers' preemptions by mode and their compute yields (scheduler status, at the end of each
+  run).
 Then preemption costs in the in-process engine, per context length: swap (the sequence's blocks
 copied to host memory and back) against recompute (its tokens prefilled again), each per
 preempted token, and which one `--preemption-mode auto` picks from the measured rates.
@@ -65,7 +66,11 @@ def mesh_run(a: argparse.Namespace, policy: str, reqs, bodies, label: str) -> tu
         status = _status(url)
     finally:
         stop_mesh(up)
-    return results, {k: status.get(k) for k in ("preemptions_by_mode", "num_priority_preemptions", "queue_wait")}
+    out = {k: status.get(k) for k in ("preemptions_by_mode", "num_priority_preemptions", "queue_wait")}
+    # compute priority between the node's workers: each one's steps held back (runs, seconds)
+    out["compute_yields"] = {w.get("id"): {"yields": w.get("compute_yields"), "seconds": w.get("compute_yield_s")}
+                             for w in status.get("workers") or [] if isinstance(w, dict)}
+    return results, out
 
 
 def bench_workload(a: argparse.Namespace, name: str, tokenizer, log) -> dict:

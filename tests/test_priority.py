@@ -309,6 +309,27 @@ def test_equal_priorities_schedule_exactly_like_normal(tiny, priority):
     assert list(started) == [f"r{i}" for i in range(len(prompts))]
 
 
+def test_the_best_class_and_interactive_prompt_work_a_worker_asks_before_a_step(tiny):
+    """Scheduler.top_class and has_prompt_work (compute priority between a node's workers,
+    services/worker/compute_claims.py): an interactive prompt waiting or mid-prefill is prompt
+    work; once it only decodes it is not, though its steps still have the interactive class."""
+    model, prompts, _ = tiny
+    eng = engine(model, chunk=16)
+    sched = eng.scheduler
+    assert sched.top_class() is None and not sched.has_prompt_work(0)
+    eng.add_request("b", prompts[1], LONG, priority="background")
+    assert sched.top_class() == 2 and not sched.has_prompt_work(0) and sched.has_prompt_work(2)
+    eng.add_request("i", prompts[5], LONG, priority="interactive")  # 60 tokens: 4 chunks of 16
+    assert sched.top_class() == 0 and sched.has_prompt_work(0)  # waiting
+    eng.step()
+    assert 0 < eng.requests["i"].num_computed_tokens < 60 and sched.has_prompt_work(0)  # mid-prefill
+    while not eng.requests["i"].num_output_tokens:
+        eng.step()
+    assert not sched.has_prompt_work(0) and sched.top_class() == 0  # it decodes only
+    eng.abort("i")
+    assert sched.top_class() == 2
+
+
 # -- the mesh
 
 
