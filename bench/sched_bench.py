@@ -80,7 +80,7 @@ def bench_workload(a: argparse.Namespace, name: str, tokenizer, log) -> dict:
     bodies = [build_body(q, a.model) for q in reqs]
     out: dict = {"workload": summary(spec, reqs, a.seed), "runs": {}}
     raw: dict[str, list[RequestResult]] = {}
-    for policy in ("priority", "fcfs"):
+    for policy in a.policies:
         log(f"{name}: meshserve up --scheduling {policy} ...")
         raw[policy], status = mesh_run(a, policy, reqs, bodies, f"{name} {policy}")
         out["runs"][policy] = summarize(raw[policy]) | {"sent": len(raw[policy]), "scheduler": status}
@@ -92,8 +92,9 @@ def bench_workload(a: argparse.Namespace, name: str, tokenizer, log) -> dict:
                                         f"{name} alone")
         out["runs"]["priority_alone"] = summarize(raw["alone"]) | {"sent": len(raw["alone"]), "scheduler": status}
     which, _ = short_of(raw["priority"], a.short_prompt_tokens)
-    p_short, f_short = (_p99_ttft(short_of(raw[p], a.short_prompt_tokens)[1]) for p in ("priority", "fcfs"))
-    thr = {p: out["runs"][p]["output_throughput"] for p in ("priority", "fcfs")}
+    p_short, f_short = (_p99_ttft(short_of(raw[p], a.short_prompt_tokens)[1]) if p in raw else None
+                        for p in ("priority", "fcfs"))
+    thr = {p: out["runs"][p]["output_throughput"] if p in raw else None for p in ("priority", "fcfs")}
     cmp = {"short_requests": which, "short_ttft_p99_s": {"priority": p_short, "fcfs": f_short},
            "short_ttft_p99_fcfs_over_priority": f_short / p_short if p_short and f_short else None,
            "output_throughput_priority_over_fcfs": thr["priority"] / thr["fcfs"] if thr["fcfs"] and thr["priority"]
@@ -155,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="interactive-under-batch,short-long,mixed-chat",
                     help="comma-separated workload files or shipped names")
     ap.add_argument("--num-requests", type=int, default=None, help="shrink every workload to this many requests")
+    ap.add_argument("--policies", default="priority,fcfs", type=lambda v: [p for p in v.split(",") if p],
+                    help="the --scheduling runs, comma-separated (priority first; priority alone skips the fcfs "
+                         "baseline, for a quicker look at interactive TTFT with the batch against alone)")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--short-prompt-tokens", type=int, default=200,
@@ -167,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
+    if "priority" not in a.policies or not set(a.policies) <= {"priority", "fcfs"}:
+        ap.error(f"--policies: priority, optionally with fcfs (got {','.join(a.policies)})")
     quiet_http_logs()
     from meshserve.shared.models_repo import load_tokenizer
 
