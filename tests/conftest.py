@@ -11,6 +11,18 @@ import pytest
 
 from tiny_model import make_tiny_llama
 
+# Compiled CPU kernels are kept per source version in the cache. Tests that point MESHSERVE_CACHE at a
+# fresh folder (prepared weights, a model repository of their own) would move the kernels with it and
+# rebuild them in every mesh they start (about a minute each on 2 cores): pin the folder here, before
+# any test moves the cache (children inherit it).
+def _pin_kernel_cache() -> None:
+    from meshserve.kernels import cpu_build
+
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cpu_build.build_dir()))
+
+
+_pin_kernel_cache()
+
 # Gateways started by tests log their requests here, not into the user's cache (children inherit it).
 os.environ.setdefault("MESHSERVE_REQUEST_LOG",
                       os.path.join(tempfile.mkdtemp(prefix="meshserve-test-log-"), "requests.jsonl"))
