@@ -113,7 +113,6 @@ class Scheduler:
         self.manifest: Manifest | None = load_manifest(self.manifest_path) if self.manifest_path else None
         self.placement = Placement()  # which worker serves which model (models.py)
         self.traffic = ModelTraffic(enabled=not getattr(args, "fixed_model_workers", False))
-        self.deliveries: dict[str, set[asyncio.Task]] = {}  # worker id -> its deliveries awaiting acknowledgement
         self.loaders: dict[str, dict] = {}  # node -> its model-loader's status (tiers)
         self._loaders_at = 0.0  # when the loaders' status was last asked
         self._kept_alive_at = time.monotonic()  # when the queued requests' gateways last heard of them
@@ -326,16 +325,17 @@ class Scheduler:
         self._spawn(self._switch(w, spec, move.reason))
 
     async def _switch(self, w: WorkerView, spec: ServedModel, detail: str) -> None:
-        """Tells the worker (routed nothing from now on) to switch, once the requests already on
-        their way to it have arrived: it applies the switch when its engine is empty, and a request
-        it heard only after that would run on the other model."""
+        """Tells the worker (routed nothing from now on) to switch once it has nothing assigned or
+        running: a request or handoff still on its way to it would otherwise reach it after it
+        switched, and run on the other model."""
         wid, old = w.hb.worker_id, w.hb.model
         reason = self.placement.reasons.get(wid, NO_WORKER)
         dtype = spec.dtype or self.args.dtype
         log.info("switching worker %s from model %s to %s (%s: %s)", wid, old, spec.id, reason, detail)
-        pending = self.deliveries.get(wid)
-        if pending:
-            await asyncio.wait(set(pending), timeout=2 * DELIVERY_TIMEOUT)
+        if not await self._drained(wid):  # it left the mesh meanwhile
+            self.placement.cancel(wid)
+            self.place_models()
+            return
         t0 = time.monotonic()
         try:
             reply = await self.bus.request(self.bus.subjects.worker(wid, "model"), ModelSwitch(
@@ -361,6 +361,19 @@ class Scheduler:
                 self._fail_queued(spec.id, reply.error or "unknown error")
             await self.dispatch(old)
         self.place_models()
+
+    async def _drained(self, wid: str, limit_s: float = 900.0) -> bool:
+        """Waits until the worker has nothing assigned, running or waiting (its sequences finish or
+        are handed on; it gets nothing new meanwhile); False when it left the mesh."""
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            w = self.workers.get(wid)
+            if w is None:
+                return False
+            if not w.assigned and w.hb.num_running == 0 and w.hb.num_waiting == 0:
+                return True
+            await asyncio.sleep(0.05)
+        return True  # the worker itself still waits for its engine to be empty
 
     def _fail_queued(self, model: str, why: str) -> None:
         """The model cannot load: its queued requests end now, with the reason."""
@@ -503,7 +516,7 @@ class Scheduler:
             w.admitted[req.request_id] = (req.priority, len(req.prompt_token_ids) + len(req.output_token_ids))
             w.sent[req.priority] = w.sent.get(req.priority, 0) + 1
             self.placement.used(req.model)
-        self._spawn_delivery(w.hb.worker_id, self._deliver(req, w.hb.worker_id))
+        self._spawn(self._deliver(req, w.hb.worker_id))
 
     async def _deliver(self, req: GenerateRequest, worker: str) -> None:
         """Sends a request to its worker, acknowledged: a worker reconnecting to a restarted
@@ -529,25 +542,10 @@ class Scheduler:
         t.worker = None
         self.queues.setdefault(req.model, ClassQueues(self.fcfs)).push(req, first=True)
 
-    def _spawn(self, coro) -> asyncio.Task:
+    def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
-        return task
-
-    def _spawn_delivery(self, worker: str, coro) -> None:
-        """A message to a worker awaiting its acknowledgement, kept per worker until it ends (a model
-        switch waits for them: _switch)."""
-        task = self._spawn(coro)
-        mine = self.deliveries.setdefault(worker, set())
-        mine.add(task)
-
-        def ended(t: asyncio.Task) -> None:
-            mine.discard(t)
-            if not mine and self.deliveries.get(worker) is mine:
-                del self.deliveries[worker]
-
-        task.add_done_callback(ended)
 
     def _first_choice_worker(self, req: GenerateRequest, cands: list[WorkerView]) -> WorkerView | None:
         """A later choice (n > 1) goes where its first choice is being prefilled: that worker's
@@ -597,7 +595,7 @@ class Scheduler:
                     return
             self.requests[rid].worker = dst.hb.worker_id
             dst.assigned.add(rid)
-            self._spawn_delivery(dst.hb.worker_id, self._deliver_adopt(h, dst.hb.worker_id, remote))
+            self._spawn(self._deliver_adopt(h, dst.hb.worker_id, remote))
         await self.dispatch(h.request.model)  # a seat on the prefill worker is free
 
     async def _deliver_adopt(self, h: Handoff, dst: str, remote: bool) -> None:
