@@ -92,11 +92,11 @@ def test_hold_cooldown_and_one_move_at_a_time():
     assert t.observe(busy, False, now=0.0) is None  # a wish, not yet held
     assert t.observe(busy, False, now=1.0) is None
     assert t.observe(busy, False, now=2.0).dst == "a"
-    assert t.observe(busy, True, now=3.0) is None  # that move still runs
-    for now in (4.0, 5.0, 6.0):  # held afresh, but within the cooldown after the move at 2.0
+    assert t.observe(busy, True, now=3.0) is None  # that move still runs (it ends by 4.0)
+    for now in (4.0, 5.0, 7.5):  # held afresh, but within the cooldown after it
         assert t.observe(busy, False, now=now) is None
-    assert t.observe(busy, False, now=7.0) is None  # cooled down: the wish starts again
-    assert t.observe(busy, False, now=9.0) is not None
+    assert t.observe(busy, False, now=8.0) is None  # cooled down: the wish starts again
+    assert t.observe(busy, False, now=10.0) is not None
     # A wish that changes or goes away starts over.
     t = ModelTraffic(POLICY)
     assert t.observe(busy, False, now=0.0) is None

@@ -1,7 +1,7 @@
 """Which model each worker serves (many models on one mesh, docs/models.md).
 
-Workers are generic; the scheduler tells one to switch model (`<ns>.worker.<id>.model`) for two
-reasons, each switch in its status with it:
+Workers are generic; the scheduler tells one to switch model (`<ns>.worker.<id>.model`) for one of
+three reasons, each switch in its status with it ("removed": its model left the manifest, main.py):
 
 - "no worker": a model of the manifest has requests queued here and no worker serving it
   (`pick_worker`). The worker it picks has nothing assigned or running, serves a model with
@@ -16,12 +16,12 @@ reasons, each switch in its status with it:
   move would not be undone by the same rule right after (see `rebalance`), one worker of the
   over-served model moves to the under-served one, if the receiving model's workers would still
   have `min_per_worker` requests each (light traffic moves nothing). A model keeps at least one
-  worker while it has requests, had one lately (prewarm's rate: about 35 s), or is pinned; the wish must hold
-  for `hold_s`, one traffic move runs at a time, `cooldown_s` apart, and a worker that changed
-  model stays `min_interval_s` before traffic moves it again. The worker moved is the idle one, else
-  the least busy, never a model's last decode-capable worker while a choice remains, on a node that
-  holds the receiving model in the hottest tier. These are the ideas of the elastic roles of one
-  model's workers (roles.py, `Held`), which go on within each model as before.
+  worker while it has requests, had one lately (prewarm's rate: about 35 s), or is pinned. The
+  wish must hold for `hold_s`; one traffic move runs at a time, `cooldown_s` after the last one
+  ended; a worker that changed model stays `min_interval_s` before traffic moves it again. The
+  worker moved is the idle one, else the least busy, not a model's last decode-capable worker while
+  a choice remains, on a node that holds the receiving model in the hottest tier. These are the
+  ideas of the elastic roles (roles.py, whose `Held` this uses), which go on within each model.
 
 While a switch runs the worker is routed nothing (it finishes what it runs, then switches); a
 "no worker" switch that fails is remembered for `retry_s`, during which the model's requests are
@@ -193,7 +193,9 @@ class ModelTraffic:
 
     def observe(self, models: list[ModelDemand], in_flight: bool, now: float) -> Move | None:
         """The move to order now, or None. `models` carry this round's demand; `in_flight`: a
-        traffic move is still running (none starts meanwhile)."""
+        traffic move is still running (none starts meanwhile; the cooldown counts from its end)."""
+        if in_flight:
+            self._last = now
         if not self.enabled or in_flight or now - self._last < self.policy.cooldown_s:
             self._wish.clear("mesh")
             return None
