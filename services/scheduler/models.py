@@ -286,7 +286,7 @@ def model_states(names: list[str], workers: list[WorkerView], placement: Placeme
         why = placement.failure(name)
         if why is not None:
             state = "failed"
-        elif name in placement.switching.values():
+        elif name in placement.switching.values() and not serving:  # a served model gaining a worker is not
             state = "loading"
         else:
             state = min(tiers, key=TIER_ORDER.index) if tiers else "disk"
