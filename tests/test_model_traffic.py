@@ -170,7 +170,7 @@ PROMPTS = ["The quick brown fox", "Hello world", "Once upon a time", "What is th
 TOKENS = 8
 
 
-def test_traffic_to_one_model_moves_workers_to_it(tmp_path_factory):
+def test_traffic_to_one_model_moves_workers_to_it(tiny_llama, tmp_path_factory):
     from mesh_util import Mesh
     from openai import OpenAI
     from tiny_model import make_tiny_llama
@@ -179,16 +179,14 @@ def test_traffic_to_one_model_moves_workers_to_it(tmp_path_factory):
     from meshserve.shared.engine.sequence import SamplingParams
 
     root = tmp_path_factory.mktemp("traffic")
-    paths = {"alpha": make_tiny_llama(root / "alpha", seed=11), "beta": make_tiny_llama(root / "beta", seed=12,
-                                                                                         intermediate_size=96)}
+    paths = {"alpha": tiny_llama, "beta": make_tiny_llama(root / "beta", seed=12, intermediate_size=96)}
     oracle = {n: [o.text for o in LLM(str(p), "float32").generate(PROMPTS, SamplingParams(max_tokens=TOKENS,
                                                                                           temperature=0))]
               for n, p in paths.items()}
     manifest = root / "models.yaml"
     manifest.write_text("".join(f"- {{name: {n}, path: '{p}'}}\n" for n, p in paths.items()))
     # Worker i starts on model i mod 2: alpha has two workers, beta one. Only beta is asked for.
-    with Mesh(paths["alpha"], root, prefill=0, decode=3, extra=["--models", str(manifest)],
-              env={"MESHSERVE_CACHE": str(root / "cache")}) as mesh:
+    with Mesh(paths["alpha"], root, prefill=0, decode=3, extra=["--models", str(manifest)]) as mesh:
         def workers() -> dict[str, int]:
             return {n: s["workers"] for n, s in mesh.ask("scheduler.status")["models"].items()}
 
