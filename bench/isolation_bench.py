@@ -174,7 +174,8 @@ def default_split(cores: list[int]) -> tuple[str, str]:
 def _mesh(a, manifest: Path, label: str):
     m = copy.copy(a)
     m.model, m.prefill, m.decode = a.small, 0, 2
-    m.mesh_args = f"{a.mesh_args or ''} --models {manifest} --fixed-roles --worker-threads {a.worker_threads}"
+    m.mesh_args = (f"{a.mesh_args or ''} --models {manifest} --fixed-roles --fixed-model-workers "
+                   f"--worker-threads {a.worker_threads}")  # one worker per model, as the runs compare
     print(f"{label}: meshserve up {m.mesh_args.strip()} ...", file=sys.stderr, flush=True)
     return start_mesh(m)
 

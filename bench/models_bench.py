@@ -21,7 +21,8 @@ its model names are replaced by these models, in order) twice through `meshserve
 
 Reported per run: the loader's hot-tier hit rate (loads that found the model mapped / all loads;
 for `restart`: requests that found their model's server running / all requests), loads by tier and
-evictions (`restart`: restarts and their seconds), the scheduler's model switches, and TTFT p50/p99
+evictions (`restart`: restarts and their seconds), the scheduler's model switches (by reason: "no
+worker", "traffic") and each model's workers at the end, and TTFT p50/p99
 per model; then the budget run and the restart run over the resident one.
 Prints the JSON on stdout (and writes it to --out).
 
@@ -133,7 +134,10 @@ def run(a: argparse.Namespace, label: str, manifest: Path, budget: list[str], re
     s = summarize(results)
     return {"mesh_args": m.mesh_args.strip(), "completed": s.get("completed"), "failed": s.get("failed"),
             "ttft": s["ttft"], "output_throughput": s.get("output_throughput"),
-            "model_switches": status.get("model_switches"), "loader": loader_numbers(status),
+            "model_switches": status.get("model_switches"),
+            "model_switches_by_reason": status.get("model_switches_by_reason"),
+            "workers_at_end": {n: m.get("workers") for n, m in (status.get("models") or {}).items()},
+            "loader": loader_numbers(status),
             "per_model": per_model_ttft(results), "errors": errors(results)}
 
 

@@ -248,6 +248,7 @@ class Launcher:
                                user=nats_auth.worker_user(i))
         tenants = ["--tenants", str(Path(a.tenants).expanduser().resolve())] if getattr(a, "tenants", None) else []
         fixed = ["--fixed-roles"] if getattr(a, "fixed_roles", False) else []
+        fixed += ["--fixed-model-workers"] if getattr(a, "fixed_model_workers", False) else []
         prewarm = [] if getattr(a, "prewarm", True) else ["--no-prewarm"]
         depth = ["--queue-depth", str(a.queue_depth)] if getattr(a, "queue_depth", None) is not None else []
         self.spawn_service("scheduler", "scheduler", "--scheduling", a.scheduling, *tenants, *fixed, *models, *prewarm,
@@ -525,6 +526,9 @@ def add_arguments(p) -> None:
     p.add_argument("--fixed-roles", action="store_true",
                    help="workers keep the roles they start with (default: with two or more workers, the scheduler "
                         "switches them between prefill and decode as the traffic asks)")
+    p.add_argument("--fixed-model-workers", action="store_true",
+                   help="with --models: a worker changes model only when a model has requests and no worker "
+                        "(default: a model's worker count also follows its traffic, docs/models.md)")
     p.add_argument("--tenants", default=None, metavar="FILE",
                    help="tenants file (docs/tenants.md): API keys, classes, quotas and queue bounds, for the gateway "
                         "and the scheduler (default: none, the API is open)")

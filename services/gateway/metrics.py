@@ -80,6 +80,29 @@ class ComputeYields:
         return [yields, seconds]
 
 
+class ModelWorkers:
+    """`meshserve:model_workers{model}` (workers serving each model now) and
+    `meshserve:model_switches_total{reason}` (workers that changed model: "no worker", "traffic",
+    "removed"), from the scheduler's last status (docs/models.md)."""
+
+    def __init__(self, model_name: str):
+        self.model = model_name
+        self.status: dict = {}
+
+    def collect(self):
+        workers = GaugeMetricFamily("meshserve:model_workers", "Workers serving each model.",
+                                    labels=["model_name", "model"])
+        for name, m in (self.status.get("models") or {}).items():
+            if isinstance(m, dict) and isinstance(m.get("workers"), int):
+                workers.add_metric([self.model, str(name)], float(m["workers"]))
+        switches = CounterMetricFamily("meshserve:model_switches", "Workers that changed model, by reason.",
+                                       labels=["model_name", "reason"])
+        for reason, n in (self.status.get("model_switches_by_reason") or {}).items():
+            if isinstance(n, (int, float)):
+                switches.add_metric([self.model, str(reason)], float(n))
+        return [workers, switches]
+
+
 class ModelKV:
     """`meshserve:model_kv_blocks` and `meshserve:model_kv_quota_blocks`, per node and `model`: the KV
     blocks each model's workers hold on the node and its memory quota's share for them (the
@@ -192,6 +215,8 @@ class GatewayMetrics:
         r.register(self._model_kv)
         self._yields = ComputeYields(model_name)
         r.register(self._yields)
+        self._model_workers = ModelWorkers(model_name)
+        r.register(self._model_workers)
         self._counters = _StatusCounters(model_name)
         r.register(self._counters)
 
@@ -228,6 +253,7 @@ class GatewayMetrics:
         self._roles.status = status
         self._model_kv.status = status
         self._yields.status = status
+        self._model_workers.status = status
         for key, gauge in self._status.items():
             value = status.get(key)
             if isinstance(value, (int, float)):

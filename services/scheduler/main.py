@@ -15,10 +15,14 @@ reference); one on another node pulls their bytes through its own kv-pool first 
 With a tenants file (`--tenants`), it admits each new request against its tenant's quotas and
 its class's queue bound first (admission.py) and answers a refusal with its status (429, 503).
 
-Elastic roles (roles.py; `--fixed-roles` pins them): with two or more workers on a node, it
-switches a worker between prefill and decode when the pending prompt tokens and the output tokens
-still to generate call for another split, with hysteresis, telling the worker on
+Elastic roles (roles.py; `--fixed-roles` pins them): with two or more workers of a model on a
+node, it switches a worker between prefill and decode when the pending prompt tokens and the output
+tokens still to generate call for another split, with hysteresis, telling the worker on
 `<ns>.worker.<id>.role`; the worker confirms in a heartbeat.
+
+Many models (models.py, `--models`): a model with requests queued and no worker gets one ("no
+worker"), and a model's worker count follows its traffic ("traffic"; `--fixed-model-workers` turns
+that off), telling the worker on `<ns>.worker.<id>.model`.
 
 It never sees tokens: the gateway owns each stream. When a worker goes silent, the scheduler
 tells the gateway of each of its requests ("worker_lost"); the gateway re-submits with the
@@ -58,8 +62,9 @@ from meshserve.shared.tenants import load_tenants
 from meshserve.shared.manifest import Manifest, ServedModel, load_manifest
 
 from .admission import Admission, waiting_by_class
-from .models import Placement, idle, model_states, pick_worker, tiers_by_node
-from .prewarm import Rates, plan, residents
+from .models import (NO_WORKER, REMOVED, TRAFFIC, ModelDemand, ModelTraffic, Placement, idle, model_states,
+                     pick_donor, pick_worker, serving_counts, tiers_by_node)
+from .prewarm import MIN_RATE, Rates, plan, residents
 from .queues import ClassQueues
 from .roles import ElasticRoles, Load
 from .routing import (WorkerView, pick_admission, pick_decode, pick_idle_for_short_prompt, pick_soonest,
@@ -75,6 +80,11 @@ DELIVERY_TIMEOUT = 3.0  # a worker acknowledges a request or a handoff within th
 class Tracked:
     req: GenerateRequest
     worker: str | None  # who has it now (None: queued here, or in a handoff between workers)
+
+
+def _role_group(node: str, model: str) -> str:
+    """The workers whose roles are balanced together: one model's on one node."""
+    return f"{node}/{model}"
 
 
 def _by_priority(counts) -> dict[str, int]:
@@ -102,6 +112,7 @@ class Scheduler:
         self.manifest_path = getattr(args, "models", None)
         self.manifest: Manifest | None = load_manifest(self.manifest_path) if self.manifest_path else None
         self.placement = Placement()  # which worker serves which model (models.py)
+        self.traffic = ModelTraffic(enabled=not getattr(args, "fixed_model_workers", False))
         self.loaders: dict[str, dict] = {}  # node -> its model-loader's status (tiers)
         self._loaders_at = 0.0  # when the loaders' status was last asked
         self._kept_alive_at = time.monotonic()  # when the queued requests' gateways last heard of them
@@ -163,6 +174,9 @@ class Scheduler:
                 "models": model_states(self.manifest.ids if self.manifest else sorted(models), ws, self.placement,
                                        self.loaders),
                 "model_switches": self.placement.switches, "recent_model_switches": self.placement.history,
+                "model_switches_by_reason": {NO_WORKER: 0, TRAFFIC: 0} | self.placement.by_reason,
+                "model_workers_follow_traffic": self.traffic.enabled,
+                "model_demand": {m: round(d, 3) for m, d in sorted(self.traffic.demand.level.items())},
                 "request_rates": {m: round(r, 4) for m, r in self.rates.all().items()},
                 "recent_prewarms": self.prewarms,
                 "loaders": self.loaders,
@@ -257,8 +271,8 @@ class Scheduler:
                             self.placement.last_used, set(self.placement.switching), tiers_by_node(self.loaders, model))
             if w is None:
                 break  # every worker is busy: the next that idles is asked (done, reap)
-            self.placement.switching[w.hb.worker_id] = model
-            self._spawn(self._switch(w, spec))
+            self.placement.start(w.hb.worker_id, model, NO_WORKER)
+            self._spawn(self._switch(w, spec, f"{len(q)} requests queued for it"))
         self._retire_removed()
 
     def _retire_removed(self) -> None:
@@ -274,37 +288,92 @@ class Scheduler:
             live = [m for m in self.manifest.models if self.placement.failure(m.id) is None] or list(self.manifest.models)
             spec = min(live, key=lambda m: (serving[m.id] + list(self.placement.switching.values()).count(m.id),
                                             ids.index(m.id)))
-            self.placement.switching[w.hb.worker_id] = spec.id
-            self._spawn(self._switch(w, spec))
+            self.placement.start(w.hb.worker_id, spec.id, REMOVED)
+            self._spawn(self._switch(w, spec, f"{w.hb.model} is no longer in the manifest"))
 
-    async def _switch(self, w: WorkerView, spec: ServedModel) -> None:
+    def balance_models(self) -> None:
+        """A model's worker count follows its traffic: at most one worker moves at a time, when
+        models.py's `rebalance` asks for it (hysteresis, hold, cooldown, a floor of one worker)."""
+        if self.manifest is None:
+            return
+        now = time.monotonic()
+        tracked: dict[str, int] = {}  # requests in the mesh: queued here, on a worker, or in a handoff
+        for t in self.requests.values():
+            tracked[t.req.model] = tracked.get(t.req.model, 0) + 1
+        self.traffic.demand.observe(tracked, now)
+        workers = list(self.workers.values())
+        if not self.traffic.enabled or len(workers) < 2:
+            return
+        switching = self.placement.switching
+        serving = serving_counts(workers, switching)
+        skip = (set(switching) | self.placement.recently_switched(self.traffic.policy.min_interval_s)
+                | {w.hb.worker_id for w in workers if self.roles.in_flight(w.hb.worker_id)})
+        heading = set(switching.values())
+        models = [ModelDemand(
+            m.id, self.traffic.demand.get(m.id), serving.get(m.id, 0),
+            movable=sum(1 for w in workers if w.hb.model == m.id and not w.hb.draining and w.hb.worker_id not in skip),
+            keep=m.pinned or tracked.get(m.id, 0) > 0 or self.rates.rate(m.id, now) >= MIN_RATE,
+            receives=m.id not in heading and self.placement.failure(m.id) is None) for m in self.manifest.models]
+        move = self.traffic.observe(models, self.placement.traffic_in_flight(), now)
+        if move is None:
+            return
+        w = pick_donor(workers, move.src, skip, tiers_by_node(self.loaders, move.dst))
+        spec = self.spec(move.dst)
+        if w is None or spec is None:
+            return
+        self.placement.start(w.hb.worker_id, move.dst, TRAFFIC)
+        self._spawn(self._switch(w, spec, move.reason))
+
+    async def _switch(self, w: WorkerView, spec: ServedModel, detail: str) -> None:
+        """Tells the worker (routed nothing from now on) to switch once it has nothing assigned or
+        running: a request or handoff still on its way to it would otherwise reach it after it
+        switched, and run on the other model."""
         wid, old = w.hb.worker_id, w.hb.model
+        reason = self.placement.reasons.get(wid, NO_WORKER)
         dtype = spec.dtype or self.args.dtype
-        log.info("switching worker %s from model %s to %s (%d queued)", wid, old, spec.id,
-                 len(self.queues.get(spec.id, ())))
+        log.info("switching worker %s from model %s to %s (%s: %s)", wid, old, spec.id, reason, detail)
+        if not await self._drained(wid):  # it left the mesh meanwhile
+            self.placement.cancel(wid)
+            self.place_models()
+            return
         t0 = time.monotonic()
         try:
             reply = await self.bus.request(self.bus.subjects.worker(wid, "model"), ModelSwitch(
                 name=spec.id, path=spec.path, dtype=dtype, quantization=spec.quantization,
-                reason=f"{len(self.queues.get(spec.id, ()))} requests queued for it"), ModelSwitchReply, timeout=900)
+                reason=f"{reason}: {detail}"), ModelSwitchReply, timeout=900)
         except Exception as e:  # noqa: BLE001 - the worker is gone or did not answer
             reply = ModelSwitchReply(ok=False, error=f"worker {wid} did not switch: {e}")
         if reply.refused:  # not the model's failure: another worker is asked
-            self.placement.switching.pop(wid, None)
+            self.placement.cancel(wid)
             self.place_models()
             return
-        self.placement.finished(wid, spec.id, old, reply.ok, time.monotonic() - t0, reply.tier, reply.error)
+        self.placement.finished(wid, spec.id, old, reply.ok, time.monotonic() - t0, reply.tier, reply.error, detail)
         await self.refresh_loaders()  # the tiers just changed: the models' states say so at once
         if reply.ok:
             if wid in self.workers:
                 self.workers[wid].hb = self.workers[wid].hb.model_copy(update={"model": spec.id})
-            log.info("worker %s now serves %s (%.3f s, weights from %s)", wid, spec.id, reply.seconds, reply.tier)
+            log.info("worker %s now serves %s (%.3f s, weights from %s; %s: %s)", wid, spec.id, reply.seconds,
+                     reply.tier, reason, detail)
             await self.dispatch(spec.id)
         else:
-            log.warning("model %s failed to load on worker %s: %s", spec.id, wid, reply.error)
-            self._fail_queued(spec.id, reply.error or "unknown error")
+            log.warning("model %s failed to load on worker %s (%s): %s", spec.id, wid, reason, reply.error)
+            if reason != TRAFFIC:  # a traffic move's model is still served where it was
+                self._fail_queued(spec.id, reply.error or "unknown error")
             await self.dispatch(old)
         self.place_models()
+
+    async def _drained(self, wid: str, limit_s: float = 900.0) -> bool:
+        """Waits until the worker has nothing assigned, running or waiting (its sequences finish or
+        are handed on; it gets nothing new meanwhile); False when it left the mesh."""
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            w = self.workers.get(wid)
+            if w is None:
+                return False
+            if not w.assigned and w.hb.num_running == 0 and w.hb.num_waiting == 0:
+                return True
+            await asyncio.sleep(0.05)
+        return True  # the worker itself still waits for its engine to be empty
 
     def _fail_queued(self, model: str, why: str) -> None:
         """The model cannot load: its queued requests end now, with the reason."""
@@ -593,20 +662,21 @@ class Scheduler:
             self.workers[hb.worker_id] = WorkerView(hb)
         else:
             w.hb, w.last_seen, w.left_since_heartbeat = hb, time.monotonic(), 0
-        self.roles.reported(hb.node_id, hb.worker_id, hb.role)
+        self.roles.reported(_role_group(hb.node_id, hb.model), hb.worker_id, hb.role)
         await self.dispatch(hb.model)
 
     async def balance_roles(self) -> None:
-        """Orders at most one role switch per node (roles.py decides)."""
+        """Orders at most one role switch per node and model (roles.py decides): the workers of one
+        model share its traffic, those of another model do not."""
         nodes: dict[tuple[str, str], list[Load]] = {}
         for w in self.workers.values():
-            if w.hb.draining:  # leaving: neither counted nor switched
+            if w.hb.draining or w.hb.worker_id in self.placement.switching:  # leaving its model: left alone
                 continue
             nodes.setdefault((w.hb.model, w.hb.node_id), []).append(Load(
                 w.hb.worker_id, w.hb.role, w.hb.pending_prefill_tokens, w.hb.pending_decode_tokens,
                 w.hb.num_running))
-        for (_, node), loads in nodes.items():
-            s = self.roles.observe(node, loads)
+        for (model, node), loads in nodes.items():
+            s = self.roles.observe(_role_group(node, model), loads)
             if s is not None:
                 log.info("switching worker %s %s -> %s: %s", s.worker_id, s.from_role, s.to_role, s.reason)
                 await self.bus.publish(self.bus.subjects.worker(s.worker_id, "role"),
@@ -643,6 +713,7 @@ class Scheduler:
                 await self.keep_queued_alive()
             await self.balance_roles()
             self.place_models()
+            self.balance_models()
             if self.manifest is not None and time.monotonic() - self._loaders_at > 1.0:
                 self._loaders_at = time.monotonic()
                 await self.refresh_loaders()
@@ -749,6 +820,9 @@ def add_arguments(p) -> None:
     p.add_argument("--fixed-roles", action="store_true",
                    help="keep every worker in the role it started with (default: with two or more workers on a "
                         "node, roles follow the traffic)")
+    p.add_argument("--fixed-model-workers", action="store_true",
+                   help="with --models: move a worker to another model only when that model has requests and no "
+                        "worker (default: a model's worker count also follows its traffic, docs/models.md)")
 
 
 async def main(args) -> None:

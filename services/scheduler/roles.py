@@ -12,7 +12,8 @@ flap on noise. Decode workers prefill too (the scheduler sends them prompts when
 worker is up), so the policy may leave a node without prefill workers, never without decode ones.
 
 `wanted` is the pure decision from one observation; `ElasticRoles` adds time (hold, cooldown)
-and the switches in flight, which the scheduler's loop drives.
+and the switches in flight, which the scheduler's loop drives. `Held` (a wish acted on once it has
+stood for a while) is also what holds the model moves of models.py.
 """
 
 from __future__ import annotations
@@ -88,6 +89,32 @@ def wanted(loads: list[Load], policy: RolePolicy) -> Switch | None:
 
 
 @dataclass
+class Held:
+    """Wishes acted on only once the same one has stood for a while, so noise switches nothing.
+    One wish per key (a node's workers of one model; the mesh's models), named by an identity
+    that compares equal when two observations want the same thing."""
+
+    _since: dict = field(default_factory=dict)  # key -> (the wish's identity, since when)
+
+    def ready(self, key, wish, now: float, hold_s: float) -> bool:
+        """Whether `wish` (None: there is none) has been the key's wish for hold_s; True starts it afresh."""
+        held = self._since.get(key)
+        if wish is None:
+            self._since.pop(key, None)
+            return False
+        if held is None or held[0] != wish:
+            self._since[key] = (wish, now)
+            return False
+        if now - held[1] < hold_s:
+            return False
+        del self._since[key]
+        return True
+
+    def clear(self, key) -> None:
+        self._since.pop(key, None)
+
+
+@dataclass
 class _InFlight:
     switch: Switch
     since: float
@@ -95,7 +122,8 @@ class _InFlight:
 
 @dataclass
 class ElasticRoles:
-    """Time and state around `wanted`, per node: hold, cooldown, one switch in flight at a time.
+    """Time and state around `wanted`, per node (the scheduler passes the node's workers of one model
+    at a time, keyed by node and model): hold, cooldown, one switch in flight at a time.
 
     `role_of` is the role the scheduler routes by: a worker told to switch counts in its new role
     at once (it takes no new work of the old one), before its heartbeat says it has switched."""
@@ -104,13 +132,17 @@ class ElasticRoles:
     enabled: bool = True
     switches: int = 0  # completed
     history: list[dict] = field(default_factory=list)  # the last switches, for status
-    _wish: dict[str, tuple[Switch, float]] = field(default_factory=dict)  # node -> (wish, since)
+    _wish: Held = field(default_factory=Held)  # node -> the switch it wants, since when
     _last: dict[str, float] = field(default_factory=dict)  # node -> time of its last switch
     _in_flight: dict[str, _InFlight] = field(default_factory=dict)  # worker id -> its switch
 
     def role_of(self, worker_id: str, reported: str) -> str:
         f = self._in_flight.get(worker_id)
         return f.switch.to_role if f is not None else reported
+
+    def in_flight(self, worker_id: str) -> bool:
+        """Told to switch role and not yet confirmed (a model move leaves it alone meanwhile)."""
+        return worker_id in self._in_flight
 
     def observe(self, node: str, loads: list[Load], now: float | None = None) -> Switch | None:
         """A switch to order now on this node, or None."""
@@ -124,21 +156,14 @@ class ElasticRoles:
                 del self._in_flight[wid]
         ids = {w.worker_id for w in loads}
         if any(wid in ids for wid in self._in_flight) or now - self._last.get(node, -1e9) < self.policy.cooldown_s:
-            self._wish.pop(node, None)
+            self._wish.clear(node)
             return None
         loads = [Load(w.worker_id, self.role_of(w.worker_id, w.role), w.pending_prefill_tokens,
                       w.pending_decode_tokens, w.num_running) for w in loads]
         want = wanted(loads, self.policy)
-        held = self._wish.get(node)
-        if want is None:
-            self._wish.pop(node, None)
+        if not self._wish.ready(node, None if want is None else (want.worker_id, want.to_role), now,
+                                self.policy.hold_s):
             return None
-        if held is None or (held[0].worker_id, held[0].to_role) != (want.worker_id, want.to_role):
-            self._wish[node] = (want, now)
-            return None
-        if now - held[1] < self.policy.hold_s:
-            return None
-        del self._wish[node]
         self._in_flight[want.worker_id] = _InFlight(want, now)
         self._last[node] = now
         return want
