@@ -257,14 +257,15 @@ def generation_defaults(name_or_path: str | Path) -> dict[str, float | int]:
             if isinstance(cfg.get(hf), (int, float)) and not isinstance(cfg.get(hf), bool)}
 
 
-def model_config(name_or_path: str | Path) -> "ModelConfig":
-    """A model's hyper-parameters without its weights: an HF directory's config.json (no torch), or a
-    GGUF file's metadata (through the weights module, which imports torch)."""
+def model_config(name_or_path: str | Path, download: bool = True) -> "ModelConfig":
+    """A model's hyper-parameters without its weights and without torch: an HF directory's
+    config.json, or a GGUF file's metadata (the kv-pool reads the KV shapes of a manifest's models
+    this way). download: pull a known model name not yet cached (else FileNotFoundError)."""
     import json
 
     from .model.config import ModelConfig
 
-    path = resolve(name_or_path)
+    path = resolve(name_or_path, download=download)
     if path.is_dir():
         if (path / "config.json").is_file():
             return ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text(encoding="utf-8")))
@@ -274,7 +275,7 @@ def model_config(name_or_path: str | Path) -> "ModelConfig":
         path = found
     import gguf
 
-    from .model.weights import gguf_config
+    from .model.gguf_meta import gguf_config
 
     return gguf_config(gguf.GGUFReader(str(path)))
 
