@@ -493,7 +493,8 @@ def add_arguments(p) -> None:
                         "a larger NATS API reply a 400 response_too_large (docs/security.md)")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (0: decode workers prefill too)")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
-    p.add_argument("--kv-cache-gb", type=float, default=2.0)
+    p.add_argument("--kv-cache-gb", type=float, default=2.0, help="each node's KV memory, divided between its "
+                   "KV arenas (one per KV shape of the models: docs/models.md)")
     p.add_argument("--swap-space", type=float, default=1.0, help="GiB of host memory for evicted prefix-cache "
                    "blocks (the kv-pool's swap tier; 0: none)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)

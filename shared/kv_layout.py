@@ -9,6 +9,10 @@ values followed by the 4 bytes of their float32 scale (one scale per token and K
 kernels/paged_attention.py `quantize_kv`). The scale lives inside its slot, so everything that
 moves a block's bytes (the swap tiers, the cross-node transfer, a handoff by block ids) moves the
 scales with it, and every worker that maps the arena reads them.
+
+A node has one arena per KV shape (services/kv_pool/arenas.py): models of the same layers, KV heads,
+head dim and arena dtype share one, and `arena_key` names it in every message that carries block ids
+(a block id means nothing without its arena).
 """
 
 from __future__ import annotations
@@ -59,3 +63,9 @@ def kv_arena_shape(cfg, num_blocks: int, block_size: int, dtype="float32") -> li
 
 def kv_bytes_per_block(cfg, block_size: int, dtype) -> int:
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * kv_row(cfg, dtype) * dtype_bytes(dtype)
+
+
+def arena_key(cfg, dtype) -> str:
+    """The name of the arena that holds this model's KV in `dtype` (the arena's element dtype: the
+    model's, or int8 for any model with --kv-cache-dtype int8): "<layers>x<kv heads>x<head dim>-<dtype>"."""
+    return f"{cfg.num_hidden_layers}x{cfg.num_key_value_heads}x{cfg.head_dim}-{_name(dtype)}"

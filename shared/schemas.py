@@ -13,6 +13,7 @@ import orjson
 from pydantic import BaseModel, Field
 
 from .limits import Priority, check_sampling
+from .kv_layout import arena_key
 from .model.config import Quantization
 
 Role = Literal["prefill", "decode", "mixed"]
@@ -161,6 +162,7 @@ class Handoff(Message):
     next_seq: int  # the next TokenChunk seq number
     from_worker: str
     node_id: str
+    arena: str | None = None  # the key of the arena on node_id the block ids are of (None: its first)
 
 
 class Abort(Message):
@@ -195,7 +197,7 @@ class Heartbeat(Message):
     num_waiting: int
     free_blocks: int  # leased and unused
     held_blocks: int  # leased (used, cached or free)
-    total_blocks: int  # of the node's arena
+    total_blocks: int  # of its arena on the node
     block_size: int
     max_model_len: int
     prefix_queries: int = 0
@@ -228,6 +230,7 @@ class Heartbeat(Message):
     compute_yields: int = 0
     compute_yield_s: float = 0.0
     compute_claim: bool = False
+    arena: str = ""  # the key of the node's KV arena its model's blocks are in (shared/kv_layout.py)
     time: float
 
 
@@ -262,12 +265,38 @@ class KVEvent(Message):
     cleared: bool = False  # the worker started afresh: forget all it had
     node_id: str = ""
     tier: Literal["arena", "host"] = "arena"  # host: the kv-pool's swap tier (worker_id names the pool)
+    arena: str | None = None  # the arena (host: whose swap tier) the keys are in; None: the node's first
+
+
+class KVShape(Message):
+    """A model's KV shape, what a node makes one arena for (its fields are ModelConfig's, so
+    shared/kv_layout.py reads it as it reads a config); `dtype` is the arena's element dtype: the
+    model's, or int8 for any model under --kv-cache-dtype int8."""
+
+    num_hidden_layers: int
+    num_key_value_heads: int
+    head_dim: int
+    dtype: str
+
+    @property
+    def key(self) -> str:
+        return arena_key(self, self.dtype)
+
+
+class ArenaRequest(Message):
+    """A worker asks its node's kv-pool for the arena of its model's KV shape; the pool makes it on the
+    first ask (services/kv_pool/arenas.py) or answers an error saying why it cannot."""
+
+    worker_id: str = ""
+    model: str | None = None  # the served model that asks (logs, the arena's users)
+    shape: KVShape | None = None  # None: the node's first arena, made at start
 
 
 class ArenaDescriptor(Message):
-    """Where the node's KV arena lives and its shape: workers map it, nothing is copied."""
+    """Where one of the node's KV arenas lives and its shape: workers map it, nothing is copied."""
 
     node_id: str
+    key: str = ""  # shared/kv_layout.py arena_key: what messages with block ids name it by
     path: str  # shared-memory file (cpu), or where the GPU memory lives, e.g. "cuda:0" (cuda)
     backend: Literal["cpu", "cuda"] = "cpu"
     ipc: dict | None = None  # cuda: shared/cuda_ipc.py's descriptor of the arena's allocation (uint8)
@@ -282,6 +311,7 @@ class ArenaDescriptor(Message):
 class LeaseRequest(Message):
     worker_id: str
     num_blocks: int
+    arena: str | None = None  # the arena's key (None: the node's first arena); so in every message below
     # The model the blocks are for, and its weights' bytes on the node: the kv-pool leases a model
     # at most its memory quota less its weights (shared/partitions.py).
     model: str | None = None
@@ -303,6 +333,7 @@ class PoolPressure(Message):
     asked: int
     free_blocks: int
     model: str | None = None  # short by that model's quota, not the arena: only its workers give back
+    arena: str | None = None  # the arena that was short: only its workers' blocks can help
 
 
 class BlockRefs(Message):
@@ -310,6 +341,7 @@ class BlockRefs(Message):
 
     worker_id: str
     block_ids: list[int]
+    arena: str | None = None
 
 
 class BlockTransfer(Message):
@@ -318,6 +350,7 @@ class BlockTransfer(Message):
     from_worker: str
     to_worker: str
     block_ids: list[int]
+    arena: str | None = None
 
 
 class TransferReply(Message):
@@ -403,6 +436,7 @@ class SwapRequest(Message):
     and refilled in one request."""
 
     worker_id: str
+    arena: str | None = None  # its blocks' arena, whose own host tier it is
     swap_out: list[tuple[int, int]] = Field(default_factory=list)  # (block id, its prefix-cache key)
     swap_in: list[tuple[int, int]] = Field(default_factory=list)  # (key, block id to fill), a prefix chain
 
@@ -425,6 +459,8 @@ class KVImport(Message):
     block_ids: list[int]  # the handed-over blocks (all released on the source once it is over)
     num_tokens: int  # of those, the tokens whose KV is computed: only their blocks are copied
     model: str | None = None  # the model the fresh blocks count against (its memory quota)
+    arena: str | None = None  # the worker's arena here, where the fresh blocks are
+    src_arena: str | None = None  # the source's arena on src_node (Handoff.arena)
 
 
 class KVImportReply(Message):
@@ -444,6 +480,7 @@ class KVFetchOpen(Message):
     transfer_id: str
     holder: str
     block_ids: list[int]
+    arena: str | None = None  # the source node's arena the block ids are of (None: its first)
     dtype: str
     block_shape: list[int]  # [layers, 2, block_size, kv_heads, row]: both ends must agree (dtype too)
     max_chunk_bytes: int

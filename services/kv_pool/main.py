@@ -1,6 +1,8 @@
-"""`meshserve serve kv-pool`: owns the node's KV arena (a shared-memory file every worker maps, or
-with `--device cuda` one GPU allocation every worker opens by its CUDA IPC handle) and who holds
-which block.
+"""`meshserve serve kv-pool`: owns the node's KV arenas, one per KV shape of the models it serves
+(arenas.py: a shared-memory file every worker of that shape maps, or with `--device cuda` one GPU
+allocation every such worker opens by its CUDA IPC handle), and who holds which block of each.
+The first arena (the shape of the model the node starts with) is made at start, each other one
+when a worker of its shape first asks for it, sized by the plan made from the manifest.
 
 Workers lease free blocks in batches (no NATS round trip per block on the hot path) and release
 them in batches. A block may be held by several workers at once (a prefill worker keeps a prefix
@@ -8,7 +10,8 @@ it handed to a decode worker); it is free again when its last reference is relea
 that stops sending heartbeats loses all its references. Workers' KV events (prefix-cache keys
 stored and removed) are kept as the node's prefix index, per worker. With `--models` (the
 manifest), the workers of a model hold at most its `memory_quota_gb` less its weights, in blocks
-(`KVQuotas`, shared/partitions.py); the blocks each model holds are in the status.
+of its arena (`KVQuotas`, shared/partitions.py); the blocks each model holds are in the status.
+Every message with block ids names their arena (its key; none: the node's first arena).
 
 Two copies of KV bytes happen here, never in a worker's hot path and never over NATS on one node:
 - the host swap tier (swap.py): workers spill cached prefix blocks they are about to overwrite
@@ -18,7 +21,7 @@ Two copies of KV bytes happen here, never in a worker's hot path and never over 
   in chunks and leases them to the worker.
 Its subjects name the node (`<ns>.kv.<node>.<verb>`), so every node's kv-pool answers for its own.
 
-It does no tensor math: on the CPU backend the arena is a numpy byte array over the shared file
+It does no tensor math: on the CPU backend an arena is a numpy byte array over the shared file
 and torch is never imported; with `--device cuda` torch is imported (lazily) for the GPU buffer.
 """
 
@@ -34,16 +37,19 @@ import orjson
 
 from meshserve.shared import node_memory, shm
 from meshserve.shared.bus import Bus
-from meshserve.shared.kv_layout import check_kv_cache_dtype, kv_arena_dtype, kv_arena_shape, kv_bytes_per_block
+from meshserve.shared.kv_layout import (arena_key, check_kv_cache_dtype, kv_arena_dtype, kv_arena_shape,
+                                        kv_bytes_per_block)
 from meshserve.shared.manifest import ManifestFile
 from meshserve.shared.model.config import ModelConfig
 from meshserve.shared.partitions import kv_quota_blocks
-from meshserve.shared.schemas import (ArenaDescriptor, BlockRefs, BlockTransfer, Heartbeat, KVEvent, KVImport,
-                                      KVImportReply, LeaseReply, LeaseRequest, LoadRequest, PoolPressure, ServiceHello,
-                                      SwapReply, SwapRequest, TransferReply, WeightsDescriptor)
+from meshserve.shared.schemas import (ArenaDescriptor, ArenaRequest, BlockRefs, BlockTransfer, Heartbeat, KVEvent,
+                                      KVImport, KVImportReply, KVShape, LeaseReply, LeaseRequest, LoadRequest,
+                                      PoolPressure, ServiceHello, SwapReply, SwapRequest, TransferReply,
+                                      WeightsDescriptor)
 from meshserve.shared.service import run_service
 
 from . import transfer
+from .arenas import ArenaBudgets, manifest_shapes, plan_budgets
 from .blocks import ArenaBlocks
 from .swap import HostTier
 
@@ -131,97 +137,172 @@ class BlockLedger:
 
 class KVQuotas:
     """Each model's KV blocks on this node: its manifest `memory_quota_gb` less its weights (which
-    its workers report with their leases), in blocks. The manifest is re-read when its file changes."""
+    its workers report with their leases), in blocks of its arena. The manifest is re-read when its
+    file changes."""
 
-    def __init__(self, manifest_path: str | None, block_bytes: int):
+    def __init__(self, manifest_path: str | None, block_bytes: int = 0):
         self.file = ManifestFile(manifest_path) if manifest_path else None
-        self.block_bytes = block_bytes
+        self.block_bytes = block_bytes  # the default: the node's first arena's
         self.weights: dict[str, int] = {}  # model -> its weights' bytes, as its workers report them
 
     def saw(self, model: str | None, weights_bytes: int) -> None:
         if model is not None and weights_bytes:
             self.weights[model] = weights_bytes
 
-    def limit(self, model: str | None) -> int | None:
+    def limit(self, model: str | None, block_bytes: int | None = None) -> int | None:
+        """block_bytes: of the model's arena (its KV shape's blocks)."""
         manifest = self.file.current() if self.file is not None else None
         spec = manifest.get(model) if manifest is not None and model else None
         if spec is None:
             return None
-        return kv_quota_blocks(spec.memory_quota_gb, self.weights.get(model, 0), self.block_bytes)
+        return kv_quota_blocks(spec.memory_quota_gb, self.weights.get(model, 0), block_bytes or self.block_bytes)
 
 
-class KVPool:
-    def __init__(self, bus: Bus, args, desc: ArenaDescriptor, buf=None):
-        """buf: the arena's memory as make_arena created it (else opened from the descriptor)."""
-        self.bus, self.args, self.desc = bus, args, desc
-        self.node = desc.node_id
-        self.ledger = BlockLedger(desc.num_blocks)
-        self.last_seen: dict[str, float] = {}
-        self.prefix_index: dict[str, set[int]] = {}
+class Arena:
+    """One KV arena of the node (arenas.py): its descriptor, its memory, its blocks as bytes (what the
+    swap tier and transfers copy), the ledger of who holds which of its blocks, and its host tier."""
+
+    def __init__(self, desc: ArenaDescriptor, buf=None):
+        """buf: the arena's memory as create_arena made it (else opened from the descriptor)."""
         host = desc.backend == "cpu"
         if buf is None:
             buf = node_memory.open_buffer(desc.backend, desc.path, desc.ipc, numpy=host)
+        self.desc, self.key, self.buf = desc, desc.key, buf
         if host:  # bytes only: numpy over the shared file
             self.blocks = ArenaBlocks.of_bytes(buf, desc.dtype, desc.shape, desc.block_size)
         else:  # a GPU arena's blocks are staged through host memory
             self.blocks = ArenaBlocks(shm.view(buf, 0, desc.dtype, desc.shape), desc.block_size)
+        self.ledger = BlockLedger(desc.num_blocks)
         self.host = HostTier(desc.swap_blocks, self.blocks.block_bytes)
+        self.models: set[str] = set()  # the models whose workers asked for it
+
+    def status(self) -> dict:
+        return {"dtype": self.desc.dtype, "shape": self.desc.shape, "num_blocks": self.desc.num_blocks,
+                "free_blocks": len(self.ledger.free), "block_bytes": self.blocks.block_bytes,
+                "bytes": self.desc.num_blocks * self.blocks.block_bytes, "models": sorted(self.models),
+                "holders": {w: sum(c.values()) for w, c in self.ledger.held.items()}, "swap": self.host.stats()}
+
+
+class UnknownArena(LookupError):
+    """A message names an arena this kv-pool does not have (made by a pool that restarted?)."""
+
+
+class KVPool:
+    def __init__(self, bus: Bus, args, desc: ArenaDescriptor, buf=None, budgets: ArenaBudgets | None = None):
+        """desc, buf: the node's first arena (made at start: create_arena); budgets: how big later
+        ones may be (arenas.py; default: nothing beyond the first)."""
+        self.bus, self.args, self.desc = bus, args, desc
+        self.node = desc.node_id
+        first = Arena(desc, buf)
+        self.first = first.key
+        self.arenas: dict[str, Arena] = {first.key: first}
+        self.budgets = budgets or ArenaBudgets(total=desc.num_blocks * first.blocks.block_bytes)
+        self.budgets.made.setdefault(first.key, desc.num_blocks * first.blocks.block_bytes)
+        self.last_seen: dict[str, float] = {}
+        self.prefix_index: dict[str, set[int]] = {}
         self.transfers = transfer.TransferStats()
-        self.fetch = transfer.FetchServer(bus, self.blocks, self.ledger.held, self.ledger.release, self.transfers,
-                                          ttl=args.transfer_ttl)
+        self.fetch = transfer.FetchServer(bus, first.blocks, first.ledger.held, first.ledger.release, self.transfers,
+                                          ttl=args.transfer_ttl, arena=self._fetch_arena)
         self.tasks: set[asyncio.Task] = set()
-        self.quotas = KVQuotas(getattr(args, "models", None), self.blocks.block_bytes)
+        self.quotas = KVQuotas(getattr(args, "models", None), first.blocks.block_bytes)
         self.model_of: dict[str, str] = {}  # worker -> the model of its last lease
 
     def kv(self, verb: str) -> str:
         return self.bus.subjects.kv(verb, self.node)
 
+    # -- the arenas
+
+    def arena(self, key: str | None) -> Arena:
+        """The arena a message names (None: the node's first)."""
+        a = self.arenas.get(key or self.first)
+        if a is None:
+            raise UnknownArena(f"node {self.node}'s kv-pool has no KV arena {key!r} (it has "
+                               f"{', '.join(self.arenas)})")
+        return a
+
+    def _fetch_arena(self, key: str | None):
+        a = self.arena(key)
+        return a.blocks, a.ledger.held, a.ledger.release
+
+    def arena_for(self, req: ArenaRequest) -> Arena:
+        """The arena of the asker's KV shape, made now if it is the first to ask (its size from the
+        budgets); ValueError saying why when the node's KV memory has no room for it."""
+        if req.shape is None:
+            a = self.arena(None)
+        elif req.shape.key in self.arenas:
+            a = self.arenas[req.shape.key]
+        else:
+            key, nbytes = req.shape.key, self.budgets.for_arena(req.shape.key)
+            if (req.shape.dtype == "int8") != (getattr(self.args, "kv_cache_dtype", "auto") == "int8"):
+                raise ValueError(f"a KV arena of {req.shape.dtype} asked for by {req.model}, but this kv-pool runs "
+                                 f"--kv-cache-dtype {getattr(self.args, 'kv_cache_dtype', 'auto')}: start the node's "
+                                 "kv-pool and workers with the same --kv-cache-dtype")
+            desc, buf = create_arena(self.bus.subjects.ns, self.node, req.shape, req.shape.dtype,
+                                     self.args.block_size, nbytes, self.budgets.swap_for(nbytes),
+                                     getattr(self.args, "device", "cpu"), self.desc.epoch,
+                                     why=f"for model {req.model}")
+            a = self.arenas[key] = Arena(desc, buf)
+            self.budgets.made[key] = desc.num_blocks * a.blocks.block_bytes
+        if req.model:
+            a.models.add(req.model)
+        return a
+
     # -- the host swap tier
 
     async def swap(self, req: SwapRequest) -> SwapReply:
-        """Copies spilled blocks into the host tier, then found ones back into the worker's blocks."""
-        if not self.host.enabled:
+        """Copies spilled blocks into the arena's host tier, then found ones back into the worker's blocks."""
+        a = self.arena(req.arena)
+        if not a.host.enabled:
             return SwapReply(ok=False, error="this kv-pool has no swap tier (--swap-space 0)")
         blocks = {b for b, _ in req.swap_out} | {b for _, b in req.swap_in}  # a block may be spilled and refilled
-        if not self.ledger.holds(req.worker_id, blocks):
-            return SwapReply(ok=False, error=f"{req.worker_id} does not hold all of blocks {sorted(blocks)[:8]}...")
-        reply = self.host.apply(self.blocks, req)
-        await self._publish_host_events()
+        if not a.ledger.holds(req.worker_id, blocks):
+            return SwapReply(ok=False, error=f"{req.worker_id} does not hold all of blocks {sorted(blocks)[:8]}... "
+                             f"of arena {a.key}")
+        reply = a.host.apply(a.blocks, req)
+        await self._publish_host_events(a)
         return reply
 
-    async def _publish_host_events(self) -> None:
-        stored, removed = self.host.drain_events()
+    async def _publish_host_events(self, a: Arena) -> None:
+        stored, removed = a.host.drain_events()
         if stored or removed:
             await self.bus.publish(self.kv("host_events"), KVEvent(
-                worker_id=f"kv-pool-{self.node}", node_id=self.node, stored=stored, removed=removed, tier="host"))
+                worker_id=f"kv-pool-{self.node}", node_id=self.node, stored=stored, removed=removed, tier="host",
+                arena=a.key))
 
     # -- cross-node transfers, destination side
 
     async def import_blocks(self, req: KVImport) -> KVImportReply:
-        """Leases fresh blocks to the worker and fills them with the source node's blocks."""
+        """Leases fresh blocks of the worker's arena to it and fills them with the source node's blocks."""
         t0 = time.monotonic()
-        n = min(len(req.block_ids), -(-req.num_tokens // self.desc.block_size))  # blocks with KV in them
+        try:
+            a = self.arena(req.arena)
+        except UnknownArena as e:  # nothing pulled: the source still waits for its references to go
+            await self.bus.publish(self.bus.subjects.kv("release", req.src_node),
+                                   BlockRefs(worker_id=req.src_worker, block_ids=req.block_ids, arena=req.src_arena))
+            return KVImportReply(ok=False, error=f"KV transfer {req.transfer_id}: {e}", seconds=0.0)
+        n = min(len(req.block_ids), -(-req.num_tokens // a.desc.block_size))  # blocks with KV in them
         self.last_seen.setdefault(req.worker_id, time.monotonic())  # reaped like any holder if it is gone
         model = req.model or self.model_of.get(req.worker_id)
-        limit = self.quotas.limit(model)
-        dst = self.ledger.lease(req.worker_id, n, model, limit)
+        limit = self.quotas.limit(model, a.blocks.block_bytes)
+        dst = a.ledger.lease(req.worker_id, n, model, limit)
         try:
             if len(dst) < n:
                 room = (f"model {model}'s memory quota leaves it {len(dst)} more blocks" if limit is not None
-                        and self.ledger.free else f"node {self.node}'s arena has {len(dst)} free blocks")
+                        and a.ledger.free else f"node {self.node}'s arena {a.key} has {len(dst)} free blocks")
                 raise transfer.TransferError(f"KV transfer {req.transfer_id}: {room}, {n} needed")
             nbytes, chunks = await transfer.pull(
-                self.bus, req.src_node, req.transfer_id, req.src_worker, req.block_ids[:n], dst, self.blocks,
+                self.bus, req.src_node, req.transfer_id, req.src_worker, req.block_ids[:n], dst, a.blocks,
                 max_chunk_bytes=self.args.transfer_chunk_bytes, timeout=self.args.transfer_timeout,
-                stats=self.transfers, also_release=req.block_ids[n:])
+                stats=self.transfers, also_release=req.block_ids[n:], src_arena=req.src_arena)
         except Exception as e:  # noqa: BLE001 - TransferError, or anything else: the worker must hear why
             if not isinstance(e, transfer.TransferError):
                 log.exception("KV transfer %s failed", req.transfer_id)
                 e = transfer.TransferError(f"KV transfer {req.transfer_id} from node {req.src_node}: {e!r}")
-            self.ledger.release(req.worker_id, dst)
+            a.ledger.release(req.worker_id, dst)
             if len(dst) < n:  # pull() did not run: the source still waits for its references to go
                 await self.bus.publish(self.bus.subjects.kv("release", req.src_node),
-                                       BlockRefs(worker_id=req.src_worker, block_ids=req.block_ids))
+                                       BlockRefs(worker_id=req.src_worker, block_ids=req.block_ids,
+                                                 arena=req.src_arena))
                 self.transfers.failed += 1
                 self.transfers.last_error = str(e)
             log.warning("%s", e)
@@ -232,64 +313,101 @@ class KVPool:
         return KVImportReply(ok=True, block_ids=dst, bytes=nbytes, chunks=chunks, seconds=dt)
 
     def lease(self, req: LeaseRequest) -> LeaseReply:
-        """Free blocks for a worker, within its model's quota; a lease left short publishes pressure
-        (for the model's workers only when its quota, not the arena, was the limit)."""
+        """Free blocks of the worker's arena, within its model's quota; a lease left short publishes
+        pressure (for the model's workers only when its quota, not the arena, was the limit)."""
+        a = self.arena(req.arena)
         self.last_seen[req.worker_id] = time.monotonic()
         if req.model is not None:
             self.model_of[req.worker_id] = req.model
         self.quotas.saw(req.model, req.weights_bytes)
-        limit = self.quotas.limit(req.model)
-        blocks = self.ledger.lease(req.worker_id, req.num_blocks, req.model, limit)
-        return LeaseReply(block_ids=blocks, free_blocks=len(self.ledger.free), quota_blocks=limit,
-                          model_blocks=self.ledger.by_model[req.model])
+        limit = self.quotas.limit(req.model, a.blocks.block_bytes)
+        blocks = a.ledger.lease(req.worker_id, req.num_blocks, req.model, limit)
+        return LeaseReply(block_ids=blocks, free_blocks=len(a.ledger.free), quota_blocks=limit,
+                          model_blocks=a.ledger.by_model[req.model])
 
     def models_status(self) -> dict[str, dict]:
-        """Per model: the blocks its workers hold now, the most they held at once, its quota."""
-        bb = self.blocks.block_bytes
-        names = {m for m in (*self.ledger.by_model, *self.ledger.peak) if m is not None}
-        return {m: {"blocks": self.ledger.by_model[m], "bytes": self.ledger.by_model[m] * bb,
-                    "peak_blocks": self.ledger.peak[m], "quota_blocks": self.quotas.limit(m),
-                    "weights_bytes": self.quotas.weights.get(m)} for m in sorted(names)}
+        """Per model: the blocks its workers hold now, the most they held at once, its quota (in
+        blocks of its arena, which it names)."""
+        out = {}
+        for a in self.arenas.values():
+            bb, led = a.blocks.block_bytes, a.ledger
+            for m in sorted({m for m in (*led.by_model, *led.peak) if m is not None}):
+                out[m] = {"blocks": led.by_model[m], "bytes": led.by_model[m] * bb, "peak_blocks": led.peak[m],
+                          "quota_blocks": self.quotas.limit(m, bb), "weights_bytes": self.quotas.weights.get(m),
+                          "arena": a.key}
+        return dict(sorted(out.items()))
 
     def status(self) -> dict:
-        return {"node_id": self.node, "num_blocks": self.desc.num_blocks, "free_blocks": len(self.ledger.free),
-                "block_bytes": self.blocks.block_bytes, "models": self.models_status(),
-                "holders": {w: sum(c.values()) for w, c in self.ledger.held.items()},
-                "cached_blocks": {w: len(i) for w, i in self.prefix_index.items()},
-                "swap": self.host.stats(),
+        """The node's first arena's numbers at the top (as before arenas per shape), each arena's in
+        `arenas`; holders and the swap tier summed over them."""
+        first, arenas = self.arenas[self.first], list(self.arenas.values())
+        holders: Counter = Counter()
+        for a in arenas:
+            holders.update({w: sum(c.values()) for w, c in a.ledger.held.items()})
+        swap: Counter = Counter()
+        for a in arenas:
+            swap.update(a.host.stats())
+        return {"node_id": self.node, "num_blocks": first.desc.num_blocks, "free_blocks": len(first.ledger.free),
+                "block_bytes": first.blocks.block_bytes, "models": self.models_status(),
+                "holders": dict(holders), "cached_blocks": {w: len(i) for w, i in self.prefix_index.items()},
+                "swap": dict(swap), "arenas": {k: a.status() for k, a in self.arenas.items()},
+                "budgets": self.budgets.describe(),
                 "transfers": {**self.transfers.as_dict(), "open_pulls": len(self.fetch.pulls)}}
 
     async def serve(self) -> None:
         s, nc = self.bus.subjects, self.bus.nc
 
         async def on_arena(msg):
-            await msg.respond(self.desc.encode())
+            try:
+                req = ArenaRequest.decode(msg.data) if msg.data.strip() else ArenaRequest()
+                a = self.arena_for(req)
+            except (ValueError, UnknownArena) as e:
+                log.warning("arena refused: %s", e)
+                await self.bus.respond_error(msg, str(e))
+                return
+            await msg.respond(a.desc.encode())
 
         async def on_lease(msg):
             req = LeaseRequest.decode(msg.data)
-            reply = self.lease(req)
+            try:
+                reply = self.lease(req)
+            except UnknownArena as e:
+                await self.bus.respond_error(msg, str(e))
+                return
             await msg.respond(reply.encode())
             if len(reply.block_ids) < req.num_blocks:
+                held = self.arena(req.arena).ledger.held
                 by_quota = reply.quota_blocks is not None and reply.model_blocks >= reply.quota_blocks
-                others = reply.model_blocks > len(self.ledger.held.get(req.worker_id, ()))
+                others = reply.model_blocks > len(held.get(req.worker_id, ()))
                 if by_quota and not others:
                     return  # the asker holds its model's whole quota: nobody else's blocks would help
                 await self.bus.publish(self.kv("pressure"), PoolPressure(
                     node_id=self.node, asked=req.num_blocks, free_blocks=reply.free_blocks,
-                    model=req.model if by_quota else None))
+                    model=req.model if by_quota else None, arena=self.arena(req.arena).key))
+
+        def refs(data: bytes, verb: str) -> tuple[BlockRefs, Arena] | None:
+            r = BlockRefs.decode(data)
+            try:
+                return r, self.arena(r.arena)
+            except UnknownArena as e:
+                log.warning("%s of %s ignored: %s", verb, r.worker_id, e)
+                return None
 
         async def on_release(msg):
-            r = BlockRefs.decode(msg.data)
-            self.ledger.release(r.worker_id, r.block_ids)
+            if (got := refs(msg.data, "release")) is not None:
+                got[1].ledger.release(got[0].worker_id, got[0].block_ids)
 
         async def on_retain(msg):
-            r = BlockRefs.decode(msg.data)
-            self.ledger.retain(r.worker_id, r.block_ids)
+            if (got := refs(msg.data, "retain")) is not None:
+                got[1].ledger.retain(got[0].worker_id, got[0].block_ids)
 
         async def on_transfer(msg):
             t = BlockTransfer.decode(msg.data)
-            ok = self.ledger.transfer(t.from_worker, t.to_worker, t.block_ids)
-            await msg.respond(TransferReply(ok=ok, error=None if ok else "blocks no longer held").encode())
+            try:
+                ok, error = self.arena(t.arena).ledger.transfer(t.from_worker, t.to_worker, t.block_ids), None
+            except UnknownArena as e:
+                ok, error = False, str(e)
+            await msg.respond(TransferReply(ok=ok, error=None if ok else error or "blocks no longer held").encode())
 
         async def on_heartbeat(msg):
             hb = Heartbeat.decode(msg.data)
@@ -308,7 +426,12 @@ class KVPool:
             await msg.respond(orjson.dumps(self.status()))
 
         async def on_swap(msg):
-            await msg.respond((await self.swap(SwapRequest.decode(msg.data))).encode())
+            req = SwapRequest.decode(msg.data)
+            try:
+                reply = await self.swap(req)
+            except UnknownArena as e:
+                reply = SwapReply(ok=False, error=str(e))
+            await msg.respond(reply.encode())
 
         async def on_import(msg):
             async def run():  # its own task: transfers overlap, and the pool keeps answering meanwhile
@@ -327,8 +450,8 @@ class KVPool:
         self.greeter = asyncio.ensure_future(self._hello())
 
     async def _hello(self) -> None:
-        """The arena's epoch every second: a worker that hears a new one knows the pool restarted and
-        that the blocks it holds are no longer its own (docs/faults.md)."""
+        """The pool's epoch every second: a worker that hears a new one knows the pool restarted and
+        that the blocks it holds are no longer its own (docs/faults.md). One epoch for all arenas."""
         while True:
             try:
                 await self.bus.publish(self.kv("hello"), ServiceHello(service_id=self.desc.epoch))
@@ -343,21 +466,27 @@ class KVPool:
             now = time.monotonic()
             for w, seen in list(self.last_seen.items()):
                 if now - seen > self.args.worker_timeout:
-                    n = self.ledger.drop_worker(w)
+                    n = sum(a.ledger.drop_worker(w) for a in self.arenas.values())
                     del self.last_seen[w]
                     self.prefix_index.pop(w, None)
                     self.model_of.pop(w, None)
                     log.warning("worker %s silent for %.1fs: reclaimed %d block references", w, now - seen, n)
             self.fetch.expire()
 
+    def close(self) -> None:
+        """The pool stops: the arenas' shared files lose their names (mappings stay valid)."""
+        for a in self.arenas.values():
+            node_memory.release(a.desc.backend, a.desc.path)
+
 
 def add_arguments(p) -> None:
-    p.add_argument("--kv-cache-gb", type=float, default=2.0, help="size of the node's KV arena")
+    p.add_argument("--kv-cache-gb", type=float, default=2.0, help="the node's KV memory, divided between its "
+                   "arenas (one per KV shape of the manifest's models, by their parts: docs/models.md)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--worker-timeout", type=float, default=3.0, help="seconds without heartbeat before a "
                    "worker's blocks are reclaimed")
     p.add_argument("--swap-space", type=float, default=1.0, help="GiB of host memory for the swap tier of "
-                   "evicted prefix-cache blocks (0: none)")
+                   "evicted prefix-cache blocks (0: none), divided between the arenas as --kv-cache-gb is")
     p.add_argument("--transfer-chunk-bytes", type=int, default=1 << 20, help="largest chunk of a cross-node KV "
                    "transfer (also capped by the server's max_payload)")
     p.add_argument("--transfer-timeout", type=float, default=5.0, help="seconds to wait for one chunk (or the "
@@ -366,36 +495,70 @@ def add_arguments(p) -> None:
                    "that was never closed is dropped")
 
 
-async def make_arena(bus: Bus, args) -> tuple[ArenaDescriptor, object]:
-    """Sizes the arena from the model's shape (asked of the model loader) and creates it, in shared
-    memory or on the GPU (--device). Returns its descriptor and its memory (keep it alive)."""
-    # The variant the workers run (the loader keeps each one it is asked for: asking another would load it).
-    load = LoadRequest(model=args.model, dtype=args.dtype, quantization=args.quantization)
-    w = await bus.request(bus.subjects.models("load", args.node_id), load, WeightsDescriptor, timeout=600)
-    cfg = ModelConfig(**w.config)
+def create_arena(ns: str, node: str, cfg, dtype: str, block_size: int, nbytes: int, swap_bytes: int,
+                 device: str, epoch: str, why: str = "") -> tuple[ArenaDescriptor, object]:
+    """An arena of `nbytes` (whole blocks) for KV of cfg's shape in `dtype` (the arena's element dtype),
+    in shared memory or on the GPU (`device`); ValueError when nbytes holds no block."""
+    block_bytes = kv_bytes_per_block(cfg, block_size, dtype)
+    num_blocks = nbytes // block_bytes
+    key = arena_key(cfg, dtype)
+    if num_blocks < 1:
+        raise ValueError(f"node {node}'s KV memory has no room for an arena of KV shape {key}"
+                         f"{' ' + why if why else ''}: "
+                         f"{nbytes} bytes left for it, a block takes {block_bytes} (the manifest's models share "
+                         "--kv-cache-gb, docs/models.md)")
+    shape = kv_arena_shape(cfg, num_blocks, block_size, dtype)
+    buf, path, ipc = node_memory.create(f"meshserve-{ns}-{node}-kv-{key}", num_blocks * block_bytes, device,
+                                        numpy=device == "cpu")
+    swap_blocks = swap_bytes // block_bytes
+    log.info("KV arena %s%s: %d blocks of %d tokens in %s, %.3f GiB at %s; host swap tier: %d blocks", key,
+             f" ({why})" if why else "", num_blocks, block_size, dtype, num_blocks * block_bytes / (1 << 30), path,
+             swap_blocks)
+    return ArenaDescriptor(node_id=node, key=key, path=path, backend=device, ipc=ipc, dtype=dtype, shape=shape,
+                           block_size=block_size, num_blocks=num_blocks, swap_blocks=swap_blocks, epoch=epoch), buf
+
+
+def plan(args) -> tuple[ArenaBudgets, KVShape | None]:
+    """The node's KV memory per arena key, from the manifest (arenas.py; without one, everything for
+    the first arena), and the shape of the first arena: the manifest's first model whose shape is known."""
+    total, swap = int(args.kv_cache_gb * (1 << 30)), int(args.swap_space * (1 << 30))
+    manifest = ManifestFile(args.models).current() if getattr(args, "models", None) else None
+    if manifest is None:
+        return ArenaBudgets(total, swap), None
+    shapes = manifest_shapes(manifest, args.dtype, getattr(args, "kv_cache_dtype", "auto"))
+    b = plan_budgets(total, swap, [(m, shape.key if shape else None, q) for m, shape, q in shapes])
+    log.info("KV memory per arena: %s; reserve %d bytes", b.planned, b.describe()["reserve_bytes"])
+    return b, next((shape for _, shape, _ in shapes if shape is not None), None)
+
+
+async def make_arena(bus: Bus, args) -> tuple[ArenaDescriptor, object, ArenaBudgets]:
+    """The node's first arena, created at start, and the plan for the others. Its shape: the
+    manifest's first model whose shape is known without loading it; else (no manifest, or none
+    known) that of --model, asked of the model loader. Returns its descriptor, its memory (keep it
+    alive) and the budgets."""
     device = getattr(args, "device", "cpu")
     kv_cache_dtype = getattr(args, "kv_cache_dtype", "auto")
     check_kv_cache_dtype(kv_cache_dtype, device)
-    dtype = kv_arena_dtype(kv_cache_dtype, args.dtype)  # int8: each row's values and its scale
-    block_bytes = kv_bytes_per_block(cfg, args.block_size, dtype)
-    num_blocks = max(1, int(args.kv_cache_gb * (1 << 30)) // block_bytes)
-    shape = kv_arena_shape(cfg, num_blocks, args.block_size, dtype)
-    nbytes = num_blocks * block_bytes
-    buf, path, ipc = node_memory.create(f"meshserve-{bus.subjects.ns}-{args.node_id}-kv", nbytes, device,
-                                        numpy=device == "cpu")
-    swap_blocks = int(args.swap_space * (1 << 30)) // block_bytes
-    log.info("KV arena: %d blocks of %d tokens in %s, %.2f GiB at %s; host swap tier: %d blocks", num_blocks,
-             args.block_size, dtype, nbytes / (1 << 30), path, swap_blocks)
-    return ArenaDescriptor(node_id=args.node_id, path=path, backend=device, ipc=ipc, dtype=dtype, shape=shape,
-                           block_size=args.block_size, num_blocks=num_blocks, swap_blocks=swap_blocks,
-                           epoch=uuid.uuid4().hex), buf
+    budgets, shape = plan(args)
+    if shape is None:
+        # The variant the workers run (the loader keeps each one it is asked for: asking another would load it).
+        load = LoadRequest(model=args.model, dtype=args.dtype, quantization=args.quantization)
+        w = await bus.request(bus.subjects.models("load", args.node_id), load, WeightsDescriptor, timeout=600)
+        cfg = ModelConfig(**w.config)
+        dtype = kv_arena_dtype(kv_cache_dtype, args.dtype)  # int8: each row's values and its scale
+        shape = KVShape(num_hidden_layers=cfg.num_hidden_layers, num_key_value_heads=cfg.num_key_value_heads,
+                        head_dim=cfg.head_dim, dtype=dtype)
+    nbytes = budgets.for_arena(shape.key)
+    desc, buf = create_arena(bus.subjects.ns, args.node_id, shape, shape.dtype, args.block_size, nbytes,
+                             budgets.swap_for(nbytes), device, uuid.uuid4().hex, why="made at start")
+    return desc, buf, budgets
 
 
 async def main(args) -> None:
     async def start(bus: Bus):
-        desc, buf = await make_arena(bus, args)
-        pool = KVPool(bus, args, desc, buf)
+        desc, buf, budgets = await make_arena(bus, args)
+        pool = KVPool(bus, args, desc, buf, budgets)
         await pool.serve()
-        return lambda: node_memory.release(desc.backend, desc.path)
+        return pool.close
 
     await run_service("kv-pool", args, start)

@@ -16,7 +16,9 @@ again once, then the transfer fails with an error that says which chunk of what 
 is at most max_payload (of the connection that sends it) less room for headers; nothing is ever too
 large to send, and a server too small to carry any chunk is an error at once, not a timeout.
 
-The source serves from its arena while the holder (the prefill worker that handed the sequence
+Block ids are of one arena: the open names the source's (`KVFetchOpen.arena`, none: the node's
+first), and the destination writes into the arena it passes (the adopting worker's). The source
+serves from its arena while the holder (the prefill worker that handed the sequence
 off) keeps its reference: it checks that on every chunk, so blocks reclaimed from a dead worker
 are never served. A pull not closed within `ttl` seconds is dropped and its references released.
 """
@@ -78,29 +80,41 @@ class _Pull:
     also_release: list[int]
     chunk_bytes: int
     total: int
+    blocks: ArenaBlocks  # the arena the ids are of, its holders and its release
+    held: dict[str, Counter]
+    release: object
     created: float = field(default_factory=time.monotonic)
 
 
 class FetchServer:
-    """The source side: serves chunks of its arena's blocks to other nodes' kv-pools."""
+    """The source side: serves chunks of its arenas' blocks to other nodes' kv-pools."""
 
     def __init__(self, bus: Bus, blocks: ArenaBlocks, held: dict[str, Counter], release, stats: TransferStats,
-                 ttl: float = 120.0):
+                 ttl: float = 120.0, arena=None):
+        """blocks, held (holder -> its references), release(holder, ids): the node's first arena;
+        arena(key) -> (blocks, held, release) of the arena a pull names (LookupError: no such arena)."""
         self.bus, self.blocks, self.held, self.release, self.stats = bus, blocks, held, release, stats
+        self.arena = arena
         self.ttl = ttl
         self.pulls: dict[str, _Pull] = {}
 
-    def _holds(self, holder: str, block_ids: list[int]) -> bool:
-        held = self.held.get(holder, Counter())
-        return all(held[b] >= n for b, n in Counter(block_ids).items())
+    @staticmethod
+    def _holds(held: dict[str, Counter], holder: str, block_ids: list[int]) -> bool:
+        mine = held.get(holder, Counter())
+        return all(mine[b] >= n for b, n in Counter(block_ids).items())
 
     async def on_open(self, msg) -> None:
         o = KVFetchOpen.decode(msg.data)
-        b = self.blocks
+        try:
+            b, held, release = (self.arena(o.arena) if self.arena is not None and o.arena
+                                else (self.blocks, self.held, self.release))
+        except LookupError as e:
+            await msg.respond(KVFetchInfo(ok=False, error=str(e)).encode())
+            return
         if o.dtype != b.dtype or o.block_shape != b.block_shape:
             info = KVFetchInfo(ok=False, error=f"KV layouts differ: this node has {b.dtype} blocks of "
                                f"{b.block_shape}, the destination {o.dtype} of {o.block_shape}")
-        elif not self._holds(o.holder, o.block_ids + o.also_release):
+        elif not self._holds(held, o.holder, o.block_ids + o.also_release):
             info = KVFetchInfo(ok=False, error=f"{o.holder} no longer holds blocks {o.block_ids[:8]}... here "
                                "(the worker is gone and its blocks were reclaimed?)")
         else:
@@ -110,7 +124,8 @@ class FetchServer:
                 info = KVFetchInfo(ok=False, error=str(e))
             else:
                 total = len(o.block_ids) * b.block_bytes
-                self.pulls[o.transfer_id] = _Pull(o.holder, list(o.block_ids), list(o.also_release), size, total)
+                self.pulls[o.transfer_id] = _Pull(o.holder, list(o.block_ids), list(o.also_release), size, total,
+                                                  b, held, release)
                 self.stats.served += 1
                 info = KVFetchInfo(ok=True, total_bytes=total, chunk_bytes=size, num_chunks=-(-total // size))
         await msg.respond(info.encode())
@@ -123,10 +138,10 @@ class FetchServer:
                                           f"{self.ttl:.0f}s)")
         if not 0 <= r.index < -(-p.total // p.chunk_bytes):
             return await self._error(msg, f"chunk {r.index} is out of range")
-        if not self._holds(p.holder, p.block_ids):
+        if not self._holds(p.held, p.holder, p.block_ids):
             return await self._error(msg, f"{p.holder} no longer holds the blocks (the worker is gone?)")
         offset = r.index * p.chunk_bytes
-        data = self.blocks.read_range(p.block_ids, offset, min(p.chunk_bytes, p.total - offset))
+        data = p.blocks.read_range(p.block_ids, offset, min(p.chunk_bytes, p.total - offset))
         self.stats.chunks_sent += 1
         self.stats.bytes_sent += len(data)
         await self.bus.nc.publish(msg.reply, data, headers={H_INDEX: str(r.index), H_CRC: str(zlib.crc32(data))})
@@ -135,7 +150,7 @@ class FetchServer:
         c = KVFetchClose.decode(msg.data)
         p = self.pulls.pop(c.transfer_id, None)
         if p is not None and c.release:
-            self.release(p.holder, p.block_ids + p.also_release)
+            p.release(p.holder, p.block_ids + p.also_release)
         if msg.reply:
             await msg.respond(b"{}")
 
@@ -147,7 +162,7 @@ class FetchServer:
         for tid, p in list(self.pulls.items()):
             if now - p.created > self.ttl:
                 del self.pulls[tid]
-                self.release(p.holder, p.block_ids + p.also_release)
+                p.release(p.holder, p.block_ids + p.also_release)
                 log.warning("transfer %s was never closed: dropped after %.0fs, %s's references released",
                             tid, self.ttl, p.holder)
 
@@ -155,8 +170,9 @@ class FetchServer:
 async def pull(bus: Bus, src_node: str, transfer_id: str, holder: str, src_blocks: list[int],
                dst_blocks: list[int], blocks: ArenaBlocks, max_chunk_bytes: int = 0, timeout: float = 5.0,
                window: int = 4, retries: int = 1, stats: TransferStats | None = None,
-               also_release: list[int] | None = None) -> tuple[int, int]:
-    """The destination side: copies `src_blocks` of node `src_node` into this arena's `dst_blocks`.
+               also_release: list[int] | None = None, src_arena: str | None = None) -> tuple[int, int]:
+    """The destination side: copies `src_blocks` of node `src_node`'s arena `src_arena` (None: its
+    first) into `dst_blocks` of `blocks` (an arena here).
     Returns (bytes, chunks); raises TransferError. Closes the pull (the holder's references on the
     source go, on `also_release` too) whether it worked or not: a failed transfer is recomputed,
     never retried from there."""
@@ -164,7 +180,7 @@ async def pull(bus: Bus, src_node: str, transfer_id: str, holder: str, src_block
     nc, s = bus.nc, bus.subjects
     what = f"KV transfer {transfer_id} ({len(src_blocks)} blocks from node {src_node})"
     try:
-        opened = KVFetchOpen(transfer_id=transfer_id, holder=holder, block_ids=src_blocks,
+        opened = KVFetchOpen(transfer_id=transfer_id, holder=holder, block_ids=src_blocks, arena=src_arena,
                              dtype=blocks.dtype, block_shape=blocks.block_shape,
                              max_chunk_bytes=chunk_limit(nc.max_payload, max_chunk_bytes),
                              also_release=also_release or [])

@@ -567,11 +567,14 @@ class Scheduler:
         if rid in self.aborted or current is None or superseded:
             # Nobody wants it any more (or a newer attempt runs): give the blocks back on the
             # prefill worker's behalf.
-            await self.bus.publish(s.kv("release", h.node_id), BlockRefs(worker_id=src, block_ids=h.block_ids))
+            await self.bus.publish(s.kv("release", h.node_id), BlockRefs(worker_id=src, block_ids=h.block_ids,
+                                                                         arena=h.arena))
             if not superseded:
                 self.requests.pop(rid, None)
             return
-        dst = pick_decode(self.decode_candidates(h.request.model), h.node_id)
+        # On the prefill's node the blocks are handed over by id: only a worker on the same arena can read them.
+        dst = pick_decode([w for w in self.decode_candidates(h.request.model) if w.hb.node_id != h.node_id
+                           or not (h.arena and w.hb.arena) or w.hb.arena == h.arena], h.node_id)
         if dst is None:
             dst = self.workers.get(src)  # no decode worker: the prefill worker decodes it itself
             log.info("request %s: no decode worker for %s (workers: %s); %s decodes it", rid, h.request.model,
@@ -586,7 +589,8 @@ class Scheduler:
             if not remote:  # one node: one reference per block moves; cross-node, the decode worker pulls them
                 try:
                     t = await self.bus.request(s.kv("transfer", h.node_id), BlockTransfer(
-                        from_worker=src, to_worker=dst.hb.worker_id, block_ids=h.block_ids), TransferReply)
+                        from_worker=src, to_worker=dst.hb.worker_id, block_ids=h.block_ids, arena=h.arena),
+                        TransferReply)
                 except (nats.errors.Error, asyncio.TimeoutError, RuntimeError) as e:
                     log.warning("request %s: the kv-pool did not transfer its blocks (%s)", rid, e)
                     t = None
@@ -608,7 +612,7 @@ class Scheduler:
         except nats.errors.NoRespondersError:
             if not remote:
                 await self.bus.publish(self.bus.subjects.kv("release", h.node_id),
-                                       BlockRefs(worker_id=dst, block_ids=h.block_ids))
+                                       BlockRefs(worker_id=dst, block_ids=h.block_ids, arena=h.arena))
         except (nats.errors.Error, asyncio.TimeoutError):
             pass
         t = self.requests.get(rid)

@@ -1,5 +1,9 @@
 """A worker's KV blocks in the mesh: every decision about which blocks of the node's arena it holds.
 
+The arena is the node's arena of its model's KV shape (services/kv_pool/arenas.py); every request
+to the pool names it (the client's `arena`), and the pool's broadcasts of other arenas (their host
+tier's events, their pressure) are not this worker's business: its blocks cannot help them.
+
 The engine keeps the blocks it holds in its BlockPool (shared/engine/block_pool.py) and says how
 many free ones its next step may take (Scheduler.blocks_next_step). This class keeps that pool
 stocked from, and trimmed back to, the node's kv-pool (kv_pool_client.py), through the engine's
@@ -44,6 +48,8 @@ import logging
 import time
 from collections.abc import Callable
 
+import nats.errors
+
 from meshserve.shared.engine import wire
 from meshserve.shared.engine.llm_engine import LLMEngine
 from meshserve.shared.kv_layout import kv_bytes_per_block
@@ -73,25 +79,39 @@ class KVBlocks:
         self.num_imported = self.num_import_failures = self.num_spilled = self.num_restored = 0
         self.quota_blocks: int | None = None  # the model's KV quota on this node, as the pool's leases say
         self.quota_asked = 0.0  # when it last asked the pool
+        self.arena = client.arena  # the key of the arena its engine's block ids are of
+        self.subscriptions = []  # to the pool's broadcasts, ended at close (a model switch makes a new KVBlocks)
 
     async def start(self) -> None:
         if self.swap_enabled:
-            await self.client.subscribe("host_events", self._on_host_event)
+            self.subscriptions.append(await self.client.subscribe("host_events", self._on_host_event))
             e = self.engine
             block_bytes = kv_bytes_per_block(e.model.cfg, e.config.block_size, e.kv_cache.dtype)
             e.set_swapper(PreemptionSwap(self.client, asyncio.get_running_loop(), self.swap_blocks, block_bytes))
         await self.lease(self.lease_blocks)
         await self.client.publish_events(cleared=True)
-        await self.client.subscribe("pressure", self._on_pressure)
+        self.subscriptions.append(await self.client.subscribe("pressure", self._on_pressure))
 
     async def close(self) -> None:
-        """Gives every block back (the worker stops)."""
+        """Gives every block back (the worker stops, or switches model) and stops listening."""
+        for sub in self.subscriptions:
+            try:
+                await sub.unsubscribe()
+            except nats.errors.Error:  # the connection is closing: nothing more comes anyway
+                pass
+        self.subscriptions = []
         held = self.pool.held_blocks()
         if held:
             await self.client.release(held)
 
+    def _mine(self, arena: str | None) -> bool:
+        """A broadcast about this engine's arena (None: the node's first; only an old pool sends it)."""
+        return arena is None or self.arena is None or arena == self.arena
+
     async def _on_host_event(self, msg) -> None:
         ev = KVEvent.decode(msg.data)
+        if not self._mine(ev.arena):
+            return  # another arena's host tier: its keys could never be restored into these blocks
         self.host.update(ev.stored)
         self.host.difference_update(ev.removed)
 
@@ -99,6 +119,8 @@ class KVBlocks:
         p = PoolPressure.decode(msg.data)
         if p.model is not None and p.model != self.client.model:
             return  # another model at its quota: not this worker's blocks to give
+        if not self._mine(p.arena):
+            return  # another arena ran short: blocks of this one would not help
         self.pool_dry_until = time.monotonic() + PRESSURE_S
         self.report("reclaim", None)
 
@@ -227,6 +249,9 @@ class KVBlocks:
     def adopt(self, h: Handoff, lora: str | None = None) -> None:
         """Continues a sequence handed off on this node's blocks (the pool moved a reference here);
         lora: the engine's name of its adapter, already loaded."""
+        if h.arena and self.arena and h.arena != self.arena:  # the scheduler never sends one: ids of another arena
+            raise ValueError(f"handoff of {h.request.request_id} names blocks of KV arena {h.arena}; this worker's "
+                             f"engine is on {self.arena}")
         req = h.request
         seq = self.engine.new_sequence(req.request_id, req.prompt_token_ids, wire.sampling_params(req.sampling),
                                        time.monotonic(), h.token_ids[len(req.prompt_token_ids):], req.priority,

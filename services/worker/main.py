@@ -30,7 +30,7 @@ import time
 
 import nats.errors
 
-from meshserve.shared import nats_auth, node_memory, shm
+from meshserve.shared import nats_auth, node_memory
 from meshserve.shared.bus import Bus
 from meshserve.shared.engine import wire
 from meshserve.shared.engine.llm_engine import (EngineConfig, LLMEngine, RequestError, RequestOutput,
@@ -107,22 +107,19 @@ class Worker:
         self.compute = ComputeClaims(bus, self.id, args.node_id, cores=self.cores if cpu else (),
                                      enabled=args.compute_yield, scheduling=args.scheduling,
                                      max_yield_s=args.max_yield_s)
+        self.kv_arenas: dict[str, tuple] = {}  # the node's KV arenas it mapped: key -> (descriptor, tensor)
 
-    # -- start-up: map the weights and the KV arena, lease blocks
+    # -- start-up: map the weights and the KV arena of their shape, lease blocks
 
     async def start(self) -> None:
         a, s = self.args, self.bus.subjects
-        device = getattr(a, "device", "cpu")
-        pool = KVPoolClient(self.bus, a.node_id, self.id)
-        arena = await pool.arena()
-        node_memory.check_backend("KV arena", arena.backend, device)
-        kv = shm.view(node_memory.open_buffer(arena.backend, arena.path, arena.ipc), 0, arena.dtype, arena.shape)
-        self.pool, self.arena, self.kv = pool, arena, kv
+        self.pool = pool = KVPoolClient(self.bus, a.node_id, self.id)
         self.served = a.served_model_name or a.model
         self.load = LoadRequest(model=a.model, dtype=a.dtype, quantization=a.quantization, worker_id=self.id,
                                 name=self.served)
-        self.engine, w = await model_switch.build_engine(self, self.load, self.served)
-        pool.model, pool.weights_bytes = self.served, node_memory.weights_nbytes(w)
+        self.engine, w, arena = await model_switch.build_engine(self, self.load, self.served)
+        self.arena, kv = arena, self.engine.kv_cache
+        pool.model, pool.weights_bytes, pool.arena = self.served, node_memory.weights_nbytes(w), arena.key
         await self.apply_partition()
         if kv.is_cuda:  # what tests/test_cuda_mesh.py reads: one copy of the weights, opened by handle
             import torch
@@ -219,12 +216,14 @@ class Worker:
         await self._heartbeat()  # the scheduler routes by the model a heartbeat names
         await msg.respond(reply.encode())
 
-    async def replace_engine(self, engine: LLMEngine, served: str, load: LoadRequest, weights_bytes: int) -> None:
-        """At an iteration boundary with nothing running: the old engine's blocks go back to the pool,
-        the new model's are leased under its quota, and its compute partition applies."""
+    async def replace_engine(self, engine: LLMEngine, served: str, load: LoadRequest, weights_bytes: int,
+                             arena) -> None:
+        """At an iteration boundary with nothing running: the old engine's blocks go back to the pool
+        (to their arena), the new model's are leased from its arena under its quota, and its compute
+        partition applies."""
         await self.blocks.close()
-        self.engine, self.served, self.load = engine, served, load
-        self.pool.model, self.pool.weights_bytes = served, weights_bytes
+        self.engine, self.served, self.load, self.arena = engine, served, load, arena
+        self.pool.model, self.pool.weights_bytes, self.pool.arena = served, weights_bytes, arena.key
         self.blocks = KVBlocks(engine, self.pool, self.args.lease_blocks, self.arena.swap_blocks, report=self._post)
         await self.blocks.start()
         await self.apply_partition()
@@ -539,7 +538,8 @@ class Worker:
             self._deliver(self.bus.subjects.handoff, Handoff(
                 request=req, token_ids=seq.token_ids, block_ids=blocks, shared_block_ids=shared,
                 num_computed_tokens=seq.num_computed_tokens, num_cached_tokens=seq.num_cached_tokens,
-                next_seq=self.chunk_seq.pop(request_id), from_worker=self.id, node_id=self.args.node_id))
+                next_seq=self.chunk_seq.pop(request_id), from_worker=self.id, node_id=self.args.node_id,
+                arena=self.pool.arena))
 
     async def _done(self, request_id: str, reason: str | None, attempt: int | None = None) -> None:
         self.chunk_seq.pop(request_id, None)
@@ -613,7 +613,7 @@ class Worker:
             spec_decode=stats["spec_decode"], io_cpu_s=time.thread_time(), tokens_streamed=self.tokens_streamed,
             pending_prefill_tokens=pending_prefill, pending_decode_tokens=pending_decode, draining=self.draining,
             compute_yields=self.compute.yields, compute_yield_s=self.compute.yield_s,
-            compute_claim=self.compute.claiming, time=time.time()))
+            compute_claim=self.compute.claiming, arena=self.pool.arena or "", time=time.time()))
 
 
 def add_arguments(p) -> None:

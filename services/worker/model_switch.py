@@ -3,8 +3,10 @@
 The scheduler sends `ModelSwitch` to a worker it has stopped routing to; the worker applies it at an
 iteration boundary once its engine has nothing left to run (its sequences finish first), then:
 asks its node's loader for the model's weights (the loader counts it off the model it mapped
-before), checks that the model's KV shape fits the node's arena, builds the model and a new engine
-on the same arena, gives the old engine's blocks back to the kv-pool and leases new ones. A switch
+before), maps the node's arena of the model's KV shape (the kv-pool makes it when this is its first
+model of that shape; one already mapped, e.g. the arena it has, is reused), builds the model and a
+new engine on it, gives the old engine's blocks back to the kv-pool (to the old arena) and leases
+new ones (from the new one). A switch
 that fails leaves the worker on the model it had (mapped again: the loader keeps it in use) and the
 reply says why; the scheduler then fails that model's queued requests with the reason.
 
@@ -28,23 +30,49 @@ from meshserve.shared.kv_layout import kv_arena_dtype, kv_row
 from meshserve.shared.model.config import ModelConfig
 from meshserve.shared.model.layer_gate import LayerGate, open_gate
 from meshserve.shared.model.llama import LlamaModel
-from meshserve.shared.schemas import LoadRequest, ModelSwitch, ModelSwitchReply, WeightsDescriptor
+from meshserve.shared.schemas import (ArenaDescriptor, KVShape, LoadRequest, ModelSwitch, ModelSwitchReply,
+                                      WeightsDescriptor)
 
 log = logging.getLogger("meshserve.worker")
 
 
+def kv_shape(cfg: ModelConfig, dtype: str, kv_cache_dtype: str = "auto") -> KVShape:
+    """The KV shape the model's arena has: its layers, KV heads and head dim, in the model's dtype or,
+    with an int8 KV cache, int8 (an int8 arena holds any model's KV as int8 rows, whatever its dtype)."""
+    return KVShape(num_hidden_layers=cfg.num_hidden_layers, num_key_value_heads=cfg.num_key_value_heads,
+                   head_dim=cfg.head_dim, dtype=kv_arena_dtype(kv_cache_dtype, dtype))
+
+
 def kv_mismatch(cfg: ModelConfig, dtype: str, arena, kv_cache_dtype: str = "auto") -> str | None:
-    """Why the model cannot keep its KV in the node's arena, or None when it can."""
+    """Why the model cannot keep its KV in this arena (a descriptor the pool answered), or None."""
     layers, _, _, heads, dim = arena.shape
     want = kv_arena_dtype(kv_cache_dtype, dtype)  # an int8 arena holds any model's KV as int8 rows
     if want != arena.dtype:
-        return (f"its KV dtype {want} (dtype {dtype}, --kv-cache-dtype {kv_cache_dtype}) differs from the node's "
+        return (f"its KV dtype {want} (dtype {dtype}, --kv-cache-dtype {kv_cache_dtype}) differs from the "
                 f"KV arena's ({arena.dtype})")
     if (cfg.num_hidden_layers, cfg.num_key_value_heads, kv_row(cfg, want)) != (layers, heads, dim):
         return (f"its KV shape ({cfg.num_hidden_layers} layers x {cfg.num_key_value_heads} KV heads x "
-                f"{cfg.head_dim}) differs from the node's KV arena ({layers} x {heads} x {dim}); the models of "
-                "one node share one arena shape")
+                f"{cfg.head_dim}) differs from the KV arena {arena.key} ({layers} x {heads} x {dim})")
     return None
+
+
+async def map_arena(worker, cfg: ModelConfig, dtype: str, served: str) -> tuple[ArenaDescriptor, object]:
+    """The node's arena for this model's KV shape and its tensor over the same memory (no copy). The
+    worker keeps every arena it mapped (`worker.kv_arenas`, by key): a switch back maps nothing again
+    (and a CUDA IPC handle is opened once per process)."""
+    a = worker.args
+    kv_cache_dtype = getattr(a, "kv_cache_dtype", "auto")
+    shape = kv_shape(cfg, dtype, kv_cache_dtype)
+    if shape.key in worker.kv_arenas:
+        return worker.kv_arenas[shape.key]
+    arena = await worker.pool.arena_of(shape, served)
+    node_memory.check_backend("KV arena", arena.backend, getattr(a, "device", "cpu"))
+    problem = kv_mismatch(cfg, dtype, arena, kv_cache_dtype)  # the pool answered another shape: a bug
+    if problem:
+        raise ValueError(problem)
+    kv = shm.view(node_memory.open_buffer(arena.backend, arena.path, arena.ipc), 0, arena.dtype, arena.shape)
+    worker.kv_arenas[shape.key] = arena, kv
+    return arena, kv
 
 
 async def open_weights(w: WeightsDescriptor) -> tuple[dict, LayerGate | None]:
@@ -60,15 +88,15 @@ async def open_weights(w: WeightsDescriptor) -> tuple[dict, LayerGate | None]:
     return weights, gate
 
 
-async def build_engine(worker, load: LoadRequest, served: str) -> tuple[LLMEngine, WeightsDescriptor]:
-    """The model's weights mapped from the loader and an engine over them on the worker's arena."""
+async def build_engine(worker, load: LoadRequest,
+                       served: str) -> tuple[LLMEngine, WeightsDescriptor, ArenaDescriptor]:
+    """The model's weights mapped from the loader and an engine over them on the node's arena of its
+    KV shape (its descriptor is the third result)."""
     a, bus = worker.args, worker.bus
     w = await bus.request(bus.subjects.models("load", a.node_id), load, WeightsDescriptor, timeout=900)
     node_memory.check_backend("weights", w.backend, getattr(a, "device", "cpu"))
     cfg = ModelConfig(**w.config)
-    problem = kv_mismatch(cfg, load.dtype, worker.arena, getattr(a, "kv_cache_dtype", "auto"))
-    if problem:
-        raise ValueError(problem)
+    arena, kv = await map_arena(worker, cfg, load.dtype, served)
     weights, gate = await open_weights(w)
     # Built on the step thread, like everything that runs torch ops in parallel: OpenMP keeps a
     # thread team per thread that opens parallel regions, and once the main thread had one
@@ -91,11 +119,11 @@ async def build_engine(worker, load: LoadRequest, served: str) -> tuple[LLMEngin
         dweights, dgate = await open_weights(dw)
         draft = await loop.run_in_executor(worker.stepper, lambda: LlamaModel(ModelConfig(**dw.config), dweights,
                                                                               gate=dgate))
-    config = EngineConfig(block_size=worker.arena.block_size, max_model_len=a.max_model_len, scheduler=sched,
+    config = EngineConfig(block_size=arena.block_size, max_model_len=a.max_model_len, scheduler=sched,
                           speculative=spec, kv_cache_dtype=getattr(a, "kv_cache_dtype", "auto"))
     engine = await loop.run_in_executor(worker.stepper, lambda: LLMEngine(
-        model, config, model_name=served, kv_cache=worker.kv, tokenizer=tokenizer, draft_model=draft))
-    return engine, w
+        model, config, model_name=served, kv_cache=kv, tokenizer=tokenizer, draft_model=draft))
+    return engine, w, arena
 
 
 async def switch_model(worker, m: ModelSwitch) -> ModelSwitchReply:
@@ -103,7 +131,7 @@ async def switch_model(worker, m: ModelSwitch) -> ModelSwitchReply:
     t0, old = time.perf_counter(), worker.served
     load = LoadRequest(model=m.path, dtype=m.dtype, quantization=m.quantization, worker_id=worker.id, name=m.name)
     try:
-        engine, w = await build_engine(worker, load, m.name)
+        engine, w, arena = await build_engine(worker, load, m.name)
     except Exception as e:  # noqa: BLE001 - the scheduler must hear why
         log.warning("worker %s: cannot switch %s -> %s: %s", worker.id, old, m.name, e)
         try:  # still mapped by this worker: tell the loader so it is not evicted under it
@@ -112,8 +140,10 @@ async def switch_model(worker, m: ModelSwitch) -> ModelSwitchReply:
         except Exception as again:  # noqa: BLE001
             log.warning("worker %s: could not re-register %s with the loader: %s", worker.id, old, again)
         return ModelSwitchReply(ok=False, error=str(e), seconds=time.perf_counter() - t0)
-    await worker.replace_engine(engine, m.name, load, node_memory.weights_nbytes(w))
+    was = worker.arena.key
+    await worker.replace_engine(engine, m.name, load, node_memory.weights_nbytes(w), arena)
     took = time.perf_counter() - t0
-    log.info("worker %s model %s -> %s in %.3f s (weights from %s in %.3f s%s): %s", worker.id, old, m.name, took,
-             w.tier, w.load_s, ", layered: its layers still loading" if w.ready_path else "", m.reason)
+    log.info("worker %s model %s -> %s in %.3f s (weights from %s in %.3f s%s; KV arena %s%s): %s", worker.id, old,
+             m.name, took, w.tier, w.load_s, ", layered: its layers still loading" if w.ready_path else "", arena.key,
+             "" if arena.key == was else f", was {was}", m.reason)
     return ModelSwitchReply(ok=True, seconds=took, tier=w.tier)

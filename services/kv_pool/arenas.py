@@ -1,0 +1,108 @@
+"""A node's KV arenas: one per KV shape, and how the node's KV memory is divided between them.
+
+Models whose KV has the same shape (layers x KV heads x head dim) and arena dtype share one arena
+(its key: shared/kv_layout.py `arena_key`); a model of another shape gets its own. Block ids are
+ids within one arena, so every message that carries them names the arena too (shared/schemas.py).
+
+Sizes are planned at start, arenas made when first asked for. An arena cannot grow once workers
+map it (a mapped shared file, a CUDA allocation), so its size is decided before the first worker
+maps it; but its memory is taken only when a worker of that shape asks for it (the first model's
+arena at start, as before: the manifest's first model whose shape is known), so a manifest's models
+that never run cost no KV memory, which matters most for GPU memory on the CUDA backend.
+
+The plan (`plan_budgets`): each model of the manifest gets a part of `--kv-cache-gb`: a model
+with a `memory_quota_gb` its quota (its KV blocks never exceed it, shared/partitions.py), every
+other model an equal part of what the quotas leave, and at least an equal part of the whole (all
+parts scaled down together when they then add up to more than the budget). An arena gets the parts
+of its models. What no planned arena takes (quotas smaller than the budget, models whose shape
+could not be read at start: a known model name not pulled yet, a broken config) is the reserve: an
+arena of a shape the plan did not know (a model added by a reload) is made from what is left of it,
+and when nothing is left a worker of that shape is refused with the reason. Without a manifest the
+node's one arena gets the whole budget, as before. The host swap tier (`--swap-space`) is divided in
+the same proportions: each arena has its own (its blocks' bytes are its shape's).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from meshserve.shared.kv_layout import kv_arena_dtype
+from meshserve.shared.schemas import KVShape
+
+log = logging.getLogger("meshserve.kv_pool")
+
+GB = 1 << 30
+
+
+def model_parts(total: int, quotas: dict[str, float | None]) -> dict[str, int]:
+    """Each model's bytes of the node's KV budget: its quota (GiB) if it has one, else an equal part
+    of what the quotas leave but at least total / number of models; scaled to fit `total`."""
+    if not quotas:
+        return {}
+    parts = {m: min(q * GB, total) for m, q in quotas.items() if q is not None}
+    others = [m for m, q in quotas.items() if q is None]
+    if others:
+        each = max((total - sum(parts.values())) / len(others), total / len(quotas))
+        parts.update(dict.fromkeys(others, each))
+    scale = min(1.0, total / sum(parts.values())) if sum(parts.values()) else 1.0
+    return {m: int(p * scale) for m, p in parts.items()}
+
+
+@dataclass
+class ArenaBudgets:
+    """The node's KV bytes (and host swap tier bytes) per arena key, and what is left for the shapes
+    the plan did not know. Pure bookkeeping."""
+
+    total: int
+    swap: int = 0
+    planned: dict[str, int] = field(default_factory=dict)  # arena key -> bytes
+    made: dict[str, int] = field(default_factory=dict)  # arena key -> bytes it was made with
+
+    def for_arena(self, key: str) -> int:
+        """The bytes a new arena of this key gets: its planned part, or else the reserve left."""
+        if key in self.planned:
+            return self.planned[key]
+        unplanned = sum(n for k, n in self.made.items() if k not in self.planned)
+        return max(0, self.total - sum(self.planned.values()) - unplanned)
+
+    def swap_for(self, nbytes: int) -> int:
+        """The host swap tier bytes of an arena of nbytes: the same share of --swap-space."""
+        return self.swap * nbytes // self.total if self.total else 0
+
+    def describe(self) -> dict:
+        return {"total_bytes": self.total, "planned_bytes": dict(self.planned), "made_bytes": dict(self.made),
+                "reserve_bytes": max(0, self.total - sum(self.planned.values())
+                                     - sum(n for k, n in self.made.items() if k not in self.planned))}
+
+
+def plan_budgets(total: int, swap: int, models: list[tuple[str, str | None, float | None]]) -> ArenaBudgets:
+    """models: (id, arena key or None when its shape is unknown, memory_quota_gb or None)."""
+    parts = model_parts(total, {m: q for m, _, q in models})
+    planned: dict[str, int] = {}
+    for m, key, _ in models:
+        if key is not None:
+            planned[key] = planned.get(key, 0) + parts[m]
+    return ArenaBudgets(total, swap, planned)
+
+
+def manifest_shapes(manifest, default_dtype: str,
+                    kv_cache_dtype: str) -> list[tuple[str, KVShape | None, float | None]]:
+    """(id, KV shape, memory_quota_gb) of each model of the manifest, its shape read from its config
+    without its weights and without torch (models_repo.model_config); a model not on this machine yet
+    (a known name not pulled) or whose config cannot be read has shape None."""
+    from meshserve.shared.models_repo import model_config
+
+    out, configs = [], {}
+    for m in manifest.models:
+        try:
+            if m.path not in configs:
+                configs[m.path] = model_config(m.path, download=False)
+            cfg = configs[m.path]
+            shape = KVShape(num_hidden_layers=cfg.num_hidden_layers, num_key_value_heads=cfg.num_key_value_heads,
+                            head_dim=cfg.head_dim, dtype=kv_arena_dtype(kv_cache_dtype, m.dtype or default_dtype))
+        except Exception as e:  # noqa: BLE001 - its arena comes from the reserve, if it ever runs
+            log.warning("KV shape of model %s (%s) unknown at start: %s", m.id, m.path, e)
+            shape = None
+        out.append((m.id, shape, m.memory_quota_gb))
+    return out
