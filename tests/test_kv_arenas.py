@@ -1,0 +1,308 @@
+"""One KV arena per KV shape on each node (services/kv_pool/arenas.py, docs/models.md "KV arenas"):
+the budget split, the kv-pool with two shapes over a real nats-server (leases, give-back, handoff,
+the host tier and a cross-node pull, each per arena; no block id read against another arena), and
+a mesh of real processes serving two differently shaped tiny models with one worker that switches
+between them, each model's greedy text equal to the model alone."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import time
+from argparse import Namespace
+
+import numpy as np
+import orjson
+import pytest
+from mesh_util import Mesh
+from openai import OpenAI
+from test_kv_transfer import small_nats  # noqa: F401 - the fixture: a real nats-server
+from tiny_model import make_tiny_llama
+
+from meshserve.services.kv_pool.arenas import ArenaBudgets, model_parts, plan_budgets
+from meshserve.services.kv_pool.blocks import ArenaBlocks
+from meshserve.services.kv_pool.main import KVPool, create_arena
+from meshserve.services.scheduler.routing import uncached_blocks
+from meshserve.services.worker.kv_pool_client import KVPoolClient
+from meshserve.services.worker.model_switch import kv_shape
+from meshserve.shared import node_memory
+from meshserve.shared.bus import Bus
+from meshserve.shared.model.config import ModelConfig
+from meshserve.shared.prefix_hash import namespace, prompt_block_hashes
+from meshserve.shared.schemas import (BlockRefs, BlockTransfer, KVImport, KVImportReply, KVShape, LeaseReply,
+                                      LeaseRequest, TransferReply)
+
+GB = 1 << 30
+NARROW = KVShape(num_hidden_layers=2, num_key_value_heads=2, head_dim=16, dtype="float32")  # 8 KiB blocks
+DEEP = KVShape(num_hidden_layers=3, num_key_value_heads=1, head_dim=32, dtype="float32")  # 12 KiB blocks
+
+
+def _cfg(layers: int, kv_heads: int, head_dim: int) -> ModelConfig:
+    return ModelConfig(vocab_size=8, hidden_size=64, intermediate_size=8, num_hidden_layers=layers,
+                       num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=head_dim)
+
+
+# -- the plan and the keys (pure)
+
+
+def test_budgets_split_by_quota_then_equal_parts_and_keep_a_reserve():
+    assert model_parts(100, {"a": None, "b": None}) == {"a": 50, "b": 50}
+    # a quota takes its bytes (its KV never needs more); the others share the rest
+    assert model_parts(4 * GB, {"q": 1.0, "a": None}) == {"q": GB, "a": 3 * GB}
+    # quotas that leave less than an equal part: the others get an equal part of the whole (2 of 4 GiB),
+    # and all are scaled down together to fit (3.5 + 2 -> 4)
+    parts = model_parts(4 * GB, {"q": 3.5, "a": None})
+    assert abs(parts["q"] - 3.5 * GB * 4 / 5.5) <= 1 and abs(parts["a"] - 2 * GB * 4 / 5.5) <= 1
+    assert sum(parts.values()) <= 4 * GB
+    # models of one shape share one arena: its budget is their parts together
+    b = plan_budgets(4 * GB, GB, [("a", "k1", None), ("b", "k2", None), ("c", "k1", None), ("q", "k3", 0.5)])
+    assert set(b.planned) == {"k1", "k2", "k3"} and abs(b.planned["k2"] - 3.5 * GB / 3) <= 1
+    assert b.planned["k1"] == 2 * b.planned["k2"] and abs(b.planned["k3"] - GB // 2) <= 1
+    assert 4 * GB - 3 <= sum(b.planned.values()) <= 4 * GB
+    assert abs(b.swap_for(b.planned["k3"]) - GB // 8) <= 1  # the host tier in the same proportions
+    # what the quotas leave unused, and the parts of models whose shape was unknown, are the reserve
+    r = plan_budgets(4 * GB, 0, [("q", "k1", 1.0), ("u", None, None)])
+    assert r.planned == {"k1": GB} and r.for_arena("k1") == GB and r.for_arena("new") == 3 * GB
+    r.made["new"] = 3 * GB - 5
+    assert r.for_arena("other") == 5  # one unplanned arena took the reserve
+    assert ArenaBudgets(10).for_arena("any") == 10  # no manifest: the one arena gets it all
+
+
+def test_arena_keys_follow_the_kv_shape_and_an_int8_arena_takes_any_model_dtype():
+    small, deep = _cfg(2, 2, 16), _cfg(3, 1, 32)
+    assert kv_shape(small, "float32").key == "2x2x16-float32" and kv_shape(deep, "float32").key == "3x1x32-float32"
+    assert kv_shape(small, "bfloat16").key != kv_shape(small, "float32").key
+    # --kv-cache-dtype int8: one int8 arena per shape, whatever the model's dtype
+    assert kv_shape(small, "bfloat16", "int8").key == kv_shape(small, "float32", "int8").key == "2x2x16-int8"
+    assert kv_shape(small, "float32", "int8").dtype == "int8"
+
+
+def test_the_kv_pool_reads_each_models_kv_shape_without_weights_or_torch(tmp_path, tiny_llama):
+    """The plan at the kv-pool's start: shapes from config.json or a GGUF's metadata, in a process
+    that never imports torch (the kv-pool on the CPU backend)."""
+    import subprocess
+    import sys
+
+    from tiny_model import write_tiny_gguf
+
+    deep = make_tiny_llama(tmp_path / "deep", seed=3, num_hidden_layers=3, num_attention_heads=2,
+                           num_key_value_heads=1)
+    gguf = write_tiny_gguf(deep, tmp_path / "deep.gguf")
+    f = tmp_path / "m.yaml"
+    f.write_text(f"- {{name: a, path: '{tiny_llama}'}}\n- {{name: b, path: '{gguf}', dtype: bfloat16}}\n"
+                 f"- {{name: c, path: '{tiny_llama}', memory_quota_gb: 0.001}}\n"
+                 "- {name: d, path: smollm2-135m-instruct}\n")
+    code = ("import sys, json\nfrom meshserve.shared.manifest import load_manifest\n"
+            "from meshserve.services.kv_pool.arenas import manifest_shapes\n"
+            f"shapes = manifest_shapes(load_manifest({str(f)!r}), 'float32', 'auto')\n"
+            "print(json.dumps([(m, s and s.key, q) for m, s, q in shapes]))\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "MESHSERVE_CACHE": str(tmp_path / "empty-cache")})
+    assert r.returncode == 0, r.stderr
+    got = orjson.loads(r.stdout.strip().splitlines()[-1])
+    # d: a known model name not pulled here: its shape is unknown at start (its part is the reserve)
+    assert got == [["a", "2x2x16-float32", None], ["b", "3x1x32-bfloat16", None],
+                   ["c", "2x2x16-float32", 0.001], ["d", None, None]]
+
+
+def test_prefix_routing_never_matches_another_models_blocks():
+    tokens = list(range(64))
+    a = prompt_block_hashes(tokens, 16, namespace("narrow"))
+    b = prompt_block_hashes(tokens, 16, namespace("deep"))
+    assert not set(a) & set(b)
+    assert uncached_blocks(b, set(a)) == len(b)  # a worker that cached narrow's prompt has no hit for deep
+
+
+# -- the kv-pool with two shapes, in process, over a real nats-server
+
+
+def _args(**kw) -> Namespace:
+    return Namespace(block_size=16, transfer_ttl=120.0, transfer_chunk_bytes=1 << 20, transfer_timeout=10.0,
+                     worker_timeout=60.0, models=None, device="cpu", kv_cache_dtype="auto", **kw)
+
+
+async def _pool(bus: Bus, node: str) -> KVPool:
+    """A node whose KV memory holds 60 blocks of NARROW and 40 of DEEP (a part each), and no reserve."""
+    budgets = ArenaBudgets(total=60 * 8192 + 40 * 12288, swap=60 * 8192 + 40 * 12288,
+                           planned={NARROW.key: 60 * 8192, DEEP.key: 40 * 12288})
+    desc, buf = create_arena(bus.subjects.ns, node, NARROW, "float32", 16, budgets.for_arena(NARROW.key),
+                             budgets.swap_for(budgets.for_arena(NARROW.key)), "cpu", f"epoch-{node}")
+    pool = KVPool(bus, _args(), desc, buf, budgets)
+    await pool.serve()
+    await bus.nc.flush()
+    return pool
+
+
+def _blocks(desc) -> ArenaBlocks:
+    """A worker's view of an arena's bytes (the same shared file)."""
+    return ArenaBlocks.of_bytes(node_memory.open_buffer("cpu", desc.path, numpy=True), desc.dtype, desc.shape,
+                                desc.block_size)
+
+
+def _status(pool: KVPool, key: str) -> dict:
+    return pool.status()["arenas"][key]
+
+
+def test_the_kv_pool_keeps_one_arena_per_shape_with_its_own_block_ids(small_nats, tmp_path, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("MESHSERVE_SHM_DIR", str(tmp_path))
+
+    async def go():
+        bus = await Bus.connect(small_nats, namespace="arenas")
+        other_bus = await Bus.connect(small_nats, namespace="arenas")
+        pool = await _pool(bus, "node-a")
+        remote = await _pool(other_bus, "node-b")
+        heard: list[dict] = []
+
+        async def on_broadcast(msg):
+            heard.append({"subject": msg.subject, **orjson.loads(msg.data)})
+
+        for verb in ("pressure", "host_events"):
+            await bus.nc.subscribe(bus.subjects.kv(verb, "node-a"), cb=on_broadcast)
+        try:
+            return await body(bus, pool, remote, heard)
+        finally:
+            pool.close()
+            remote.close()
+            await bus.close()
+            await other_bus.close()
+
+    async def body(bus, pool, remote, heard):
+        a, b, b2 = (KVPoolClient(bus, "node-a", w) for w in ("worker-narrow", "worker-deep", "worker-deep-2"))
+        first = await a.arena_of()
+        assert first.key == NARROW.key and (await a.arena_of(NARROW, "narrow")).path == first.path
+        deep = await b.arena_of(DEEP, "deep")  # made now, on the first ask
+        assert deep.key == DEEP.key and deep.path != first.path and deep.epoch == first.epoch
+        assert deep.shape == [3, 2, 40 * 16, 1, 32] and deep.num_blocks == 40 and deep.swap_blocks == 40
+        assert (await b2.arena_of(DEEP, "deep")).path == deep.path  # one arena per shape
+        with pytest.raises(RuntimeError, match="no room for an arena of KV shape 4x2x16-float32"):
+            await a.arena_of(KVShape(num_hidden_layers=4, num_key_value_heads=2, head_dim=16, dtype="float32"), "x")
+        with pytest.raises(RuntimeError, match="same --kv-cache-dtype"):
+            await a.arena_of(KVShape(num_hidden_layers=5, num_key_value_heads=2, head_dim=16, dtype="int8"), "y")
+        a.arena, b.arena, b2.arena = first.key, deep.key, deep.key
+
+        # Leases: each arena has its own ids (both start at 0) and its own free list.
+        la, lb = (await a.lease(10)).block_ids, (await b.lease(10)).block_ids
+        assert la == lb == list(range(10))
+        assert (_status(pool, NARROW.key)["free_blocks"], _status(pool, DEEP.key)["free_blocks"]) == (50, 30)
+        # Give-back goes to the arena the client names: deep's ids free deep's blocks only.
+        await b.release(lb[5:])
+        await bus.nc.flush()
+        deadline = time.monotonic() + 5
+        while _status(pool, DEEP.key)["free_blocks"] != 35:
+            assert time.monotonic() < deadline, pool.status()
+            await asyncio.sleep(0.02)
+        assert _status(pool, NARROW.key)["free_blocks"] == 50
+        # The same ids named against the other arena are not that worker's there: nothing changes.
+        await bus.publish(bus.subjects.kv("release", "node-a"), BlockRefs(worker_id="worker-deep", block_ids=lb[:5],
+                                                                          arena=NARROW.key))
+        await bus.nc.flush()
+        await asyncio.sleep(0.1)
+        assert (_status(pool, NARROW.key)["free_blocks"], _status(pool, DEEP.key)["free_blocks"]) == (50, 35)
+        with pytest.raises(RuntimeError, match="has no KV arena '9x9x9-float32'"):
+            await bus.request(bus.subjects.kv("lease", "node-a"), LeaseRequest(
+                worker_id="lost", num_blocks=1, arena="9x9x9-float32"), LeaseReply)
+
+        # A handoff on one node moves references within the arena the ids are of.
+        t = await bus.request(bus.subjects.kv("transfer", "node-a"), BlockTransfer(
+            from_worker="worker-deep", to_worker="worker-deep-2", block_ids=lb[:2], arena=DEEP.key), TransferReply)
+        assert t.ok
+        t = await bus.request(bus.subjects.kv("transfer", "node-a"), BlockTransfer(
+            from_worker="worker-deep", to_worker="worker-deep-2", block_ids=lb[2:4], arena=NARROW.key), TransferReply)
+        assert not t.ok  # it holds no narrow blocks
+        assert _status(pool, DEEP.key)["holders"] == {"worker-deep": 3, "worker-deep-2": 2}
+
+        # The host tier is per arena: a deep block spilled comes back into deep blocks, never narrow ones.
+        view = _blocks(deep)
+        pattern = np.random.default_rng(5).integers(0, 256, view.block_bytes, dtype=np.uint8)
+        view.write(lb[2], pattern)
+        assert (await b.swap([(lb[2], 0xABC)])).stored == 1
+        assert (await a.swap([], [(0xABC, la[0])])).restored == 0  # not in narrow's tier
+        view.write(lb[2], np.zeros(view.block_bytes, dtype=np.uint8))
+        assert (await b.swap([], [(0xABC, lb[3])])).restored == 1
+        assert np.array_equal(view.read(lb[3]), pattern) and not _blocks(first).read(la[0]).any()
+        # Pressure names the arena that ran short (deep's workers give back, narrow's need not).
+        assert len((await b.lease(100)).block_ids) == 35
+        deadline = time.monotonic() + 5
+        while not any(h["subject"].endswith("pressure") for h in heard):
+            assert time.monotonic() < deadline, heard
+            await asyncio.sleep(0.02)
+        assert [h["arena"] for h in heard if h["subject"].endswith("pressure")] == [DEEP.key]
+        assert {h["arena"] for h in heard if h["subject"].endswith("host_events")} == {DEEP.key}
+
+        # Cross-node: node-b pulls node-a's deep blocks into its own deep arena (made on the ask).
+        rb = KVPoolClient(remote.bus, "node-b", "worker-deep-b")
+        rdeep = await rb.arena_of(DEEP, "deep")
+        imp = KVImport(transfer_id="t-deep", worker_id="worker-deep-b", src_node="node-a", src_worker="worker-deep-2",
+                       block_ids=lb[:2], num_tokens=32, model="deep", arena=rdeep.key, src_arena=DEEP.key)
+        view.write(lb[0], pattern[::-1].copy())
+        r = await remote.bus.request(remote.bus.subjects.kv("import", "node-b"), imp, KVImportReply, timeout=30)
+        assert r.ok, r.error
+        assert np.array_equal(_blocks(rdeep).read(r.block_ids[0]), pattern[::-1])
+        assert np.array_equal(_blocks(rdeep).read(r.block_ids[1]), view.read(lb[1]))
+        # ... and the same ids named against node-a's narrow arena are refused, not read from there.
+        bad = imp.model_copy(update=dict(transfer_id="t-wrong", src_worker="worker-deep", block_ids=lb[2:4],
+                                         src_arena=NARROW.key))
+        r = await remote.bus.request(remote.bus.subjects.kv("import", "node-b"), bad, KVImportReply, timeout=30)
+        assert not r.ok and "no longer holds" in r.error, r.error
+        return pool.status()
+
+    status = asyncio.run(go())
+    assert set(status["arenas"]) == {NARROW.key, DEEP.key}
+    assert status["arenas"][DEEP.key]["models"] == ["deep"]
+    assert status["swap"]["capacity_blocks"] == 100  # the tiers summed: 60 narrow + 40 deep
+
+
+# -- the mesh: two differently shaped models, one worker switching between them
+
+PROMPT, TOKENS = "The quick brown fox", 8
+
+
+@pytest.fixture(scope="module")
+def shaped(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shapes")
+    return {"narrow": make_tiny_llama(root / "narrow", seed=31),  # 2 layers x 2 KV heads x 16
+            "deep": make_tiny_llama(root / "deep", seed=32, num_hidden_layers=3, num_attention_heads=2,
+                                    num_key_value_heads=1)}  # 3 layers x 1 KV head x 32
+
+
+def test_one_worker_serves_two_kv_shapes_switching_arenas(shaped, tmp_path):
+    from meshserve.shared.engine.llm import LLM
+    from meshserve.shared.engine.sequence import SamplingParams
+
+    params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+    oracle = {n: LLM(str(p), "float32").generate([PROMPT], params)[0].text for n, p in shaped.items()}
+    manifest = tmp_path / "models.yaml"
+    manifest.write_text("".join(f"- {{name: {n}, path: '{p}'}}\n" for n, p in shaped.items()))
+    with Mesh(shaped["narrow"], tmp_path, prefill=0, decode=1, extra=["--models", str(manifest)],
+              env={"MESHSERVE_CACHE": str(tmp_path / "cache")}) as mesh:
+        client = OpenAI(base_url=mesh.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def complete(model: str) -> str:
+            return client.completions.create(model=model, prompt=PROMPT, max_tokens=TOKENS, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+
+        assert [complete(n) for n in ("narrow", "deep", "narrow")] == [oracle["narrow"], oracle["deep"],
+                                                                         oracle["narrow"]]
+        with concurrent.futures.ThreadPoolExecutor(4) as ex:  # both at once: they wait their turn
+            got = list(ex.map(complete, ["deep", "narrow", "deep", "narrow"]))
+        assert got == [oracle["deep"], oracle["narrow"]] * 2
+        switches = mesh.ask("scheduler.status")["recent_model_switches"]
+        assert len(switches) >= 2 and all(s["ok"] for s in switches), switches
+        kv = mesh.ask("kv.node0.status")
+        narrow_key, deep_key = "2x2x16-float32", "3x1x32-float32"
+        assert set(kv["arenas"]) == {narrow_key, deep_key}, kv["arenas"]
+        assert kv["arenas"][deep_key]["models"] == ["deep"] and "narrow" in kv["arenas"][narrow_key]["models"]
+        assert kv["models"]["deep"]["arena"] == deep_key and kv["models"]["narrow"]["arena"] == narrow_key
+        half = kv["budgets"]["total_bytes"] // 2  # two models, no quotas: half of --kv-cache-gb each
+        assert all(abs(a["bytes"] - half) <= a["block_bytes"] for a in kv["arenas"].values()), kv["arenas"]
+        # The worker is on one model: the other arena's blocks all went back at its switch.
+        deadline = time.monotonic() + 10
+        while True:
+            kv = mesh.ask("kv.node0.status")["arenas"]
+            idle = [k for k, a in kv.items() if not a["holders"]]
+            if len(idle) == 1 and kv[idle[0]]["free_blocks"] == kv[idle[0]]["num_blocks"]:
+                break
+            assert time.monotonic() < deadline, kv
+            time.sleep(0.2)
