@@ -288,13 +288,16 @@ def test_one_worker_serves_two_kv_shapes_switching_arenas(shaped, tmp_path):
         with concurrent.futures.ThreadPoolExecutor(4) as ex:  # both at once: they wait their turn
             got = list(ex.map(complete, ["deep", "narrow", "deep", "narrow"]))
         assert got == [oracle["deep"], oracle["narrow"]] * 2
-        switches = mesh.ask("scheduler.status")["recent_model_switches"]
+        status = mesh.ask("scheduler.status")
+        switches = status["recent_model_switches"]
         assert len(switches) >= 2 and all(s["ok"] for s in switches), switches
         kv = mesh.ask("kv.node0.status")
         narrow_key, deep_key = "2x2x16-float32", "3x1x32-float32"
         assert set(kv["arenas"]) == {narrow_key, deep_key}, kv["arenas"]
         assert kv["arenas"][deep_key]["models"] == ["deep"] and "narrow" in kv["arenas"][narrow_key]["models"]
         assert kv["models"]["deep"]["arena"] == deep_key and kv["models"]["narrow"]["arena"] == narrow_key
+        worker = status["workers"][0]  # its heartbeat names the arena of the model it serves
+        assert worker["arena"] == {"narrow": narrow_key, "deep": deep_key}[worker["model"]], worker
         half = kv["budgets"]["total_bytes"] // 2  # two models, no quotas: half of --kv-cache-gb each
         assert all(abs(a["bytes"] - half) <= a["block_bytes"] for a in kv["arenas"].values()), kv["arenas"]
         # The worker is on one model: the other arena's blocks all went back at its switch.

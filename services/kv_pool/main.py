@@ -180,7 +180,8 @@ class Arena:
         return {"dtype": self.desc.dtype, "shape": self.desc.shape, "num_blocks": self.desc.num_blocks,
                 "free_blocks": len(self.ledger.free), "block_bytes": self.blocks.block_bytes,
                 "bytes": self.desc.num_blocks * self.blocks.block_bytes, "models": sorted(self.models),
-                "holders": {w: sum(c.values()) for w, c in self.ledger.held.items()}, "swap": self.host.stats()}
+                "holders": {w: n for w, c in self.ledger.held.items() if (n := sum(c.values()))},
+                "swap": self.host.stats()}
 
 
 class UnknownArena(LookupError):

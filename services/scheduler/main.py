@@ -149,7 +149,7 @@ class Scheduler:
         total = max((w.hb.total_blocks for w in ws), default=1)
         return {"ready": ready,
                 "workers": [{"id": w.hb.worker_id, "role": self.role_of(w), "model": w.hb.model,
-                             "node_id": w.hb.node_id,
+                             "node_id": w.hb.node_id, "arena": w.hb.arena,
                              "running": w.hb.num_running, "waiting": w.hb.num_waiting,
                              "assigned": len(w.assigned),
                              "free_blocks": w.hb.free_blocks, "io_cpu_s": w.hb.io_cpu_s,

@@ -4,6 +4,9 @@ tested and read on their own.
 Prefill: cost = CACHE_WEIGHT x (prompt blocks not already cached on the worker) + load, where
 load counts the requests queued there in units of an average prompt's blocks. Traffic sharing a
 system prompt goes where the prompt is cached until that worker's queue outweighs the saving.
+The keys are salted with the model's name (shared/prefix_hash.py `namespace`) and a worker's set is
+cleared when it starts on a model, so no request counts another model's blocks (which live in
+another KV arena when the shapes differ: services/kv_pool/arenas.py) as hits.
 Decode: a worker on the prefill's node (the blocks are handed over by id) unless none is there or
 all there are full; then one on another node (the blocks cross NATS). Among those, the most free
 KV blocks, then the fewest running sequences.
