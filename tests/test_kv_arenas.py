@@ -245,7 +245,10 @@ def test_the_kv_pool_keeps_one_arena_per_shape_with_its_own_block_ids(small_nats
         bad = imp.model_copy(update=dict(transfer_id="t-wrong", src_worker="worker-deep", block_ids=lb[2:4],
                                          src_arena=NARROW.key))
         r = await remote.bus.request(remote.bus.subjects.kv("import", "node-b"), bad, KVImportReply, timeout=30)
-        assert not r.ok and "no longer holds" in r.error, r.error
+        assert not r.ok and "KV layouts differ" in r.error, r.error
+        r = await remote.bus.request(remote.bus.subjects.kv("import", "node-b"), bad.model_copy(
+            update=dict(transfer_id="t-none", src_arena="9x9x9-float32")), KVImportReply, timeout=30)
+        assert not r.ok and "has no KV arena '9x9x9-float32'" in r.error, r.error
         return pool.status()
 
     status = asyncio.run(go())
