@@ -33,14 +33,11 @@ import nats.errors
 from meshserve.shared import nats_auth, node_memory
 from meshserve.shared.bus import Bus
 from meshserve.shared.engine import wire
-from meshserve.shared.engine.llm_engine import (EngineConfig, LLMEngine, RequestError, RequestOutput,
+from meshserve.shared.engine.llm_engine import (LLMEngine, RequestError, RequestOutput,
                                                 SequenceStatus)
 from meshserve.shared.engine.policy import INTERACTIVE, PRIORITIES, add_scheduling_arguments
-from meshserve.shared.engine.scheduler import SchedulerConfig
 from meshserve.shared.engine.speculative import add_speculative_arguments
 from meshserve.shared.manifest import ManifestFile
-from meshserve.shared.model.config import ModelConfig
-from meshserve.shared.model.llama import LlamaModel
 from meshserve.shared.lora import LoRAError
 from meshserve.shared.partitions import (PartitionError, apply_cpus, format_cpus, process_cores, resolve_cpus,
                                          threads_for)
