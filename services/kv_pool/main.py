@@ -394,8 +394,12 @@ async def make_arena(bus: Bus, args) -> tuple[ArenaDescriptor, object]:
 async def main(args) -> None:
     async def start(bus: Bus):
         desc, buf = await make_arena(bus, args)
-        pool = KVPool(bus, args, desc, buf)
-        await pool.serve()
+        try:
+            pool = KVPool(bus, args, desc, buf)
+            await pool.serve()
+        except BaseException:  # a failed or cancelled start (shared/service.py) leaves no arena file
+            node_memory.release(desc.backend, desc.path)
+            raise
         return lambda: node_memory.release(desc.backend, desc.path)
 
     await run_service("kv-pool", args, start)
