@@ -21,7 +21,7 @@ import os
 import sys
 import time
 
-from meshserve.bench.compare import start_mesh, stop_mesh
+from meshserve.bench.compare import add_mesh_arguments, start_mesh, stop_mesh
 from meshserve.bench.loadgen import quiet_http_logs, write_json
 from meshserve.shared.models_repo import DEFAULT_MODEL
 
@@ -65,8 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--concurrent", type=int, default=8, help="streams at once in the mixed case (0: skip it)")
-    ap.add_argument("--mesh-args", default=None)
-    ap.add_argument("--mesh-startup-timeout", type=float, default=600.0)
+    add_mesh_arguments(ap, prefill=None, decode=None)  # the workers are the benchmark's to set
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     a.prefill, a.decode = 0, 1

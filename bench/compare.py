@@ -173,6 +173,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def add_mesh_arguments(ap: argparse.ArgumentParser, prefill: int | None = 0, decode: int | None = 1) -> None:
+    """The options of the `meshserve up` that start_mesh runs: its workers (None: the benchmark sets
+    them itself), more options for it, and how long its start may take."""
+    if prefill is not None:
+        ap.add_argument("--prefill", type=int, default=prefill, help="mesh prefill workers (default: %(default)s)")
+    if decode is not None:
+        ap.add_argument("--decode", type=int, default=decode, help="mesh decode workers (default: %(default)s)")
+    ap.add_argument("--mesh-args", default=None, help="more options for `meshserve up`, one string")
+    ap.add_argument("--mesh-startup-timeout", type=float, default=600.0)
+
+
 def start_mesh(a: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     """`meshserve up` on free ports, as bench-mesh starts it; returns the process and its URL once healthy."""
     import httpx
@@ -266,10 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--llama-cpp-url", default=None, help="also measure this llama.cpp server (OpenAI API)")
     ap.add_argument("--hf-batch", type=int, default=32, help="Transformers' static batch size")
-    ap.add_argument("--prefill", type=int, default=0, help="mesh prefill workers (as bench-mesh: 0)")
-    ap.add_argument("--decode", type=int, default=1, help="mesh decode workers")
-    ap.add_argument("--mesh-args", default=None, help="more options for `meshserve up`, one string")
-    ap.add_argument("--mesh-startup-timeout", type=float, default=600.0)
+    add_mesh_arguments(ap, prefill=0, decode=1)  # as bench-mesh
     ap.add_argument("--out", default=None, help="JSON file (default: docs/benchmarks/compare-<workload>.json)")
     ap.add_argument("--plots", default=None, help="PNG plots per system into DIR/<system>/")
     ap.add_argument("--per-request", action="store_true", help="also write every request's numbers")

@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from meshserve.bench.compare import start_mesh, stop_mesh
+from meshserve.bench.compare import add_mesh_arguments, start_mesh, stop_mesh
 from meshserve.bench.loadgen import quiet_http_logs, write_json
 from meshserve.bench.report import stats
 from meshserve.shared.models_repo import DEFAULT_MODEL
@@ -199,8 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker-threads", type=int, default=None, help="torch threads per worker (default: all the "
                                                                      "cores; a partition caps them at its cores)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--mesh-args", default=None, help="more options for `meshserve up`, one string")
-    ap.add_argument("--mesh-startup-timeout", type=float, default=600.0)
+    add_mesh_arguments(ap, prefill=None, decode=None)  # the workers are the benchmark's to set
     ap.add_argument("--out", default=None, help="also write the JSON here")
     a = ap.parse_args(argv)
     quiet_http_logs()

@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 
 from meshserve.bench import model_loads_bench
-from meshserve.bench.compare import http_run, start_mesh, stop_mesh
+from meshserve.bench.compare import add_mesh_arguments, http_run, start_mesh, stop_mesh
 from meshserve.bench.loadgen import (HTTPTarget, build_body, measure, new_result, prepare_workload, quiet_http_logs,
                                      special_ids, workload_arg, write_json)
 from meshserve.bench.report import RequestResult, summarize
@@ -222,10 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--max-model-len", type=int, default=2048, help="prompts are clamped to this context")
     ap.add_argument("--max-output-tokens", type=int, default=None, help="cap every request's output length")
-    ap.add_argument("--prefill", type=int, default=0, help="mesh prefill workers")
-    ap.add_argument("--decode", type=int, default=2, help="mesh decode workers")
-    ap.add_argument("--mesh-args", default=None, help="more options for `meshserve up`, one string")
-    ap.add_argument("--mesh-startup-timeout", type=float, default=600.0)
+    add_mesh_arguments(ap, prefill=0, decode=2)
     ap.add_argument("--no-restart", action="store_true", help="skip the restart-a-one-model-server-per-switch run")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument("--quiet", action="store_true")

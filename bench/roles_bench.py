@@ -18,7 +18,7 @@ import sys
 
 import httpx
 
-from meshserve.bench.compare import http_run, model_context_length, start_mesh, stop_mesh
+from meshserve.bench.compare import add_mesh_arguments, http_run, model_context_length, start_mesh, stop_mesh
 from meshserve.bench.loadgen import add_workload_arguments, build_body, prepare_workload, quiet_http_logs, slo_of, \
     special_ids, write_json
 from meshserve.bench.report import summarize
@@ -37,8 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--workers", type=int, default=2, help="workers on the node (at least 2)")
     ap.add_argument("--only", default=None, help="comma-separated configuration names (default: all)")
-    ap.add_argument("--mesh-args", default=None, help="more options for `meshserve up`, one string")
-    ap.add_argument("--mesh-startup-timeout", type=float, default=600.0)
+    add_mesh_arguments(ap, prefill=None, decode=None)  # the workers are the benchmark's to set
     ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)

@@ -28,7 +28,7 @@ import json
 import sys
 import time
 
-from meshserve.bench.compare import http_run, model_context_length, start_mesh, stop_mesh
+from meshserve.bench.compare import add_mesh_arguments, http_run, model_context_length, start_mesh, stop_mesh
 from meshserve.bench.loadgen import build_body, prepare_workload, quiet_http_logs, special_ids, write_json
 from meshserve.bench.report import RequestResult, summarize
 from meshserve.bench.workload import summary
@@ -163,10 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--short-prompt-tokens", type=int, default=200,
                     help="short requests of a workload with no `short` or `interactive` class: prompts up to this")
-    ap.add_argument("--prefill", type=int, default=1, help="mesh prefill workers")
-    ap.add_argument("--decode", type=int, default=1, help="mesh decode workers")
-    ap.add_argument("--mesh-args", default=None, help="more options for `meshserve up`, one string")
-    ap.add_argument("--mesh-startup-timeout", type=float, default=600.0)
+    add_mesh_arguments(ap, prefill=1, decode=1)
     ap.add_argument("--contexts", default="128,2048", help="context lengths for the swap/recompute costs ('' skips)")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument("--quiet", action="store_true")

@@ -29,7 +29,7 @@ import random
 import sys
 import time
 
-from meshserve.bench.compare import start_mesh, stop_mesh
+from meshserve.bench.compare import add_mesh_arguments, start_mesh, stop_mesh
 from meshserve.bench.loadgen import add_workload_arguments, build_body, prepare_workload, quiet_http_logs, \
     special_ids, write_json
 from meshserve.bench.startup_bench import memory_mb, mesh_processes
@@ -195,10 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="float32 (default): a greedy text is the same however it was batched or recomputed, so "
                          "'different' means wrong; with bfloat16 it may differ by rounding")
-    ap.add_argument("--prefill", type=int, default=1)
-    ap.add_argument("--decode", type=int, default=1)
-    ap.add_argument("--mesh-args", default=None, help="more options for `meshserve up`, one string")
-    ap.add_argument("--mesh-startup-timeout", type=float, default=600.0)
+    add_mesh_arguments(ap, prefill=1, decode=1)
     ap.add_argument("--mesh-log", default=None, help="the mesh's log goes here (default: nowhere)")
     ap.add_argument("--json", default=None, help="also write the JSON here")
     a = ap.parse_args(argv)

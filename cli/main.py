@@ -37,8 +37,8 @@ def _nats_credentials(args) -> int:
 
     passwords = nats_auth.generate_passwords(workers=args.workers)
     nats_auth.write_credentials(Path(args.dir), passwords)
-    # the server's block for these users, passwords from its environment (what deploy/nats.conf holds
-    # for the users without per-worker ones): for a server with --workers users
+    # the server's block for these users, passwords from its environment: with the default two workers,
+    # deploy/nats.conf's block (tests/test_deploy.py keeps them equal)
     block = nats_auth.authorization_block("meshserve", {u: "$" + nats_auth.password_env(u) for u in passwords})
     nats_auth.write_private(Path(args.dir) / nats_auth.AUTHORIZATION_CONF, block)
     print(f"NATS credentials written to {args.dir}: " + ", ".join(f"{u}.env" for u in passwords)
@@ -85,7 +85,13 @@ def _serve(args) -> int:
             return worker_main(a, role)
     uvloop.install()
     asyncio.run(entry(args))
-    return 0
+    # Stopped and cleaned up (the service's own files removed, the bus drained): leave without the
+    # interpreter's teardown, which in a process that loaded torch takes seconds (2.5 s for a worker
+    # on an idle machine), all of it added to the stop of a mesh.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _add_role_arguments(role: str, p: argparse.ArgumentParser) -> None:
@@ -164,8 +170,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     nc = sub.add_parser("nats-credentials", help="generate NATS users and passwords for compose/Kubernetes "
                                                   "(docs/security.md): DIR/<user>.env and DIR/nats-server.env, 0600")
     nc.add_argument("dir", help="where to write them (deploy/credentials for compose.yaml and deploy/)")
-    nc.add_argument("--workers", type=int, default=0,
-                    help="also a user of its own for each of this many workers, worker-0.env ... (docs/security.md)")
+    nc.add_argument("--workers", type=int, default=2,
+                    help="a user of its own for each of this many workers, worker-0.env ... (default: %(default)s, "
+                         "the prefill (worker-0) and decode (worker-1) of compose.yaml and deploy/; more: "
+                         "docs/security.md)")
     nc.set_defaults(func=_nats_credentials)
 
     m = sub.add_parser("models", help="the local model repository")

@@ -9,9 +9,10 @@ each service user has its own, so no other user can read the replies to its requ
 MESHSERVE_NATS_TLS_CA/_CERT/_KEY for TLS. Credentials in the URL (nats://user:pw@host) work too.
 
 Each worker may have a user of its own (`worker-<i>`, which `meshserve up` makes for each of its
-workers; `worker` is the one all workers of compose/Kubernetes share): a worker's id starts with its
-user's name (`<name>.<role>-<node>-<pid>`, shared/subjects.py), so its user may subscribe to its own
-`worker.<name>.*.<verb>` subjects and no other worker's, whatever pid a restart gives it.
+workers, and compose/Kubernetes give their prefill and decode; `worker` is shared by any worker
+started without one): a worker's id starts with its user's name (`<name>.<role>-<node>-<pid>`,
+shared/subjects.py), so its user may subscribe to its own `worker.<name>.*.<verb>` subjects and no
+other worker's, whatever pid a restart gives it.
 
 The rules (docs/security.md): workers cannot publish on the public API nor on scheduler.submit
 (they do publish and hear each other's compute claims, `compute.*.claim`);

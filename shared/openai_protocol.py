@@ -34,6 +34,23 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def validate_body(cls: type[BaseModel], body: Any) -> BaseModel:
+    """A JSON body as `cls`, or OpenAIError(400) naming the first field that is wrong ("unknown
+    field" for one a model that forbids extras does not have). The gateway's small endpoints
+    (/tokenize, /detokenize, the LoRA admin routes) read their bodies with it."""
+    from pydantic import ValidationError
+
+    if not isinstance(body, dict):
+        raise OpenAIError("the request body must be a JSON object")
+    try:
+        return cls.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(x) for x in err.get("loc", ())) or None
+        msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
+        raise OpenAIError(f"{param + ': ' if param else ''}{msg}", param=param) from None
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 

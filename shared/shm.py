@@ -38,9 +38,11 @@ def dtype_name(dtype) -> str:
 
 
 def create(name: str, nbytes: int) -> Path:
-    """A new zero-filled shared file (replacing a stale one of the same name)."""
+    """A new zero-filled shared file (replacing a stale one of the same name), written under a
+    temporary name of its own first (the whole name and the pid, so names that differ after a dot,
+    and two processes creating one name, never share it) and renamed into place."""
     path = shm_dir() / name
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
         f.truncate(nbytes)
     os.replace(tmp, path)

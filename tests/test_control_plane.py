@@ -219,6 +219,21 @@ def test_numpy_and_torch_views_of_one_arena_agree(tmp_path, monkeypatch):
     node_memory.release("cpu", path)
 
 
+def test_shm_create_writes_through_a_temporary_name_of_its_own(tmp_path, monkeypatch):
+    """A shared file is written under a temporary name and renamed into place; that name keeps the
+    whole name (the part after a dot too), so it is never another file's, nor another create's."""
+    from meshserve.shared import shm
+
+    monkeypatch.setenv("MESHSERVE_SHM_DIR", str(tmp_path))
+    (tmp_path / "weights.tmp").write_bytes(b"another file")  # what `weights.a`'s temporary name once was
+    a, b = shm.create("weights.a", 64), shm.create("weights.b", 32)
+    assert (a.name, a.read_bytes(), b.name, b.read_bytes()) == ("weights.a", bytes(64), "weights.b", bytes(32))
+    assert (tmp_path / "weights.tmp").read_bytes() == b"another file"
+    (tmp_path / "weights.a").write_bytes(b"stale")
+    assert shm.create("weights.a", 8).read_bytes() == bytes(8)  # a stale file of that name is replaced
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["weights.a", "weights.b", "weights.tmp"]  # nothing left over
+
+
 # -- what a start keeps for the next: the same as what it would rebuild
 
 def test_a_gguf_tokenizer_is_kept_and_reads_back_the_same(tiny_llama, tmp_path, monkeypatch):

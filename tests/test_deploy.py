@@ -1,6 +1,7 @@
 """The deployment files (Dockerfile, compose.yaml, deploy/), checked without a container engine or a
 cluster: against the Compose Specification and Kubernetes API schemas, then for the promises
-docs/deploy.md makes that no schema sees (shared memory, GPUs, tracing, wiring), and every container
+docs/deploy.md makes that no schema sees (shared memory, GPUs, tracing, wiring, each service's own NATS
+user, on a real nats-server with deploy/nats.conf), and every container
 command against the `meshserve` command line itself."""
 
 from __future__ import annotations
@@ -221,16 +222,38 @@ def _nats_server() -> Path:
     return path
 
 
-def test_nats_config_is_valid_and_the_same_for_compose_and_kubernetes():
+@pytest.fixture(scope="module")
+def credentials(tmp_path_factory) -> Path:
+    """What `meshserve nats-credentials deploy/credentials` writes (the real command), in a temporary directory."""
+    d = tmp_path_factory.mktemp("deploy") / "credentials"
+    subprocess.run([sys.executable, "-m", "meshserve.cli.main", "nats-credentials", str(d)], check=True,
+                   capture_output=True, timeout=60)
+    return d
+
+
+def _server_env(credentials: Path) -> dict[str, str]:
+    """The nats container's environment: the passwords deploy/nats.conf reads."""
+    return {"PATH": "/usr/bin:/bin", **nats_auth.read_credentials(credentials / nats_auth.SERVER_ENV)}
+
+
+def _conf_users(text: str) -> list[str]:
+    return re.findall(r'\{user: "([^"]+)"', text)
+
+
+def test_nats_config_is_valid_and_the_same_for_compose_and_kubernetes(credentials):
     conf = DEPLOY / "nats.conf"
-    passwords = {nats_auth.password_env(u): f"test-{u}" for u in nats_auth.USERS}  # what the Secret gives it
     proc = subprocess.run([_nats_server(), "-t", "-c", conf], capture_output=True, text=True, timeout=30,
-                          env={"PATH": "/usr/bin:/bin", **passwords})
+                          env=_server_env(credentials))  # what the Secret / env_file gives it
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert re.search(r"^max_payload:\s*8MB\s*$", conf.read_text(), re.M)
-    # every connection authenticates, with the permissions `meshserve up` gives its own server
-    assert nats_auth.authorization_block("meshserve", {u: "$" + nats_auth.password_env(u) for u in nats_auth.USERS}) \
-        in conf.read_text()
+    # every connection authenticates, with the permissions `meshserve up` gives its own server: the
+    # block `meshserve nats-credentials` writes for its users, exactly those whose files it writes
+    block = (credentials / nats_auth.AUTHORIZATION_CONF).read_text()
+    assert block in conf.read_text()
+    assert nats_auth.authorization_block("meshserve", {u: "$" + nats_auth.password_env(u)
+                                                       for u in _conf_users(block)}) == block
+    assert sorted(_conf_users(conf.read_text())) == sorted(
+        p.name.removesuffix(".env") for p in credentials.glob("*.env") if p.name != nats_auth.SERVER_ENV)
     configmap = next(d for d in _manifests() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "nats-config")
     assert configmap["data"]["nats.conf"] == conf.read_text()
     nats = _pod_specs()["nats"]["containers"][0]
@@ -369,28 +392,70 @@ def test_every_container_runs_a_role_the_cli_knows(meshserve_help):
 # ---------------------------------------------------------------- credentials, restarts, readiness
 
 
-def test_every_service_has_its_nats_credentials_a_restart_policy_and_a_readiness_check():
-    """Compose and Kubernetes give each service its own NATS user (from the files `meshserve
-    nats-credentials deploy/credentials` writes, never in the files themselves), restart what dies,
-    and say when each service is ready."""
+def _compose_users() -> dict[str, str]:
+    """compose service -> the NATS user of its env_file (deploy/credentials/<user>.env)."""
+    services = _compose()["services"]
+    out = {}
+    for name in _compose_commands():
+        path = services[name].get("env_file", "")
+        assert isinstance(path, str) and path.startswith("deploy/credentials/"), f"{name}: env_file {path!r}"
+        out[name] = path.removeprefix("deploy/credentials/").removesuffix(".env")
+    return out
+
+
+def _k8s_users() -> dict[str, str]:
+    """'workload/container' -> the NATS user of the one nats-* Secret in its envFrom (its env file)."""
+    secrets = _generated_secrets()
+    out = {}
+    for key in _k8s_commands():
+        workload, container = key.split("/")
+        c = next(x for x in _pod_specs()[workload]["containers"] if x["name"] == container)
+        refs = [r["secretRef"]["name"] for r in c.get("envFrom", []) if "secretRef" in r]
+        assert len(refs) == 1, f"{key}: NATS credentials from {refs}"
+        (env,) = secrets[refs[0]]
+        out[key] = env.removeprefix("credentials/").removesuffix(".env")
+    return out
+
+
+def _expected_user(role: str, user: str) -> bool:
+    """A service's own user; a worker's a `worker-<i>` of its own (never the shared `worker`)."""
+    if role in ("prefill", "decode"):
+        return re.fullmatch(r"worker-\d+", user) is not None
+    return user == nats_auth.ROLE_USER[role]
+
+
+def test_every_service_has_its_nats_credentials_a_restart_policy_and_a_readiness_check(credentials):
+    """Compose and Kubernetes give each service its own NATS user, each worker too (from the files
+    `meshserve nats-credentials deploy/credentials` writes, never in the files themselves), restart
+    what dies, and say when each service is ready."""
     services = _compose()["services"]
     commands = _compose_commands()
+    conf_users = set(_conf_users((DEPLOY / "nats.conf").read_text()))
     assert services["nats"]["env_file"] == f"deploy/credentials/{nats_auth.SERVER_ENV}"
     for name, svc in services.items():
         assert svc.get("restart") == "unless-stopped", name
+    users = _compose_users()
     for name, argv in commands.items():
-        user = nats_auth.ROLE_USER[_role(argv)]
-        assert services[name]["env_file"] == f"deploy/credentials/{user}.env", name
+        assert _expected_user(_role(argv), users[name]), (name, users[name])
+        assert (credentials / f"{users[name]}.env").exists(), name  # the command writes it
         check = " ".join(services[name]["healthcheck"]["test"])
         assert "/health" in check or services[name]["environment"]["MESHSERVE_READY_FILE"] in check, name
+        assert "@" not in argv[argv.index("--nats-url") + 1], name  # no credentials on a command line
+    assert len(set(users.values())) == len(users), f"services share a NATS user: {users}"
+    assert set(users.values()) <= conf_users
     assert services["nats"]["healthcheck"]["test"]
     assert "deploy/credentials/" in (ROOT / ".gitignore").read_text() and "deploy" in (ROOT / ".dockerignore").read_text()
 
-    secrets = _generated_secrets()
-    assert secrets == {"nats-server-credentials": [f"credentials/{nats_auth.SERVER_ENV}"],
-                       **{f"nats-{u}": [f"credentials/{u}.env"] for u in nats_auth.SERVICE_USERS}}
+    # Kubernetes: the same user per role as compose; one Secret per user, each made from its file
+    k8s = _k8s_users()
+    by_role = {_role(argv): users[name] for name, argv in commands.items()}
+    for key, argv in _k8s_commands().items():
+        assert k8s[key] == by_role[_role(argv)], (key, k8s[key])
+    assert _generated_secrets() == {"nats-server-credentials": [f"credentials/{nats_auth.SERVER_ENV}"],
+                                    **{f"nats-{u}": [f"credentials/{u}.env"] for u in set(k8s.values())}}
     assert not any(d["kind"] == "Secret" for d in _manifests()), "passwords are generated, never committed"
     env = next(d for d in _manifests() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "meshserve-env")["data"]
+    assert not {nats_auth.ENV_USER, nats_auth.ENV_PASSWORD} & set(env), "credentials only from the Secrets"
     nats = _pod_specs()["nats"]["containers"][0]
     assert {"secretRef": {"name": "nats-server-credentials"}} in nats["envFrom"]
     for workload, spec in _pod_specs().items():
@@ -400,7 +465,75 @@ def test_every_service_has_its_nats_credentials_a_restart_policy_and_a_readiness
     for key, argv in _k8s_commands().items():
         workload, container = key.split("/")
         c = next(x for x in _pod_specs()[workload]["containers"] if x["name"] == container)
-        assert {"secretRef": {"name": f"nats-{nats_auth.ROLE_USER[_role(argv)]}"}} in c["envFrom"], key
         probe = c["readinessProbe"]
         assert probe.get("httpGet", {}).get("path") == "/health" or \
             probe["exec"]["command"] == ["test", "-f", env["MESHSERVE_READY_FILE"]], key
+
+
+def test_the_deploy_nats_server_admits_each_service_and_nobody_else(credentials):
+    """deploy/nats.conf on a real nats-server with the generated passwords: every compose service's
+    credentials connect, a connection without credentials (or with a wrong password) is refused, and
+    the prefill worker's user can neither read the decode worker's requests nor use the public API."""
+    import asyncio
+
+    import nats
+    import nats.errors
+
+    from mesh_util import free_port
+    from meshserve.shared.subjects import Subjects
+
+    port, monitor = free_port(), free_port()
+    server = subprocess.Popen([_nats_server(), "-c", DEPLOY / "nats.conf", "-a", "127.0.0.1", "-p", str(port),
+                               "-m", str(monitor)], env=_server_env(credentials),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url, s = f"nats://127.0.0.1:{port}", Subjects("meshserve")
+    compose = _compose()["services"]
+    roles = {_role(argv): name for name, argv in _compose_commands().items()}
+
+    def env_of(service: str) -> dict[str, str]:
+        return nats_auth.read_credentials(credentials / Path(compose[service]["env_file"]).name)
+
+    async def ignore(e):
+        pass
+
+    async def connect(env: dict, errors: list | None = None):
+        async def on_error(e):
+            if errors is not None:
+                errors.append(str(e))
+        return await nats.connect(url, allow_reconnect=False, error_cb=on_error, **nats_auth.connect_options(env))
+
+    async def go():
+        deadline = asyncio.get_running_loop().time() + 20
+        while True:  # until the server listens
+            try:
+                await (await connect(env_of(roles["scheduler"]))).close()
+                break
+            except (OSError, nats.errors.NoServersError):
+                assert asyncio.get_running_loop().time() < deadline, "nats-server did not start"
+                await asyncio.sleep(0.05)
+        for service in roles.values():
+            nc = await connect(env_of(service))
+            assert nc.is_connected, service
+            await nc.close()
+        with pytest.raises(Exception, match="(?i)authorization"):
+            await nats.connect(url, allow_reconnect=False, error_cb=ignore)
+        wrong = {**env_of(roles["decode"]), nats_auth.ENV_PASSWORD: "wrong"}
+        with pytest.raises(Exception, match="(?i)authorization"):
+            await connect(wrong)
+        errors: list[str] = []
+        prefill = await connect(env_of(roles["prefill"]), errors)
+        decode_id = f"{env_of(roles['decode'])[nats_auth.ENV_USER]}.decode-node-0-1"  # as a worker names itself
+        await prefill.subscribe(s.worker(decode_id, "adopt"))
+        await prefill.publish(s.completions, b"{}")
+        await prefill.flush()
+        deadline = asyncio.get_running_loop().time() + 5
+        while sum("permissions violation" in e.lower() for e in errors) < 2:
+            assert asyncio.get_running_loop().time() < deadline, errors
+            await asyncio.sleep(0.02)
+        await prefill.close()
+
+    try:
+        asyncio.run(asyncio.wait_for(go(), 60))
+    finally:
+        server.terminate()
+        server.wait(10)

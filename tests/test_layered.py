@@ -157,6 +157,48 @@ def test_layered_loading_through_the_mesh_gives_the_tokens_of_loading_first(mesh
     assert httpx.get(mesh.url + "/health", timeout=10).status_code == 200
 
 
+def test_a_loader_stopped_mid_load_stops_writing_and_leaves_no_files(deep, tmp_path):
+    """SIGTERM to a model-loader whose layered preload is still being written (5 s a part, six
+    parts): it stops at the next part instead of writing the rest, and removes the load's files."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from mesh_util import free_port
+
+    from meshserve.cli.launcher import nats_server_binary
+
+    port, shm_dir, ready = free_port(), tmp_path / "shm", tmp_path / "ready"
+    server = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp_path / "loader.log"
+    loader = subprocess.Popen(
+        [sys.executable, "-m", "meshserve.cli.main", "serve", "model-loader", "--nats-url", f"nats://127.0.0.1:{port}",
+         "--namespace", "stoploader", "--model", str(deep), "--dtype", "float32", "--node-id", "n0", "--preload"],
+        stdout=open(log, "w"), stderr=subprocess.STDOUT,
+        env={**os.environ, "MESHSERVE_SHM_DIR": str(shm_dir), "MESHSERVE_READY_FILE": str(ready),
+             "MESHSERVE_CACHE": str(tmp_path / "cache"), loads.PART_DELAY_ENV: "5"})
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():  # preloaded: answered once the buffer existed, parts still coming
+            assert loader.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        assert any(shm_dir.iterdir()) and "layered load" in log.read_text()
+        t0 = time.monotonic()
+        loader.send_signal(signal.SIGTERM)
+        assert loader.wait(30) == 0, log.read_text()
+        took = time.monotonic() - t0
+        assert took < 12, f"{took:.1f}s: it wrote the remaining parts (5 s each) before it stopped"
+        assert not list(shm_dir.iterdir()), "the load's files were left behind"
+    finally:
+        if loader.poll() is None:
+            loader.kill()
+        server.terminate()
+        server.wait(10)
+
+
 # -- the benchmark's load times (bench-models --tier-load-times), on tiny models
 
 

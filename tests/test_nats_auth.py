@@ -79,6 +79,33 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 30))
 
 
+async def check_kept_off(connect, user: str, other: str, s: Subjects, more_subscriptions: tuple[str, ...] = ()):
+    """`user`, a worker's credentials, may neither publish on worker `other`'s subjects nor on the
+    public API, nor read `other`'s requests (nor subscribe to `more_subscriptions`): each is refused
+    as a permissions violation, and nothing it published reaches a subscriber. connect(user, errors)
+    opens a connection whose async errors go to `errors`; returns (admin, the worker's), still open."""
+    admin = await connect("admin")
+    heard = []
+
+    async def hear(msg):
+        heard.append(msg.subject)
+    for subject in (s.worker(other, "adopt"), s.worker(other, "prefill"), s.completions):
+        await admin.subscribe(subject, cb=hear)
+    await admin.flush()
+    errors: list[str] = []
+    worker = await connect(user, errors)
+    for subject in (s.worker(other, "adopt"), s.completions):  # another worker's, the public API
+        await worker.publish(subject, b"{}")
+    for subject in (s.worker(other, "prefill"), *more_subscriptions):  # reading another worker's requests
+        await worker.subscribe(subject)
+    got = await violations_of(worker, errors, 3 + len(more_subscriptions))
+    assert any("publish" in e.lower() and s.worker(other, "adopt") in e for e in got), got
+    assert any("subscription" in e.lower() and s.worker(other, "prefill") in e for e in got), got
+    await admin.flush()
+    assert heard == []  # nothing the worker published reached those subjects
+    return admin, worker
+
+
 def test_config_and_credentials_are_private(tmp_path):
     nats_auth.write_credentials(tmp_path / "creds", nats_auth.generate_passwords())
     for f in (tmp_path / "creds").iterdir():
@@ -253,16 +280,10 @@ def test_each_worker_reaches_only_its_own_subjects(server):
     mine, theirs = "worker-0.prefill-node0-11", "worker-1.decode-node0-12"  # ids as Worker makes them
 
     async def go():
-        admin = await connect_as(url, passwords, "admin")
-        heard = []
-
-        async def hear(msg):
-            heard.append(msg.subject)
-        for subject in (S.worker(theirs, "adopt"), S.worker(theirs, "prefill"), S.completions):
-            await admin.subscribe(subject, cb=hear)
-        await admin.flush()
-        errors: list[str] = []
-        w0 = await connect_as(url, passwords, "worker-0", errors)
+        async def connect(user, errors=None):
+            return await connect_as(url, passwords, user, errors)
+        # neither another's subjects, nor the shared user's
+        admin, w0 = await check_kept_off(connect, "worker-0", theirs, S, (S.worker("worker.*", "prefill"),))
         got_own = asyncio.Event()
 
         async def own(msg):
@@ -270,22 +291,13 @@ def test_each_worker_reaches_only_its_own_subjects(server):
         await w0.subscribe(S.worker(mine, "adopt"), cb=own)
         await w0.flush()
         await w0.flush()
-        scheduler = await connect_as(url, passwords, "scheduler")
+        scheduler = await connect("scheduler")
         await scheduler.publish(S.worker(mine, "adopt"), b"{}")
         await asyncio.wait_for(got_own.wait(), 5)  # its own subjects work
-        for subject in (S.worker(theirs, "adopt"), S.completions):  # another's, the public API: refused
-            await w0.publish(subject, b"{}")
-        await w0.subscribe(S.worker(theirs, "prefill"))  # nor may it read another's
-        await w0.subscribe(S.worker("worker.*", "prefill"))  # ...nor the shared user's
-        got = await violations_of(w0, errors, 4)
-        assert any("publish" in e.lower() and S.worker(theirs, "adopt") in e for e in got), got
-        assert any("subscription" in e.lower() and S.worker(theirs, "prefill") in e for e in got), got
         shared_errors: list[str] = []
-        shared = await connect_as(url, passwords, "worker", shared_errors)
+        shared = await connect("worker", shared_errors)
         await shared.subscribe(S.worker(theirs, "prefill"))
         await violations_of(shared, shared_errors, 1)
-        await admin.flush()
-        assert heard == []  # nothing a worker published reached those subjects
         for nc in (admin, w0, scheduler, shared):
             await nc.close()
     run(go())
@@ -449,23 +461,7 @@ def test_a_workers_credentials_stay_off_other_workers_subjects(secure_mesh):
     other, s = ids[1], Subjects(m.namespace)
 
     async def go():
-        admin = await mesh_connect(m, "admin")
-        heard = []
-
-        async def hear(msg):
-            heard.append(msg.subject)
-        for subject in (s.worker(other, "adopt"), s.worker(other, "prefill"), s.completions):
-            await admin.subscribe(subject, cb=hear)
-        await admin.flush()
-        errors: list[str] = []
-        w0 = await mesh_connect(m, "worker-0", errors)
-        await w0.publish(s.worker(other, "adopt"), b"{}")  # another worker's adopt
-        await w0.publish(s.completions, b"{}")  # the public API
-        await w0.subscribe(s.worker(other, "prefill"))  # reading another worker's requests
-        got = await violations_of(w0, errors, 3)
-        assert any("publish" in e.lower() and s.worker(other, "adopt") in e for e in got), got
-        await admin.flush()
-        assert heard == []
+        admin, w0 = await check_kept_off(lambda user, errors=None: mesh_connect(m, user, errors), "worker-0", other, s)
         await admin.close()
         await w0.close()
     asyncio.run(asyncio.wait_for(go(), 30))

@@ -193,13 +193,38 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
         NgramProposer(3, 2)
 
 
+def check_mesh_speculates(m, prompts: list, texts: list[str], num_tokens: list[int] | None = None) -> dict:
+    """Each prompt, greedy through the mesh's OpenAI API, gives its expected text (and token count);
+    then, once the workers' heartbeats bring them, /metrics counts accepted draft tokens (no more
+    than were proposed) and verification steps. Returns those counters."""
+    import httpx
+    from openai import OpenAI
+
+    client = OpenAI(base_url=m.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    for i, (prompt, text) in enumerate(zip(prompts, texts, strict=True)):
+        r = client.completions.create(model=m.model, prompt=prompt, max_tokens=MAX_NEW, temperature=0)
+        assert r.choices[0].text == text
+        if num_tokens is not None:
+            assert r.usage.completion_tokens == num_tokens[i]
+    deadline, values = time.monotonic() + 30, {}
+    while time.monotonic() < deadline:  # the counters come with the workers' heartbeats
+        text = httpx.get(m.url + "/metrics").text
+        values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith("meshserve:spec_decode_")}
+        if values.get("meshserve:spec_decode_num_accepted_tokens_total", 0) > 0:
+            break
+        time.sleep(0.2)
+    accepted = values["meshserve:spec_decode_num_accepted_tokens_total"]
+    assert 0 < accepted <= values["meshserve:spec_decode_num_draft_tokens_total"], values
+    assert values["meshserve:spec_decode_num_verification_steps_total"] > 0
+    return values
+
+
 def test_meshserve_up_speculative_ngram(tiny_llama, tmp_path):
     """`meshserve up --speculative ngram` (a prefill and a decode worker: the decode worker speculates
     on the sequences handed to it) gives the text of the engine without speculation, and /metrics
     counts the accepted tokens of a prompt that repeats itself."""
-    import httpx
     from mesh_util import Mesh
-    from openai import OpenAI
 
     prompt = "def add(a, b):\n    return a + b\n" * 3
     want = LLM(str(tiny_llama), "float32").generate([prompt], SamplingParams(max_tokens=MAX_NEW, temperature=0))[0]
@@ -208,21 +233,7 @@ def test_meshserve_up_speculative_ngram(tiny_llama, tmp_path):
     assert spec.engine.stats["spec_decode"]["num_accepted_tokens"] > 0  # the prompt the mesh gets has acceptances
     with Mesh(tiny_llama, tmp_path, prefill=1, decode=1,
               extra=["--speculative", "ngram", "--num-speculative-tokens", "4"]) as m:
-        r = OpenAI(base_url=m.url + "/v1", api_key="unused").completions.create(
-            model=m.model, prompt=prompt, max_tokens=MAX_NEW, temperature=0)
-        assert r.choices[0].text == want.text
-        deadline, values = time.monotonic() + 30, {}
-        while time.monotonic() < deadline:  # the counters come with the workers' heartbeats
-            text = httpx.get(m.url + "/metrics").text
-            values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                      if line.startswith("meshserve:spec_decode_")}
-            if values.get("meshserve:spec_decode_num_accepted_tokens_total", 0) > 0:
-                break
-            time.sleep(0.2)
-        assert values["meshserve:spec_decode_num_accepted_tokens_total"] > 0, values
-        assert values["meshserve:spec_decode_num_draft_tokens_total"] >= \
-            values["meshserve:spec_decode_num_accepted_tokens_total"]
-        assert values["meshserve:spec_decode_num_verification_steps_total"] > 0
+        check_mesh_speculates(m, [prompt], [want.text])
         status = m.ask("scheduler.status")
         assert status["spec_decode"]["num_accepted_tokens"] > 0
 
@@ -247,9 +258,7 @@ def test_meshserve_up_speculative_model(tiny_llama, draft_dir, tmp_path):
     """`meshserve up --speculative-model D` with a prefill and a decode worker: the decode worker's
     draft rebuilds its mirror of each handed-off sequence from its tokens, the greedy text equals
     Transformers' on the target, and /metrics counts the draft's proposals and acceptances."""
-    import httpx
     from mesh_util import Mesh
-    from openai import OpenAI
     from transformers import AutoModelForCausalLM
 
     from meshserve.shared.models_repo import load_tokenizer
@@ -261,21 +270,9 @@ def test_meshserve_up_speculative_model(tiny_llama, draft_dir, tmp_path):
     tok = load_tokenizer(str(tiny_llama))
     with Mesh(tiny_llama, tmp_path, prefill=1, decode=1,
               extra=["--speculative-model", str(draft_dir), "--num-speculative-tokens", "3"]) as m:
-        client = OpenAI(base_url=m.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        for prompt, ref in zip(prompts, want):
-            r = client.completions.create(model=m.model, prompt=prompt, max_tokens=MAX_NEW, temperature=0)
-            assert r.choices[0].text == tok.decode(ref) and r.usage.completion_tokens == len(ref)
-        deadline, values = time.monotonic() + 30, {}
-        while time.monotonic() < deadline:  # the counters come with the workers' heartbeats
-            text = httpx.get(m.url + "/metrics").text
-            values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                      if line.startswith("meshserve:spec_decode_")}
-            if values.get("meshserve:spec_decode_num_accepted_tokens_total", 0) > 0:
-                break
-            time.sleep(0.2)
-        accepted = values["meshserve:spec_decode_num_accepted_tokens_total"]
-        assert 0 < accepted <= values["meshserve:spec_decode_num_draft_tokens_total"], values
-        assert values["meshserve:spec_decode_num_verification_steps_total"] > 0
+        check_mesh_speculates(m, prompts, [tok.decode(ref) for ref in want], [len(ref) for ref in want])
+        deadline = time.monotonic() + 30
+
         def decode_streamed() -> list[int]:
             return [w["tokens_streamed"] for w in m.ask("scheduler.status")["workers"] if w["role"] == "decode"]
 

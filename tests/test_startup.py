@@ -70,3 +70,56 @@ def test_request_before_the_workers_are_up_completes(tiny_llama, tmp_path):
             except subprocess.TimeoutExpired:
                 worker.kill()
         mesh.stop()
+
+
+def test_a_service_stopped_while_starting_exits_at_once(tiny_llama, tmp_path):
+    """SIGTERM to a worker still starting (here: waiting for its node's kv-pool, which would make it
+    wait up to 900 s) cancels the start: it exits at once, cleanly, saying so. A warm `meshserve up`
+    stopped right after its first token has workers in that state."""
+    import asyncio
+
+    import nats
+
+    from meshserve.cli.launcher import nats_server_binary
+    from meshserve.shared.subjects import Subjects
+    from mesh_util import free_port
+
+    port = free_port()
+    server = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url, log = f"nats://127.0.0.1:{port}", tmp_path / "worker.log"
+    worker = None
+    try:
+        async def worker_waiting_for_its_arena() -> None:
+            for _ in range(200):  # the server may still be starting
+                try:
+                    nc = await nats.connect(url, allow_reconnect=False)
+                    break
+                except (OSError, nats.errors.NoServersError):
+                    await asyncio.sleep(0.05)
+            asked = asyncio.Event()
+
+            async def on_ask(msg):  # heard, never answered: no kv-pool on node "nowhere"
+                asked.set()
+            await nc.subscribe(Subjects("stoptest").kv("arena", "nowhere"), cb=on_ask)
+            await nc.flush()
+            nonlocal worker
+            worker = subprocess.Popen(
+                [sys.executable, "-m", "meshserve.cli.main", "serve", "decode", "--nats-url", url,
+                 "--namespace", "stoptest", "--model", str(tiny_llama), "--dtype", "float32", "--node-id", "nowhere"],
+                stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                env={**os.environ, "MESHSERVE_SHM_DIR": str(tmp_path / "shm")})
+            await asyncio.wait_for(asked.wait(), 120)  # inside its start, waiting for the arena
+            await nc.close()
+        asyncio.run(worker_waiting_for_its_arena())
+        t0 = time.monotonic()
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(30) == 0, log.read_text()  # not the 900 s it would have waited
+        took = time.monotonic() - t0
+        assert "decode stopped while starting" in log.read_text(), log.read_text()
+        print(f"stopped while starting in {took:.2f}s")
+    finally:
+        if worker is not None and worker.poll() is None:
+            worker.kill()
+        server.terminate()
+        server.wait(10)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from meshserve.shared.lora import LoRAError, check_adapter, model_id, read_adapter
 from meshserve.shared.manifest import Manifest, ServedModel
@@ -39,18 +39,6 @@ class UnloadLoRAAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     lora_name: str = Field(min_length=1)
-
-
-def validate(cls: type[BaseModel], body) -> BaseModel:
-    if not isinstance(body, dict):
-        raise OpenAIError("the request body must be a JSON object")
-    try:
-        return cls.model_validate(body)
-    except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(x) for x in err.get("loc", ())) or None
-        msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
-        raise OpenAIError(f"{param + ': ' if param else ''}{msg}", param=param) from None
 
 
 @dataclass(frozen=True)

@@ -21,12 +21,12 @@ from meshserve.shared import tool_calls
 from meshserve.shared.openai_protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, chat_choice,
                                               chat_chunk, chat_logprobs, chat_response, completion_choice,
                                               completion_chunk, completion_logprobs, completion_response,
-                                              join_logprobs, parse_request, usage, usage_chunk)
+                                              join_logprobs, parse_request, usage, usage_chunk, validate_body)
 from meshserve.shared.schemas import Abort, GenerateRequest, Logprob, Message, Sampling, TokenChunk, Usage
 from meshserve.shared.tenants import Tenant
 from meshserve.shared.tokenizer import IncrementalDetokenizer, Tokenizer
 
-from .adapters import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, validate
+from .adapters import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from .auth import Auth, rejection_reason
 from .catalog import Catalog, ModelEntry
 from .metrics import GatewayMetrics
@@ -374,7 +374,7 @@ class Gateway:
     async def load_lora_adapter(self, body) -> dict:
         """vLLM's POST /v1/load_lora_adapter: checks the adapter against its base (a 4xx saying why it
         does not fit) and serves it under lora_name from then on (adapters.py)."""
-        req = validate(LoadLoRAAdapterRequest, body)
+        req = validate_body(LoadLoRAAdapterRequest, body)
         a = await asyncio.to_thread(self.catalog.adapters.load, req)
         log.info("LoRA adapter %s loaded from %s for %s", a.name, a.path, a.base.name)
         return {"object": "lora_adapter", "lora_name": a.name, "lora_path": a.path, "parent": a.base.name,
@@ -382,7 +382,7 @@ class Gateway:
 
     async def unload_lora_adapter(self, body) -> dict:
         """vLLM's POST /v1/unload_lora_adapter: no new request may name it (those running finish)."""
-        a = self.catalog.adapters.unload(validate(UnloadLoRAAdapterRequest, body))
+        a = self.catalog.adapters.unload(validate_body(UnloadLoRAAdapterRequest, body))
         log.info("LoRA adapter %s unloaded", a.name)
         return {"object": "lora_adapter", "lora_name": a.name, "parent": a.base.name,
                 "message": f"Success: LoRA adapter '{a.name}' removed successfully."}

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from meshserve.shared.openai_protocol import ChatMessage, OpenAIError, parse_request
+from meshserve.shared.openai_protocol import ChatMessage, OpenAIError, parse_request, validate_body
 
 from .handler import Gateway
 
@@ -55,21 +55,10 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-def _validate(cls: type[BaseModel], body: Any) -> BaseModel:
-    if not isinstance(body, dict):
-        raise OpenAIError("the request body must be a JSON object")
-    try:
-        return cls.model_validate(body)
-    except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(x) for x in err.get("loc", ())) or None
-        raise OpenAIError(f"{param + ': ' if param else ''}{err['msg']}", param=param) from None
-
-
 def tokenize(gw: Gateway, body: Any) -> dict:
     """`{model, prompt}` or `{model, messages}` -> `{count, max_model_len, tokens, token_strs}`."""
     chat = isinstance(body, dict) and "messages" in body
-    req = _validate(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
+    req = validate_body(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
     model = gw.check_model(req.model)
     if chat:
         for name in ("continue_final_message", "chat_template", "chat_template_kwargs"):
@@ -88,7 +77,7 @@ def tokenize(gw: Gateway, body: Any) -> dict:
 
 def detokenize(gw: Gateway, body: Any) -> dict:
     """`{model, tokens}` -> `{prompt}`; special tokens are kept, so it inverts /tokenize."""
-    req = _validate(DetokenizeRequest, body)
+    req = validate_body(DetokenizeRequest, body)
     tokenizer = gw.check_model(req.model).tokenizer
     vocab = tokenizer.vocab_size
     bad = next((i for i, t in enumerate(req.tokens) if not 0 <= t < vocab), None)

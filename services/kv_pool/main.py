@@ -558,8 +558,12 @@ async def make_arena(bus: Bus, args) -> tuple[ArenaDescriptor, object, ArenaBudg
 async def main(args) -> None:
     async def start(bus: Bus):
         desc, buf, budgets = await make_arena(bus, args)
-        pool = KVPool(bus, args, desc, buf, budgets)
-        await pool.serve()
+        try:
+            pool = KVPool(bus, args, desc, buf, budgets)
+            await pool.serve()
+        except BaseException:  # a failed or cancelled start (shared/service.py) leaves no arena file
+            node_memory.release(desc.backend, desc.path)
+            raise
         return pool.close
 
     await run_service("kv-pool", args, start)

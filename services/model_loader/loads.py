@@ -32,6 +32,10 @@ from meshserve.shared.schemas import TensorSpec
 PART_DELAY_ENV = "MESHSERVE_LOADER_PART_DELAY_S"
 
 
+class LoadStopped(RuntimeError):
+    """`Load.run` stopped early: the load failed or was given up while it wrote."""
+
+
 @dataclass
 class Load:
     path: str
@@ -46,6 +50,7 @@ class Load:
     ready_path: str | None = None  # layered: the readiness word's file
     nbytes: int = 0
     _word: np.memmap | None = field(default=None, repr=False)
+    _failed: bool = field(default=False, repr=False)
 
     def layered(self) -> None:
         """Makes the readiness word (0 parts written): workers may map the buffer before `run` ends."""
@@ -58,6 +63,8 @@ class Load:
         def done(k: int) -> None:
             if delay:
                 time.sleep(delay)
+            if self._failed:  # given up meanwhile (the loader stops): no more parts
+                raise LoadStopped(f"the load into {self.path} was given up after {k} parts")
             if self._word is not None:
                 self._word[0] = k
 
@@ -65,7 +72,9 @@ class Load:
         self.write_parts = None  # what it held (a source load's state dict) can go
 
     def failed(self) -> None:
-        """Tells the workers already on it (layered) and frees the buffer's name."""
+        """Tells the workers already on it (layered), frees the buffer's name, and stops `run` (in
+        another thread) at its next part."""
+        self._failed = True
         if self._word is not None:
             self._word[0] = FAILED
         self.release()

@@ -169,6 +169,10 @@ class ModelLoader:
                 log.info("layered load of %s (%s): %s mapped by workers while its parts are written", e.name, dtype,
                          load.path)
             await asyncio.to_thread(self.finish_load, load)
+        except asyncio.CancelledError:  # the loader stops (close): the load's files go, its writer stops
+            if load is not None:
+                load.failed()
+            raise
         except Exception as err:  # noqa: BLE001 - the askers hear why (a layered load's workers by its word)
             log.error("loading %s failed: %s: %s", e.name, type(err).__name__, err)
             if load is not None:
@@ -383,13 +387,17 @@ async def main(args) -> None:
             first = [LoadRequest(model=args.model, dtype=args.dtype, quantization=args.quantization)]
             pinned = [LoadRequest(model=m.path, dtype=m.dtype or args.dtype, quantization=m.quantization, name=m.id)
                       for m in (manifest.models if manifest else ()) if m.pinned]
-            for req in first + [r for r in pinned if r.model != args.model]:
-                try:
-                    await loader.get(req)
-                except Exception as e:  # noqa: BLE001 - with a manifest, its requests will say why
-                    if manifest is None:
-                        raise
-                    log.error("preloading %s failed: %s", req.name or req.model, e)
+            try:
+                for req in first + [r for r in pinned if r.model != args.model]:
+                    try:
+                        await loader.get(req)
+                    except Exception as e:  # noqa: BLE001 - with a manifest, its requests will say why
+                        if manifest is None:
+                            raise
+                        log.error("preloading %s failed: %s", req.name or req.model, e)
+            except BaseException:  # a failed or cancelled start (shared/service.py) leaves no weights files
+                loader.close()
+                raise
         return loader.close
 
     await run_service("model-loader", args, start)
