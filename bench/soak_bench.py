@@ -152,6 +152,7 @@ def report(a, refs: list[dict], results: list[dict], faults: list[dict], start: 
     counts = dict.fromkeys(("identical", "different", "failed", "connection_lost", "cut", "hung", "refused"), 0)
     phases: dict[str, dict[str, list]] = {p: {"ttft": [], "e2e": []} for p in ("before", "during", "after")}
     unexplained_lost = 0
+    unusual: list[dict] = []
     for r in results:
         kind = r["outcome"]
         if kind == "ok":
@@ -159,6 +160,12 @@ def report(a, refs: list[dict], results: list[dict], faults: list[dict], start: 
         counts[kind] += 1
         if kind == "connection_lost" and not any(r["start"] <= g <= r["start"] + r["e2e"] for g in gateway_kills):
             unexplained_lost += 1
+        if kind not in ("identical", "refused"):  # each one with the fault nearest to it, to look into
+            near = min(faults, key=lambda f: abs(f["at"] - r["start"]), default=None)
+            unusual.append({"outcome": kind, "error": r.get("error"), "start_s": round(r["start"] - start, 1),
+                            "e2e_s": round(r["e2e"], 1), "tokens_text": len(r["text"]),
+                            "nearest_fault": near and {"fault": near["fault"],
+                                                       "at_s": round(near["at"] - start, 1)}})
         if kind == "identical":
             during = any(f["at"] <= r["start"] + r["e2e"] and r["start"] <= f["at"] + a.window for f in faults)
             phase = "before" if r["start"] + r["e2e"] < first else "during" if during else "after"
@@ -173,7 +180,7 @@ def report(a, refs: list[dict], results: list[dict], faults: list[dict], start: 
         "command": "meshserve bench-soak " + " ".join(a.argv),
         "minutes": a.minutes, "fault_every_s": a.fault_every, "rate": a.rate, "pool": len(refs),
         "sent": len(results), "accepted": len(results) - counts["refused"], "outcomes": counts,
-        "connection_lost_not_at_a_gateway_kill": unexplained_lost,
+        "connection_lost_not_at_a_gateway_kill": unexplained_lost, "not_identical": unusual,
         "ok": all(counts[k] == 0 for k in MUST_BE_ZERO) and unexplained_lost == 0,
         "latency": {p: {"n": len(v["e2e"]), "ttft_p50": _percentile(v["ttft"], 0.5),
                         "ttft_p99": _percentile(v["ttft"], 0.99), "e2e_p50": _percentile(v["e2e"], 0.5),

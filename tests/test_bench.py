@@ -377,5 +377,7 @@ def test_soak_report_counts_every_outcome_and_flags_the_bad_ones():
                                "refused": 0}
     assert [out["latency"][p]["n"] for p in ("before", "during", "after")] == [1, 1, 1]
     assert out["faults"][0]["serving_again_after_s"] == 3.0  # the request started at 11 ended at 13
+    assert [(u["outcome"], u["start_s"], u["nearest_fault"]["fault"]) for u in out["not_identical"]] == [
+        ("connection_lost", 99, "kill9:gateway"), ("failed", 12, "kill9:decode")]  # each named, to look into
     for bad in (r(20, 1, "ok", 1, "abc"), r(20, 1, "cut"), r(20, 1, "hung"), r(20, 1, "connection_lost")):
         assert not report(a, refs, good + [bad], faults, 0.0, {}, {})["ok"], bad
