@@ -73,7 +73,7 @@ def test_request_before_the_workers_are_up_completes(tiny_llama, tmp_path):
 
 
 def test_a_service_stopped_while_starting_exits_at_once(tiny_llama, tmp_path):
-    """SIGTERM to a worker still starting (here: waiting for its node's kv-pool, which would make it
+    """SIGTERM to a worker still starting (here: waiting for its node's model loader, which would make it
     wait up to 900 s) cancels the start: it exits at once, cleanly, saying so. A warm `meshserve up`
     stopped right after its first token has workers in that state."""
     import asyncio
@@ -90,7 +90,7 @@ def test_a_service_stopped_while_starting_exits_at_once(tiny_llama, tmp_path):
     url, log = f"nats://127.0.0.1:{port}", tmp_path / "worker.log"
     worker = None
     try:
-        async def worker_waiting_for_its_arena() -> None:
+        async def worker_waiting_for_its_weights() -> None:
             for _ in range(200):  # the server may still be starting
                 try:
                     nc = await nats.connect(url, allow_reconnect=False)
@@ -99,9 +99,9 @@ def test_a_service_stopped_while_starting_exits_at_once(tiny_llama, tmp_path):
                     await asyncio.sleep(0.05)
             asked = asyncio.Event()
 
-            async def on_ask(msg):  # heard, never answered: no kv-pool on node "nowhere"
+            async def on_ask(msg):  # heard, never answered: no model loader on node "nowhere"
                 asked.set()
-            await nc.subscribe(Subjects("stoptest").kv("arena", "nowhere"), cb=on_ask)
+            await nc.subscribe(Subjects("stoptest").models("load", "nowhere"), cb=on_ask)
             await nc.flush()
             nonlocal worker
             worker = subprocess.Popen(
@@ -109,9 +109,9 @@ def test_a_service_stopped_while_starting_exits_at_once(tiny_llama, tmp_path):
                  "--namespace", "stoptest", "--model", str(tiny_llama), "--dtype", "float32", "--node-id", "nowhere"],
                 stdout=open(log, "w"), stderr=subprocess.STDOUT,
                 env={**os.environ, "MESHSERVE_SHM_DIR": str(tmp_path / "shm")})
-            await asyncio.wait_for(asked.wait(), 120)  # inside its start, waiting for the arena
+            await asyncio.wait_for(asked.wait(), 120)  # inside its start, waiting for its weights
             await nc.close()
-        asyncio.run(worker_waiting_for_its_arena())
+        asyncio.run(worker_waiting_for_its_weights())
         t0 = time.monotonic()
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(30) == 0, log.read_text()  # not the 900 s it would have waited
