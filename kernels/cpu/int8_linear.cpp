@@ -217,13 +217,9 @@ void linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& wb, cons
 #endif
 }
 
-// The GIL is released while a kernel runs, as torch's own ops do: a worker's step runs on its own
-// thread, and its event loop (streaming tokens, heartbeats) would otherwise wait for every projection
-// to end, then hold the GIL while the step thread waits to launch the next one.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether the AVX2 path was compiled in");
   m.def("levels_for", &levels_for, "the int16 levels an input row of K elements is quantized to");
   m.def("linear_int8", &linear_int8, "out = x @ (q * scale).T (+ bias), q in the int8 n16k2 blocked layout",
-        py::arg("out"), py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("out"), py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias") = py::none());
 }

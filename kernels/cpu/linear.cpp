@@ -121,9 +121,8 @@ void linear_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& wb, cons
 #endif
 }
 
-// The GIL is released while a kernel runs (why: int8_linear.cpp).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether the AVX-512 BF16 path was compiled in");
   m.def("linear_bf16", &linear_bf16, "out = x @ w.T (+ bias), w in the n32k2 blocked layout", py::arg("out"),
-        py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
+        py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
 }

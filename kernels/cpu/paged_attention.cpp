@@ -616,12 +616,11 @@ void write_kv_int8(at::Tensor kv, at::Tensor k, at::Tensor v, at::Tensor slot_ma
   }
 }
 
-// The GIL is released while a kernel runs (why: int8_linear.cpp).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_int8", &write_kv_int8, "Quantizes new K/V rows into an int8 paged arena (CPU)", py::arg("kv"),
-        py::arg("k"), py::arg("v"), py::arg("slot_mapping"), py::call_guard<py::gil_scoped_release>());
+        py::arg("k"), py::arg("v"), py::arg("slot_mapping"));
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention over a paged KV cache, reading K/V through the block tables (CPU)",
         py::arg("out"), py::arg("q"), py::arg("kv"), py::arg("block_tables"), py::arg("context_lens"),
-        py::arg("block_size"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
+        py::arg("block_size"), py::arg("scale"));
 }
