@@ -34,6 +34,17 @@ NS = "authtest"
 S = Subjects(NS)
 
 
+
+def read_until_closed(sock) -> bytes:
+    """Everything the server sends until it closes the connection (or the socket times out)."""
+    answer = b""
+    try:
+        while chunk := sock.recv(4096):
+            answer += chunk
+    except (ConnectionError, TimeoutError):
+        pass
+    return answer
+
 def start_server(tmp: Path, extra: str = "", max_payload: str = "1MB", workers: int = 0):
     port = free_port()
     passwords = nats_auth.generate_passwords(workers=workers)
@@ -234,12 +245,7 @@ def test_messages_over_max_payload_fail_at_once_naming_the_limit(tmp_path):
             assert orjson.loads(sock.recv(4096)[5:])["max_payload"] == 4096  # INFO: the limit, for every client
             sock.sendall(b'CONNECT {"user":"admin","pass":"' + passwords["admin"].encode() + b'","verbose":false}\r\n'
                          + b"PUB " + S.kv("release", "n").encode() + b" 5000\r\n" + b"x" * 5000 + b"\r\n")
-            answer = b""
-            try:
-                while chunk := sock.recv(4096):
-                    answer += chunk
-            except (ConnectionError, TimeoutError):
-                pass
+            answer = read_until_closed(sock)
         assert b"Maximum Payload" in answer, answer
     finally:
         proc.terminate()
@@ -404,12 +410,7 @@ def test_tls_mesh_serves_end_to_end_and_refuses_plain_connections(secure_mesh):
         assert info.startswith(b"INFO ") and orjson.loads(info[5:])["tls_required"] is True
         pw = m.user_env("admin")[nats_auth.ENV_PASSWORD]
         sock.sendall(b'CONNECT {"user":"admin","pass":"' + pw.encode() + b'","verbose":false}\r\nPING\r\n')
-        answer = b""
-        try:
-            while chunk := sock.recv(4096):
-                answer += chunk
-        except (ConnectionError, TimeoutError):
-            pass
+        answer = read_until_closed(sock)
     assert b"PONG" not in answer, answer
     # and a client that does not trust the mesh's certificate is refused
     with pytest.raises(Exception, match="(?i)certificate"):
