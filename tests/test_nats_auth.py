@@ -34,7 +34,6 @@ NS = "authtest"
 S = Subjects(NS)
 
 
-
 def read_until_closed(sock) -> bytes:
     """Everything the server sends until it closes the connection (or the socket times out)."""
     answer = b""
