@@ -85,3 +85,16 @@ def test_steps_of_one_bucket_but_different_sizes_are_compared_per_token():
     explore_cost = (800 / 8) * 256 * 0.0003  # every eighth step of the bucket on one thread
     best = 400 * (256 + 511) * 0.0007
     assert total < best + explore_cost * 1.5
+
+
+def test_a_quiet_machine_explores_less_and_less_but_a_burner_is_seen_on_the_next_step():
+    """Quiet: one-thread explorations of big steps back off (they cost twice a two-thread step).
+    A burner taking a core makes the very next step explore, whatever the interval."""
+    m = Machine()
+    m.threads = 2
+    tuner = ThreadTuner(2, m.set_threads, explore_every=32, clock=m.clock)
+    run(tuner, m, 2000, tokens=512)
+    assert tuner.chosen[1] < 2000 * 0.01  # one step in 32 would be 62
+    m.busy = True
+    run(tuner, m, 3, tokens=512)  # the first is slow on two threads, the second explores one
+    assert tuner.current == 1
