@@ -218,6 +218,7 @@ def test_mesh_decode_worker_yields_while_interactive_prompts_are_prefilled(tiny_
         metrics = httpx.get(mesh.url + "/metrics", timeout=5).text
         assert _series(metrics, "meshserve:compute_yields_total")[by_role["decode"]["id"]] >= 1
         assert _series(metrics, "meshserve:compute_yield_seconds_total")[by_role["decode"]["id"]] > 0
+        assert set(_series(metrics, "meshserve:interrupted_steps_total")) == {w["id"] for w in workers}
     finally:
         mesh.stop()
     llm = LLM(str(tiny_llama), "float32")

@@ -191,7 +191,8 @@ def test_shorter_prompts_first_within_a_class_and_overtaking_is_bounded(tiny):
 def test_batch_prompts_take_small_chunks_while_interactive_requests_come(tiny):
     """No decodes running (a prefill worker): a long background prompt takes the whole step budget,
     unless an interactive request came in the last interactive_guard_s; then it takes at most
-    max_prefill_tokens_near_interactive a step, and the interactive prompt all it needs."""
+    max_prefill_tokens_near_interactive a step, and the interactive prompt all it needs, alone in
+    its step (the batch prompt's chunk would delay its first token)."""
     model, prompts = tiny
     long_prompt = (prompts[3] * 6)[:200]
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
@@ -216,8 +217,60 @@ def test_batch_prompts_take_small_chunks_while_interactive_requests_come(tiny):
         return batches
 
     assert chunks(False) == [[("bg", 200)]]
-    # 64 a step while the interactive request is 0, 2 and 4 s old, then the rest at once
-    assert chunks(True) == [[("i", 7), ("bg", 64)], [("bg", 64)], [("bg", 64)], [("bg", 8)]]
+    # the interactive prompt alone, then 64 a step while it is 2 and 4 s old, then the rest at once
+    assert chunks(True) == [[("i", 7)], [("bg", 64)], [("bg", 64)], [("bg", 72)]]
+
+
+def test_an_urgent_request_ends_a_batch_step_early_and_nothing_is_lost(tiny):
+    """LLMEngine.urgent set while a step with no interactive sequence runs: the pass stops between
+    layers, the step returns nothing and advances nothing, and the batch later continues exactly
+    (greedy output equal to an undisturbed run). A step with an interactive sequence runs on."""
+    import threading
+
+    model, prompts = tiny
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    undisturbed = engine(model, chunk=16).generate([prompts[3], prompts[1]], params)
+    eng = engine(model, chunk=16)
+    eng.urgent = threading.Event()
+    bg = [eng.add_request(f"bg{i}", prompts[k], params, priority="background") for i, k in enumerate((3, 1))]
+    eng.step()  # a first chunk of each
+    done = [s.num_computed_tokens for s in bg]
+    layers = []
+    real = eng.model.__call__
+
+    def arrives_mid_pass(*args, stop=None, **kw):  # the request comes while the embedding computes
+        def stop_at(i):
+            layers.append(i)
+            if i == 0:
+                eng.urgent.set()
+            return stop(i)
+        return real(*args, stop=stop_at, **kw)
+
+    eng.runner.model = _Calls(eng.model, arrives_mid_pass)
+    assert eng.step() == [] and eng.interrupted_steps == 1
+    assert layers == [0] and [s.num_computed_tokens for s in bg] == done  # stopped before layer 0
+    eng.runner.model = eng.model
+    eng.add_request("i", prompts[0], params, priority="interactive")
+    assert eng.urgent.is_set()  # still set: a step with an interactive sequence runs on regardless
+    eng.step()
+    assert eng.interrupted_steps == 1 and eng.requests["i"].num_output_tokens == 1
+    eng.urgent.clear()
+    while eng.has_unfinished():
+        eng.step()
+    assert [s.output_token_ids for s in bg] == undisturbed
+
+
+class _Calls:
+    """Calls `fn` in place of a model, and reads every other attribute from the model."""
+
+    def __init__(self, model, fn):
+        self._model, self._fn = model, fn
+
+    def __call__(self, *args, **kw):
+        return self._fn(*args, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
 
 
 def test_fcfs_ignores_priorities(tiny):

@@ -61,7 +61,9 @@ class WorkerRoles:
 class ComputeYields:
     """`meshserve:compute_yields_total` and `meshserve:compute_yield_seconds_total` by worker: the
     steps a worker held back for another worker's compute claim on its node (runs of waits, and
-    seconds; services/worker/compute_claims.py), from the scheduler's last status."""
+    seconds; services/worker/compute_claims.py); `meshserve:interrupted_steps_total`: the steps it
+    ended early for an interactive request that arrived (LLMEngine.urgent). From the scheduler's
+    last status."""
 
     def __init__(self, model_name: str):
         self.model = model_name
@@ -73,11 +75,14 @@ class ComputeYields:
                                      "interactive prompt another worker of its node computes.", labels=labels)
         seconds = CounterMetricFamily("meshserve:compute_yield_seconds", "Seconds a worker held its steps back for "
                                       "another worker's compute claim.", labels=labels)
+        interrupted = CounterMetricFamily("meshserve:interrupted_steps", "Steps a worker ended early (computing "
+                                          "nothing) for an interactive request that arrived.", labels=labels)
         for w in self.status.get("workers") or []:
             if isinstance(w, dict) and isinstance(w.get("compute_yields"), int):
                 yields.add_metric([self.model, str(w.get("id"))], float(w["compute_yields"]))
                 seconds.add_metric([self.model, str(w.get("id"))], float(w.get("compute_yield_s") or 0))
-        return [yields, seconds]
+                interrupted.add_metric([self.model, str(w.get("id"))], float(w.get("interrupted_steps") or 0))
+        return [yields, seconds, interrupted]
 
 
 class ModelWorkers:

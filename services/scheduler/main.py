@@ -155,7 +155,8 @@ class Scheduler:
                              "free_blocks": w.hb.free_blocks, "io_cpu_s": w.hb.io_cpu_s,
                              "tokens_streamed": w.hb.tokens_streamed,
                              "compute_yields": w.hb.compute_yields, "compute_yield_s": round(w.hb.compute_yield_s, 3),
-                             "compute_claim": w.hb.compute_claim} for w in ws],
+                             "compute_claim": w.hb.compute_claim,
+                             "interrupted_steps": w.hb.interrupted_steps} for w in ws],
                 "scheduling": "fcfs" if self.fcfs else "priority",
                 "queue_wait": dict(self.queue_wait),
                 "queued_by_priority": {"interactive": 0, "normal": 0, "background": 0}

@@ -26,6 +26,7 @@ import asyncio
 import concurrent.futures
 import logging
 import os
+import threading
 import time
 
 import nats.errors
@@ -90,6 +91,9 @@ class Worker:
         self.manifest = ManifestFile(args.models) if getattr(args, "models", None) else None
         # Each step's thread count by measured speed (threads.py), unless --fixed-threads.
         self.tuner = None if args.fixed_threads else ThreadTuner(threads or len(self.node_cores), _set_threads)
+        # Set when an interactive request arrives, cleared when the loop takes its inbox: the step in
+        # progress, if it has no interactive sequence, ends early (LLMEngine.urgent). Not under fcfs.
+        self.urgent = None if args.scheduling == "fcfs" else threading.Event()
         self.received: dict[str, float] = {}  # wall clock, for the queue and prefill spans
         self.decode_start: dict[str, float] = {}
         self.tokens_streamed = 0
@@ -181,6 +185,8 @@ class Worker:
         self.received_by_priority[req.priority] += 1
         self._post("request", req)
         if req.priority == "interactive":  # claimed now, not after the step in progress
+            if self.urgent is not None:
+                self.urgent.set()
             await self.compute.hold(INTERACTIVE)
 
     async def _on_adopt(self, msg) -> None:
@@ -394,6 +400,8 @@ class Worker:
         # on the messages); a prefill worker streams before its next step, since its hand-offs
         # detach sequences from the engine, which only happens between steps.
         while True:
+            if self.urgent is not None:
+                self.urgent.clear()  # what came so far is in the inbox, hence in the next step
             await self._apply_inbox()
             await self._claim_compute()
             await self._switch_model_when_idle()
@@ -610,7 +618,7 @@ class Worker:
             spec_decode=stats["spec_decode"], io_cpu_s=time.thread_time(), tokens_streamed=self.tokens_streamed,
             pending_prefill_tokens=pending_prefill, pending_decode_tokens=pending_decode, draining=self.draining,
             compute_yields=self.compute.yields, compute_yield_s=self.compute.yield_s,
-            compute_claim=self.compute.claiming, arena=self.pool.arena or "", time=time.time()))
+            compute_claim=self.compute.claiming, interrupted_steps=stats["interrupted_steps"], arena=self.pool.arena or "", time=time.time()))
 
 
 def add_arguments(p) -> None:

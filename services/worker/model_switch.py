@@ -123,6 +123,7 @@ async def build_engine(worker, load: LoadRequest,
                           speculative=spec, kv_cache_dtype=getattr(a, "kv_cache_dtype", "auto"))
     engine = await loop.run_in_executor(worker.stepper, lambda: LLMEngine(
         model, config, model_name=served, kv_cache=kv, tokenizer=tokenizer, draft_model=draft))
+    engine.urgent = worker.urgent
     return engine, w, arena
 
 

@@ -9,6 +9,7 @@ OutputProcessor in process); they call abort() when a stop string matches.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,12 +19,14 @@ import torch
 from meshserve.kernels.paged_attention import use_decode_kernel
 from meshserve.shared.kv_layout import check_kv_cache_dtype, kv_arena_dtype, kv_arena_shape, kv_bytes_per_block
 from meshserve.shared.limits import LimitError, check_context_length, check_token_ids
+from meshserve.shared.model.llama import Interrupted
 from meshserve.shared.model.lora import LoRAWeights
 
 from .block_pool import BlockPool
 from .constraints import ConstraintError, Grammars
 from .kv_cache_manager import KVCacheManager
 from .model_runner import ModelRunner
+from .policy import INTERACTIVE
 from .sampler import TokenLogprobs
 from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from .sequence import NORMAL, PRIORITIES, SamplingParams, Sequence, SequenceStatus, priority_level
@@ -114,6 +117,11 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.kv_cache, config.block_size, sorted(self.eos_token_ids), self.grammars,
                                   self.loras)
         self.requests: dict[str, Sequence] = {}
+        # Set (from any thread) when an interactive request is on its way to this engine: a step in
+        # progress with no interactive sequence ends before its last quarter of layers (computing
+        # nothing), so the request waits about a layer instead of a whole batch chunk. None: never.
+        self.urgent: threading.Event | None = None
+        self.interrupted_steps = 0
         self.speculator = None
         if config.speculative is not None:
             if draft_model is not None and draft_model.cfg.vocab_size != cfg.vocab_size:
@@ -268,6 +276,17 @@ class LLMEngine:
             for seq in proposed:  # a proposal lives for one step
                 seq.draft = None
 
+    def _stop(self, batch: ScheduledBatch) -> Callable[[int], bool] | None:
+        """The model's stop(layer) for this step: only on the CPU (a GPU pass is queued at once),
+        for steps with no interactive sequence and no proposal (a grammar or a draft may hold state
+        for the step's tokens), and only while most of the pass is still to come."""
+        urgent = self.urgent
+        if (urgent is None or self.model.device.type != "cpu"
+                or any(s.priority == INTERACTIVE or s.draft is not None for s in batch.seqs)):
+            return None
+        last = 3 * self.model.cfg.num_hidden_layers // 4
+        return lambda layer: layer < last and urgent.is_set()
+
     def _step(self, run) -> list[RequestOutput]:
         batch: ScheduledBatch = self.scheduler.schedule()
         if batch.swap_out or batch.swap_in:
@@ -275,7 +294,13 @@ class LLMEngine:
         if not batch.seqs:
             return []
         t0 = time.perf_counter()
-        results = self.runner.run(batch) if run is None else run(sum(batch.num_tokens), lambda: self.runner.run(batch))
+        stop = self._stop(batch)
+        try:
+            results = self.runner.run(batch, stop) if run is None else \
+                run(sum(batch.num_tokens), lambda: self.runner.run(batch, stop))
+        except Interrupted:
+            self.interrupted_steps += 1  # nothing advanced: the next schedule() plans it again
+            return []
         prompt = sum(n for s, n in zip(batch.seqs, batch.num_tokens) if n > 1 and s.draft is None)
         if 2 * prompt >= sum(batch.num_tokens):  # mostly prefill: what recomputing costs
             self.scheduler.costs.observe_prefill(sum(batch.num_tokens), time.perf_counter() - t0)
@@ -362,7 +387,7 @@ class LLMEngine:
         return {"num_running": sched.num_running, "num_waiting": sched.num_waiting,
                 "kv_usage": self.block_pool.usage, "num_blocks": self.block_pool.num_blocks,
                 "prefix_queries": kv.prefix_queries, "prefix_hits": kv.prefix_hits,
-                "num_preemptions": sched.num_preemptions,
+                "num_preemptions": sched.num_preemptions, "interrupted_steps": self.interrupted_steps,
                 "num_priority_preemptions": sched.num_priority_preemptions,
                 "preemptions_by_mode": dict(sched.preemptions_by_mode),
                 "running_by_priority": dict(zip(PRIORITIES, running)),

@@ -10,6 +10,7 @@ context (the prefill-chunk path), with logits at each position for the verifier
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -97,8 +98,9 @@ class ModelRunner:
                     p.slots = to(p.slots)
         return ids_t, pos_t, meta, sample_rows
 
-    def run(self, batch: ScheduledBatch) -> list[StepResult]:
-        """What the step computes for each sequence of the batch, in its order."""
+    def run(self, batch: ScheduledBatch, stop: Callable[[int], bool] | None = None) -> list[StepResult]:
+        """What the step computes for each sequence of the batch, in its order. stop: the model's
+        (asked between layers; Interrupted propagates, with nothing sampled)."""
         ids, pos, meta, rows = self.prepare(batch)
         spec = {i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
                 if s.draft is not None and s.num_computed_tokens + n > s.num_tokens}
@@ -114,8 +116,8 @@ class ModelRunner:
             masks = self._masker.submit(self.grammars.fill, matchers + [m for ms in ahead.values() for m in ms])
         adapters = [self.loras[s.lora] if s.lora else None for s in batch.seqs]
         lora = LoRABatch.of(list(zip(adapters, batch.num_tokens)), ids.device)  # None: no row has an adapter
-        hidden = self.model(ids, pos, meta, self.kv_cache) if lora is None else \
-            self.model(ids, pos, meta, self.kv_cache, lora=lora)
+        extra = {k: v for k, v in (("lora", lora), ("stop", stop)) if v is not None}
+        hidden = self.model(ids, pos, meta, self.kv_cache, **extra)
         out = [StepResult() for _ in rows]
         start = 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):

@@ -133,17 +133,22 @@ class _Step:
     evicted: set[int] = field(default_factory=set)  # ids preempted in this step: not re-admitted in it
     swap_out: list = field(default_factory=list)
     swap_in: list = field(default_factory=list)
-    guard: int | None = None  # what is left for prompts that are not interactive (None: no cap)
+    # What is left for prompts that are not interactive (None: no cap); none once an interactive
+    # prompt is in the step: its first token does not wait for a batch chunk computed beside it.
+    guard: int | None = None
 
     def room(self, seq: Sequence) -> int:
         """Tokens seq may still take in this step."""
         return self.budget if self.guard is None or seq.priority == INTERACTIVE else min(self.budget, self.guard)
 
     def add(self, seq: Sequence, n: int) -> None:
+        if self.guard is not None:
+            if seq.priority != INTERACTIVE:
+                self.guard -= n
+            elif seq.num_tokens - seq.num_computed_tokens > 1:
+                self.guard = 0
         self.scheduled[id(seq)] = (seq, n)
         self.budget -= n
-        if self.guard is not None and seq.priority != INTERACTIVE:
-            self.guard -= n
 
     def drop(self, seq: Sequence) -> None:
         _, n = self.scheduled.pop(id(seq), (seq, 0))

@@ -7,6 +7,8 @@ of tensor operations per step, not the FLOPs, bounds small-batch decode.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -74,6 +76,10 @@ def projection_names(cfg: ModelConfig) -> list[str]:
     return per_layer + ["embed" if cfg.tie_word_embeddings else "lm_head"]
 
 
+class Interrupted(Exception):
+    """A forward pass ended early at its caller's request (the layer it stopped before)."""
+
+
 class LlamaModel:
     """Holds references to its weights, never copies: they may live in memory other processes map.
     With a `gate` (layered loading, layer_gate.py) the weights are still being written: each part is
@@ -113,9 +119,12 @@ class LlamaModel:
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 kv_cache: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+                 kv_cache: torch.Tensor, lora: LoRABatch | None = None,
+                 stop: Callable[[int], bool] | None = None) -> torch.Tensor:
         """input_ids, positions: [N]. kv_cache: [layers, 2, num_slots, kv_heads, head_dim].
         lora: which rows run which adapter (shared/model/lora.py); None: the base model alone.
+        stop(i), asked before layer i: True ends the pass there (Interrupted); the KV it wrote is
+        past every sequence's computed tokens, so nothing reads it before it is written again.
         Returns the final hidden states [N, hidden]."""
         cfg, ops, gate = self.cfg, self.ops, self.gate
         n, hq, hkv, d = input_ids.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -128,6 +137,8 @@ class LlamaModel:
         for i in range(len(self.proj)):
             if gate is not None:  # layer i ends with the next layer's input norm
                 gate.wait(min(i + 2, cfg.num_hidden_layers))
+            if stop is not None and stop(i):
+                raise Interrupted(i)
             qkv = self._project(i, "qkv", h, lora)
             ops.rope_(qkv, positions, self.cos, self.sin, hq + hkv, d)
             q = qkv[:, :hq * d].view(n, hq, d)
