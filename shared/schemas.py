@@ -218,6 +218,7 @@ class Heartbeat(Message):
     # CPU seconds of the worker's event-loop thread so far (NATS in and out, the token messages,
     # block leases): what the mesh adds around the engine's steps; and the tokens it streamed.
     io_cpu_s: float = 0.0
+    step_s: float = 0.0  # recent mean wall time of its engine steps (0: none yet)
     tokens_streamed: int = 0
     # Work still to do here, for the elastic roles (services/scheduler/roles.py): prompt tokens not
     # yet computed, and output tokens not yet generated (max_tokens less those done).

@@ -85,3 +85,12 @@ def test_admission_room_counts_requests_sent_since_the_last_heartbeat():
     other.admitted["i0"] = ("interactive", 10)
     other.sent["interactive"] = 1
     assert pick_soonest([other, w], []) is w  # interactive: no seat anywhere, fewest interactive ahead
+
+
+def test_an_interactive_short_prompt_skips_an_idle_decode_worker_with_long_steps():
+    """Its first token would wait for the long step in progress and ride in the next one."""
+    slow, fast = view("slow", "decode"), view("fast", "decode")
+    slow.hb.step_s, fast.hb.step_s = 0.4, 0.03
+    assert pick_idle_for_short_prompt([slow], 20, 32, [], "interactive") is None
+    assert pick_idle_for_short_prompt([slow], 20, 32, [], "normal") is slow  # throughput: it saves the handoff
+    assert pick_idle_for_short_prompt([slow, fast], 20, 32, [], "interactive") is fast

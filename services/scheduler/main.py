@@ -495,7 +495,7 @@ class Scheduler:
         if first is not None:
             return first
         idle = pick_idle_for_short_prompt(self.alive(req.model, ("decode",)), n_prompt, self.args.short_prefill,
-                                          hashes)
+                                          hashes, req.priority)
         if idle is not None:
             return idle
         w = pick_admission(cands, req.priority, hashes, self.args.queue_depth, self.fcfs)

@@ -29,6 +29,7 @@ from meshserve.shared.schemas import Heartbeat
 
 CACHE_WEIGHT = 1.0
 LOAD_WEIGHT = 8.0  # one queued request costs as much as recomputing 8 blocks (128 tokens)
+INTERACTIVE_MAX_STEP_S = 0.1  # an interactive prompt goes to an idle decode worker only if it steps this fast
 
 
 @dataclass
@@ -109,12 +110,17 @@ def pick_prefill(workers: list[WorkerView], prompt_hashes: list[int]) -> WorkerV
 
 
 def pick_idle_for_short_prompt(decoders: list[WorkerView], prompt_len: int, limit: int,
-                               prompt_hashes: list[int]) -> WorkerView | None:
+                               prompt_hashes: list[int], cls: str = "normal") -> WorkerView | None:
     """A decode worker with nothing queued may prefill a short prompt itself: a few tokens cost
-    less to compute in its next step than a handoff costs to arrange (mixed role)."""
+    less to compute in its next step than a handoff costs to arrange (mixed role). Not an
+    interactive one where the worker's steps are long (a big batch of long contexts): there the
+    prompt waits for the step in progress and rides in the next, where a prefill worker ends its
+    batch steps early for it (measured: 0.82 s against 0.39 s mean, float32, a decode worker
+    stepping every ~0.4 s)."""
     if prompt_len > limit:
         return None
-    idle = [w for w in decoders if w.hb.num_waiting == 0 and not w.assigned]
+    idle = [w for w in decoders if w.hb.num_waiting == 0 and not w.assigned
+            and (cls != "interactive" or w.hb.step_s <= INTERACTIVE_MAX_STEP_S)]
     return pick_prefill(idle, prompt_hashes)
 
 

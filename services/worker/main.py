@@ -97,6 +97,7 @@ class Worker:
         self.received: dict[str, float] = {}  # wall clock, for the queue and prefill spans
         self.decode_start: dict[str, float] = {}
         self.tokens_streamed = 0
+        self.step_s = 0.0  # recent mean of its steps' wall time (heartbeats: the scheduler's routing)
         self.deliveries: set[asyncio.Task] = set()  # messages to the scheduler awaiting its acknowledgement
         self.draining = False  # SIGTERM came: taking nothing new (drain)
         self.unpublished: list[RequestOutput] = []  # a decode step's outputs, streamed while the next step runs
@@ -426,7 +427,10 @@ class Worker:
             waited = self.engine.scheduler.num_waiting
             step = asyncio.get_running_loop().run_in_executor(self.stepper, self._step)
             await self._flush()
+            t0 = time.perf_counter()
             outputs = await step
+            took = time.perf_counter() - t0
+            self.step_s = took if not self.step_s else 0.8 * self.step_s + 0.2 * took
             self.compute.stepped()
             await self._claim_compute()  # an interactive prompt just computed: the claim ends at once
             await self.blocks.publish_changes()
@@ -615,7 +619,7 @@ class Worker:
             num_preemptions=stats["num_preemptions"], num_priority_preemptions=stats["num_priority_preemptions"],
             running_by_priority=stats["running_by_priority"], waiting_by_priority=self._waiting_by_priority(stats),
             received_by_priority=dict(self.received_by_priority), preemptions_by_mode=stats["preemptions_by_mode"],
-            spec_decode=stats["spec_decode"], io_cpu_s=time.thread_time(), tokens_streamed=self.tokens_streamed,
+            spec_decode=stats["spec_decode"], io_cpu_s=time.thread_time(), step_s=round(self.step_s, 4), tokens_streamed=self.tokens_streamed,
             pending_prefill_tokens=pending_prefill, pending_decode_tokens=pending_decode, draining=self.draining,
             compute_yields=self.compute.yields, compute_yield_s=self.compute.yield_s,
             compute_claim=self.compute.claiming, interrupted_steps=stats["interrupted_steps"], arena=self.pool.arena or "", time=time.time()))
