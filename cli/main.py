@@ -198,6 +198,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     for name, module, text in (
             ("bench", "bench.loadgen", "load-test an OpenAI-compatible server or the NATS API with a workload"),
             ("analyze", "bench.analyze", "summarize and plot a gateway request log"),
+            ("analyze-traces", "bench.ttft_breakdown", "where each request's time to first token went, from a "
+                                                       "mesh's MESHSERVE_TRACE_FILE spans"),
             ("plan", "bench.plan", "size prefill and decode workers for a workload, a rate and SLOs"),
             ("compare", "bench.compare", "one workload against the mesh, the engine, Transformers, llama.cpp"),
             ("bench-roles", "bench.roles_bench", "elastic prefill/decode roles against fixed splits"),

@@ -210,7 +210,7 @@ class Gateway:
         span = telemetry.start("gateway.request", None, request_id=rid, model=p.model.id,
                                model_version=p.model.spec.version, model_variant=p.model.spec.variant,
                                lora=p.model.lora and p.model.lora.name,
-                               prompt_tokens=len(p.prompt_token_ids))
+                               prompt_tokens=len(p.prompt_token_ids), priority=p.priority)
         trace = telemetry.inject_span(span)
         requests = [GenerateRequest(
             request_id=rid if i == 0 else f"{rid}-{i}", model=p.model.id,
