@@ -250,10 +250,16 @@ def test_an_urgent_request_ends_a_batch_step_early_and_nothing_is_lost(tiny):
     assert eng.step() == [] and eng.interrupted_steps == 1
     assert layers == [0] and [s.num_computed_tokens for s in bg] == done  # stopped before layer 0
     eng.runner.model = eng.model
-    eng.add_request("i", prompts[0], params, priority="interactive")
+    i = eng.add_request("i", prompts[0], SamplingParams(max_tokens=1, temperature=0), priority="interactive")
     assert eng.urgent.is_set()  # still set: a step with an interactive sequence runs on regardless
     eng.step()
-    assert eng.interrupted_steps == 1 and eng.requests["i"].num_output_tokens == 1
+    assert eng.interrupted_steps == 1 and i.is_finished
+    done = [s.num_computed_tokens for s in bg]
+    eng.step()  # the batch's step after an interrupted one runs to its end, urgent or not
+    assert eng.interrupted_steps == 1 and [s.num_computed_tokens for s in bg] != done
+    eng.runner.model = _Calls(eng.model, arrives_mid_pass)
+    assert eng.step() == [] and eng.interrupted_steps == 2  # and then it may be interrupted again
+    eng.runner.model = eng.model
     eng.urgent.clear()
     while eng.has_unfinished():
         eng.step()

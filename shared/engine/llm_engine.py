@@ -122,6 +122,7 @@ class LLMEngine:
         # nothing), so the request waits about a layer instead of a whole batch chunk. None: never.
         self.urgent: threading.Event | None = None
         self.interrupted_steps = 0
+        self.owes_step = False  # interrupted: the next such step runs to its end (the batch progresses)
         self.speculator = None
         if config.speculative is not None:
             if draft_model is not None and draft_model.cfg.vocab_size != cfg.vocab_size:
@@ -276,15 +277,19 @@ class LLMEngine:
             for seq in proposed:  # a proposal lives for one step
                 seq.draft = None
 
+    def _interruptible(self, batch: ScheduledBatch) -> bool:
+        """Only on the CPU (a GPU pass is queued at once), and for steps with no interactive
+        sequence and no proposal (a grammar or a draft may hold state for the step's tokens)."""
+        return (self.urgent is not None and self.model.device.type == "cpu"
+                and not any(s.priority == INTERACTIVE or s.draft is not None for s in batch.seqs))
+
     def _stop(self, batch: ScheduledBatch) -> Callable[[int], bool] | None:
-        """The model's stop(layer) for this step: only on the CPU (a GPU pass is queued at once),
-        for steps with no interactive sequence and no proposal (a grammar or a draft may hold state
-        for the step's tokens), and only while most of the pass is still to come."""
-        urgent = self.urgent
-        if (urgent is None or self.model.device.type != "cpu"
-                or any(s.priority == INTERACTIVE or s.draft is not None for s in batch.seqs)):
+        """The model's stop(layer) for this step: while most of the pass is still to come, and not
+        right after an interrupted step (under a stream of interactive arrivals, at most every other
+        step of the other classes is lost, never all of them)."""
+        if self.owes_step or not self._interruptible(batch):
             return None
-        last = 3 * self.model.cfg.num_hidden_layers // 4
+        urgent, last = self.urgent, 3 * self.model.cfg.num_hidden_layers // 4
         return lambda layer: layer < last and urgent.is_set()
 
     def _step(self, run) -> list[RequestOutput]:
@@ -300,7 +305,10 @@ class LLMEngine:
                 run(sum(batch.num_tokens), lambda: self.runner.run(batch, stop))
         except Interrupted:
             self.interrupted_steps += 1  # nothing advanced: the next schedule() plans it again
+            self.owes_step = True
             return []
+        if self.owes_step and self._interruptible(batch):
+            self.owes_step = False  # the step owed ran
         prompt = sum(n for s, n in zip(batch.seqs, batch.num_tokens) if n > 1 and s.draft is None)
         if 2 * prompt >= sum(batch.num_tokens):  # mostly prefill: what recomputing costs
             self.scheduler.costs.observe_prefill(sum(batch.num_tokens), time.perf_counter() - t0)
