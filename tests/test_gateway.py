@@ -9,6 +9,8 @@ end-to-end tests). The stand-in's behaviour is picked by the request's seed (see
 from __future__ import annotations
 
 import asyncio
+import re
+import select
 import signal
 import socket
 import subprocess
@@ -205,6 +207,37 @@ def test_models(gateway):
     assert body["data"][0]["object"] == "model"
     models = openai.OpenAI(base_url=f"{gateway}/v1", api_key="x", max_retries=0).models.list()
     assert [m.id for m in models.data] == [SERVED]
+
+
+def _get_on(sock: socket.socket, path: str = "/v1/models") -> int:
+    """One HTTP/1.1 GET on an open connection, its body read to the end; its status."""
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: gateway\r\n\r\n".encode())
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, "the gateway closed the connection instead of answering"
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(re.search(rb"(?im)^content-length:\s*(\d+)", head).group(1))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "the gateway closed the connection mid-body"
+        body += chunk
+    return int(head.split()[1])
+
+
+def test_an_idle_connection_outlives_the_clients_pools(gateway):
+    """A keep-alive connection idle as long as httpx and the openai client keep one in their pools
+    (5 s) is still open and serves the next request. A server that closes it first (uvicorn's
+    default is 5 s too) loses the request of a client that reuses it just then, as bench-soak did:
+    "Server disconnected without sending a response", no error body, nothing logged."""
+    idle = max(httpx.Limits().keepalive_expiry, openai.DEFAULT_CONNECTION_LIMITS.keepalive_expiry) + 1.0
+    host, port = gateway.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        assert _get_on(sock) == 200
+        closed, _, _ = select.select([sock], [], [], idle)  # readable while idle: the gateway hung up
+        assert not closed, f"the gateway closed a connection idle for less than {idle:g} s"
+        assert _get_on(sock) == 200
 
 
 def test_nats_api_errors(gateway, nats_url):

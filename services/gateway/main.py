@@ -26,6 +26,10 @@ from .request_log import DEFAULT_PATH as REQUEST_LOG_PATH
 log = logging.getLogger("meshserve.gateway")
 
 GRACE = 30.0  # seconds in-flight requests get at shutdown
+# An idle keep-alive connection is closed after this long. It must outlast the clients' own pools:
+# httpx (so the openai client) reuses a connection idle up to 5 s, uvicorn's default timeout, so a
+# request sent as the server closes is lost ("Server disconnected without sending a response").
+KEEP_ALIVE_S = 75  # nginx's keepalive_timeout
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ready-timeout", type=float, default=120.0,
                         help="a request that arrives while the mesh is starting (no scheduler or no worker yet) "
                              "waits this many seconds for it, then gets a 503 with Retry-After (default: %(default)s)")
+    parser.add_argument("--keep-alive-timeout", type=int, default=KEEP_ALIVE_S,
+                        help="seconds an idle HTTP keep-alive connection stays open; longer than the clients' pools "
+                             "keep one (httpx and openai: 5 s), so none sends a request as it closes (default: %(default)s)")
     parser.add_argument("--request-log", default=os.environ.get("MESHSERVE_REQUEST_LOG", REQUEST_LOG_PATH),
                         help="JSONL log, a line per request, for `meshserve analyze` (default: $MESHSERVE_REQUEST_LOG "
                              "or %(default)s)")
@@ -155,7 +162,8 @@ async def run(args) -> int:
     await nats_api.start()
 
     config = uvicorn.Config(create_app(gw), host=args.host, port=args.port, loop="uvloop", lifespan="off",
-                            log_config=None, access_log=False, timeout_graceful_shutdown=int(GRACE))
+                            log_config=None, access_log=False, timeout_graceful_shutdown=int(GRACE),
+                            timeout_keep_alive=args.keep_alive_timeout)
     server = _server(config)
 
     loop = asyncio.get_running_loop()
