@@ -14,6 +14,7 @@ load between the two steps, so workers build their engine and start computing me
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 import time
@@ -70,6 +71,8 @@ class Load:
 
         self.write_parts(done)
         self.write_parts = None  # what it held (a source load's state dict) can go
+        if self.tier == "source":
+            return_freed_memory()
 
     def failed(self) -> None:
         """Tells the workers already on it (layered), frees the buffer's name, and stops `run` (in
@@ -83,6 +86,17 @@ class Load:
         node_memory.release("cuda" if self.ipc else "cpu", self.path)
         if self.ready_path:
             shm.unlink(self.ready_path)
+
+
+def return_freed_memory() -> None:
+    """Hands the heap memory freed so far back to the system. glibc keeps freed pages for reuse, and
+    a source load frees hundreds of MB (the model read, dequantized and fused, in the loader's
+    threads' arenas) that would otherwise stay in the loader's RSS for the rest of its life."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        return
+    trim(0)
 
 
 def _ranges(specs: list[TensorSpec], num_layers: int) -> list[list[tuple[int, int]]]:
