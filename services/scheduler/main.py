@@ -80,6 +80,7 @@ DELIVERY_TIMEOUT = 3.0  # a worker acknowledges a request or a handoff within th
 class Tracked:
     req: GenerateRequest
     worker: str | None  # who has it now (None: queued here, or in a handoff between workers)
+    aborted: bool = False  # the gateway aborted it while a worker had it: its handoff goes nowhere
 
 
 def _role_group(node: str, model: str) -> str:
@@ -100,7 +101,6 @@ class Scheduler:
         self.bus, self.args = bus, args
         self.workers: dict[str, WorkerView] = {}
         self.requests: dict[str, Tracked] = {}
-        self.aborted: set[str] = set()
         self.id = uuid.uuid4().hex  # new at each start: the gateways re-submit what an older one held
         self.tasks: set[asyncio.Task] = set()  # deliveries waiting for their acknowledgement
         tenants = getattr(args, "tenants", None)
@@ -228,7 +228,6 @@ class Scheduler:
         if refusal is not None:
             return refusal
         self.requests[req.request_id] = Tracked(req, None)
-        self.aborted.discard(req.request_id)
         if self.spec(req.model) is not None and not req.attempt:
             self.rates.hit(req.model)
         q = self.queues.setdefault(req.model, ClassQueues(self.fcfs))
@@ -565,7 +564,7 @@ class Scheduler:
         if current is not None and current.worker not in (None, src) and current.req.attempt == h.request.attempt:
             return  # a repeat (its acknowledgement was lost): it was handed over already
         superseded = current is not None and current.req.attempt != h.request.attempt
-        if rid in self.aborted or current is None or superseded:
+        if current is None or current.aborted or superseded:
             # Nobody wants it any more (or a newer attempt runs): give the blocks back on the
             # prefill worker's behalf.
             await self.bus.publish(s.kv("release", h.node_id), BlockRefs(worker_id=src, block_ids=h.block_ids,
@@ -642,7 +641,7 @@ class Scheduler:
         if t.worker is None and q is not None and q.remove(a.request_id):  # still queued here
             del self.requests[a.request_id]
             return
-        self.aborted.add(a.request_id)
+        t.aborted = True  # kept with the request, so it goes when the request does
         if t.worker is not None:
             await self.bus.publish(self.bus.subjects.worker(t.worker, "abort"), a)
 

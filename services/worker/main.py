@@ -303,9 +303,7 @@ class Worker:
             return  # superseded meanwhile by the attempt now running here
         self.blocks.cancel(m.request_id)
         self.engine.abort(m.request_id, m.reason)
-        self.received.pop(m.request_id, None)
-        self.decode_start.pop(m.request_id, None)
-        self.to_hand_off.discard(m.request_id)
+        self._forget(m.request_id)
         # not streamed later as a newer attempt's tokens:
         self.unpublished = [o for o in self.unpublished if o.request_id != m.request_id]
         if self.streams.pop(m.request_id, None) is not None:
@@ -539,7 +537,7 @@ class Worker:
 
     async def _hand_off(self, request_id: str) -> None:
         """Prefill is done: pass the sequence on by block ids (no KV byte moves)."""
-        self.to_hand_off.discard(request_id)
+        self._forget(request_id)
         req = self.streams.pop(request_id)
         self.attempts.pop(request_id, None)
         seq, blocks, shared = await self.blocks.detach(request_id)
@@ -550,7 +548,15 @@ class Worker:
                 next_seq=self.chunk_seq.pop(request_id), from_worker=self.id, node_id=self.args.node_id,
                 arena=self.pool.arena))
 
+    def _forget(self, request_id: str) -> None:
+        """Drops what this worker keeps per request, once the request has left it (ended, aborted or
+        handed on): nothing per request may outlive it in a long-running worker."""
+        self.received.pop(request_id, None)
+        self.decode_start.pop(request_id, None)
+        self.to_hand_off.discard(request_id)
+
     async def _done(self, request_id: str, reason: str | None, attempt: int | None = None) -> None:
+        self._forget(request_id)
         self.chunk_seq.pop(request_id, None)
         attempt = self.attempts.pop(request_id, 0) if attempt is None else attempt
         self._deliver(self.bus.subjects.done, Done(request_id=request_id, worker_id=self.id,
