@@ -14,10 +14,19 @@ Each request ends as one of: `identical` (the reference text), `different` (a wr
 0), `failed` (an HTTP error or an SSE error event: a clear failure), `connection_lost` (its
 connection dropped: allowed only for a killed gateway's clients), `cut` (the stream ended with no
 finish and no error: must be 0) or `hung` (no end within --request-timeout: must be 0); one that
-could not connect (a gateway restarting) is `refused`, not accepted. Prints
+could not connect (a gateway restarting) is `refused`, not accepted; a mesh that stops during the run
+(the launcher gave up on a service that kept dying: faults closer than 30 s apart to one service)
+ends it and fails it (`mesh_stopped_at_s`). A killed gateway's clients are
+those whose request ran at any time from the kill until the process was gone (a request sent in
+that moment reaches the dying process's socket: `exited_after_s` says how long that was). Prints
 one JSON object: the counts, TTFT and end-to-end p50/p99 before the first fault, within --window
 seconds after a fault, and otherwise after; per fault, the time until a request that started
-after it completed; the memory (RSS, PSS) of every process at the start and at the end.
+after it completed; the memory of every process at the start and at the end, and per process
+(`memory_by_process`: each pid from its first to its last sample, every --memory-every seconds),
+since every service is restarted by the rotation and start and end are then other processes.
+Memory is RSS and PSS, PSS split into anonymous memory (a process's own heap: what a leak grows),
+files and shared memory (the node's weights and KV arena, which a worker's RSS counts as it
+touches them).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import time
@@ -51,10 +61,11 @@ async def one(client, url: str, body: dict, timeout: float) -> dict:
     import httpx
 
     t0 = time.monotonic()
-    out = {"start": t0, "text": "", "ttft": None, "outcome": None}
+    out = {"start": t0, "text": "", "ttft": None, "outcome": None, "answered": False}
     try:
         async with asyncio.timeout(timeout):
             async with client.stream("POST", url, json=body) as r:
+                out["answered"] = True  # the gateway took it (a loss from here on cut a response)
                 if r.status_code != 200:
                     await r.aread()
                     out["outcome"] = "failed"
@@ -79,14 +90,13 @@ async def one(client, url: str, body: dict, timeout: float) -> dict:
     except httpx.ConnectError as e:  # nobody listening (a gateway restarting): never accepted
         out["outcome"], out["error"] = "refused", type(e).__name__
     except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
-        out["outcome"], out["error"] = "connection_lost", type(e).__name__
+        out["outcome"], out["error"] = "connection_lost", f"{type(e).__name__}: {e}"[:200]
     finally:
         out["e2e"] = time.monotonic() - t0
     return out
 
 
 def fault(spec: str, up_pid: int) -> dict:
-    import os
     import signal
 
     kind, service = spec.split(":", 1)
@@ -99,14 +109,60 @@ def fault(spec: str, up_pid: int) -> dict:
     return {"fault": spec, "at": time.monotonic(), "pid": pid}
 
 
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie with no thread left (its sockets are closed then): no request reaches it any
+    more. The main thread of a killed process may be a zombie while its other threads still exit,
+    holding its sockets open."""
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state in ("Z", "X") and len(threads) <= 1
+
+
+async def watch_exit(f: dict, timeout: float = 120.0) -> None:
+    """Sets f["gone"] to when the process `f` hit had exited (a SIGTERM drains first: seconds)."""
+    if "pid" not in f:
+        return
+    deadline = time.monotonic() + timeout
+    while not _exited(f["pid"]) and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+    if _exited(f["pid"]):
+        f["gone"] = time.monotonic()
+
+
 def memory(up_pid: int) -> dict[str, dict]:
+    """Every process's memory now, by name, with its pid."""
     out = {}
     for name, pid in mesh_processes(up_pid).items():
         try:
-            out[name] = memory_mb(pid)
+            out[name] = {"pid": pid} | memory_mb(pid)
         except OSError:
             pass
     return out
+
+
+async def sample_memory(up_pid: int, every: float, samples: list[tuple[float, dict]]) -> None:
+    """Appends (when, memory()) every `every` seconds, until cancelled."""
+    while True:
+        samples.append((time.monotonic(), await asyncio.to_thread(memory, up_pid)))
+        await asyncio.sleep(every)
+
+
+def memory_by_process(samples: list[tuple[float, dict]], start: float) -> list[dict]:
+    """Each process (name and pid) from its first sample to its last: how its memory changed while
+    it lived (a leak grows `anon_mb` within one pid; a restart starts a new entry)."""
+    seen: dict[tuple[str, int], dict] = {}
+    for at, mem in samples:
+        for name, m in mem.items():
+            e = seen.setdefault((name, m["pid"]), {"name": name, "pid": m["pid"], "from_s": round(at - start, 1),
+                                                   "first": m})
+            e["to_s"], e["last"] = round(at - start, 1), m
+    return [{"name": e["name"], "pid": e["pid"], "from_s": e["from_s"], "to_s": e["to_s"],
+             **{k: [e["first"][k], e["last"][k]] for k in e["first"] if k != "pid" and k in e["last"]}}
+            for e in seen.values()]
 
 
 async def soak(a, url: str, up_pid: int, bodies: list[dict]) -> dict:
@@ -121,16 +177,24 @@ async def soak(a, url: str, up_pid: int, bodies: list[dict]) -> dict:
         if bad:
             raise RuntimeError(f"the undisturbed reference run failed: {bad[0]}")
         mem_start = memory(up_pid)
+        samples: list[tuple[float, dict]] = []
+        sampler = asyncio.ensure_future(sample_memory(up_pid, a.memory_every, samples))
+        watchers = []
         rng = random.Random(a.seed or 0)
         faults = a.faults.split(",")
         start = time.monotonic()
         end = start + a.minutes * 60
         next_fault, k = start + a.fault_every, 0
-        tasks, done_faults = [], []
+        tasks, done_faults, stopped = [], [], None
         while time.monotonic() < end:
             now = time.monotonic()
+            if _exited(up_pid):  # the launcher gave up on a service (or died): nothing serves any more
+                stopped = now
+                print(f"[{now - start:7.1f}s] meshserve up exited; the soak stops", file=sys.stderr)
+                break
             if now >= next_fault:
                 done_faults.append(fault(faults[k % len(faults)], up_pid))
+                watchers.append(asyncio.ensure_future(watch_exit(done_faults[-1])))
                 print(f"[{now - start:7.1f}s] {done_faults[-1]}", file=sys.stderr)
                 k, next_fault = k + 1, next_fault + a.fault_every
             i = rng.randrange(len(bodies))
@@ -141,14 +205,19 @@ async def soak(a, url: str, up_pid: int, bodies: list[dict]) -> dict:
             r = await t
             r["ref"] = i
             results.append(r)
+        await asyncio.gather(*watchers)
+        sampler.cancel()
         mem_end = memory(up_pid)
-    return report(a, refs, results, done_faults, start, mem_start, mem_end)
+        samples.append((time.monotonic(), mem_end))
+    return report(a, refs, results, done_faults, start, mem_start, mem_end, samples, stopped)
 
 
 def report(a, refs: list[dict], results: list[dict], faults: list[dict], start: float,
-           mem_start: dict, mem_end: dict) -> dict:
+           mem_start: dict, mem_end: dict, samples: list[tuple[float, dict]] = (),
+           stopped: float | None = None) -> dict:
     first = faults[0]["at"] if faults else float("inf")
-    gateway_kills = [f["at"] for f in faults if f["fault"] == "kill9:gateway"]
+    # from the kill until the process was gone: a request sent then went to the dying gateway
+    gateway_kills = [(f["at"], f.get("gone", f["at"])) for f in faults if f["fault"] == "kill9:gateway"]
     counts = dict.fromkeys(("identical", "different", "failed", "connection_lost", "cut", "hung", "refused"), 0)
     phases: dict[str, dict[str, list]] = {p: {"ttft": [], "e2e": []} for p in ("before", "during", "after")}
     unexplained_lost = 0
@@ -158,12 +227,13 @@ def report(a, refs: list[dict], results: list[dict], faults: list[dict], start: 
         if kind == "ok":
             kind = "identical" if r["text"] == refs[r["ref"]]["text"] else "different"
         counts[kind] += 1
-        if kind == "connection_lost" and not any(r["start"] <= g <= r["start"] + r["e2e"] for g in gateway_kills):
+        if kind == "connection_lost" and not any(r["start"] <= gone and at <= r["start"] + r["e2e"]
+                                                 for at, gone in gateway_kills):
             unexplained_lost += 1
         if kind not in ("identical", "refused"):  # each one with the fault nearest to it, to look into
             near = min(faults, key=lambda f: abs(f["at"] - r["start"]), default=None)
-            unusual.append({"outcome": kind, "error": r.get("error"), "start_s": round(r["start"] - start, 1),
-                            "e2e_s": round(r["e2e"], 1), "tokens_text": len(r["text"]),
+            unusual.append({"outcome": kind, "error": r.get("error"), "start_s": round(r["start"] - start, 3),
+                            "e2e_s": round(r["e2e"], 3), "answered": r.get("answered"), "chars": len(r["text"]),
                             "nearest_fault": near and {"fault": near["fault"],
                                                        "at_s": round(near["at"] - start, 1)}})
         if kind == "identical":
@@ -174,18 +244,21 @@ def report(a, refs: list[dict], results: list[dict], faults: list[dict], start: 
     per_fault = []
     for f in faults:
         served = [r["start"] + r["e2e"] for r in results if r["start"] >= f["at"] and r["outcome"] == "ok"]
-        per_fault.append({**{k: v for k, v in f.items() if k != "at"}, "at_s": round(f["at"] - start, 1),
+        per_fault.append({**{k: v for k, v in f.items() if k not in ("at", "gone")}, "at_s": round(f["at"] - start, 1),
+                          "exited_after_s": round(f["gone"] - f["at"], 3) if "gone" in f else None,
                           "serving_again_after_s": round(min(served) - f["at"], 2) if served else None})
     return {
         "command": "meshserve bench-soak " + " ".join(a.argv),
         "minutes": a.minutes, "fault_every_s": a.fault_every, "rate": a.rate, "pool": len(refs),
         "sent": len(results), "accepted": len(results) - counts["refused"], "outcomes": counts,
         "connection_lost_not_at_a_gateway_kill": unexplained_lost, "not_identical": unusual,
-        "ok": all(counts[k] == 0 for k in MUST_BE_ZERO) and unexplained_lost == 0,
+        "mesh_stopped_at_s": None if stopped is None else round(stopped - start, 1),
+        "ok": all(counts[k] == 0 for k in MUST_BE_ZERO) and unexplained_lost == 0 and stopped is None,
         "latency": {p: {"n": len(v["e2e"]), "ttft_p50": _percentile(v["ttft"], 0.5),
                         "ttft_p99": _percentile(v["ttft"], 0.99), "e2e_p50": _percentile(v["e2e"], 0.5),
                         "e2e_p99": _percentile(v["e2e"], 0.99)} for p, v in phases.items()},
-        "faults": per_fault, "memory_start": mem_start, "memory_end": mem_end}
+        "faults": per_fault, "memory_start": mem_start, "memory_end": mem_end,
+        "memory_by_process": memory_by_process(list(samples), start)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request at most")
     ap.add_argument("--window", type=float, default=30.0, help="seconds after a fault that count as 'during'")
     ap.add_argument("--request-timeout", type=float, default=120.0)
+    ap.add_argument("--memory-every", type=float, default=60.0, help="seconds between memory samples")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="float32 (default): a greedy text is the same however it was batched or recomputed, so "
                          "'different' means wrong; with bfloat16 it may differ by rounding")

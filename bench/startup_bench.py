@@ -51,14 +51,22 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+# smaps_rollup's lines -> our keys. PSS shares each shared page among the processes mapping it, and
+# splits into anonymous memory (the process's own heap: what a leak grows), files (libraries, mapped
+# models) and shared memory (the node's weights and KV arena: a worker's RSS grows as it touches more
+# of the arena, which is no leak). `anon_mb` is the anonymous memory resident, unshared.
+MEMORY_FIELDS = {"Rss": "rss_mb", "Pss": "pss_mb", "Anonymous": "anon_mb", "Pss_Anon": "pss_anon_mb",
+                 "Pss_File": "pss_file_mb", "Pss_Shmem": "pss_shmem_mb"}
+
+
 def memory_mb(pid: int) -> dict[str, float]:
-    """RSS and PSS of one process, in MB (smaps_rollup: PSS shares each shared page among its users)."""
+    """RSS and PSS of one process, in MB, with PSS split by kind (MEMORY_FIELDS; smaps_rollup)."""
     out: dict[str, float] = {}
     with open(f"/proc/{pid}/smaps_rollup") as f:
         for line in f:
             key, _, rest = line.partition(":")
-            if key in ("Rss", "Pss"):
-                out[key.lower() + "_mb"] = round(int(rest.split()[0]) / 1024, 1)
+            if key in MEMORY_FIELDS:
+                out[MEMORY_FIELDS[key]] = round(int(rest.split()[0]) / 1024, 1)
     return out
 
 

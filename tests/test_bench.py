@@ -381,3 +381,32 @@ def test_soak_report_counts_every_outcome_and_flags_the_bad_ones():
         ("connection_lost", 99, "kill9:gateway"), ("failed", 12, "kill9:decode")]  # each named, to look into
     for bad in (r(20, 1, "ok", 1, "abc"), r(20, 1, "cut"), r(20, 1, "hung"), r(20, 1, "connection_lost")):
         assert not report(a, refs, good + [bad], faults, 0.0, {}, {})["ok"], bad
+
+
+def test_soak_counts_a_request_sent_to_a_dying_gateway_as_its_client():
+    """A request sent between a gateway's kill and the moment its process is gone reaches the dying
+    process's socket: it is that gateway's client, not an unexplained loss; one sent after is not.
+    A mesh that stopped during the run fails it. Memory is followed per process, so a restarted
+    service is not read as a grown one."""
+    import argparse
+
+    from meshserve.bench.soak_bench import memory_by_process, report
+
+    a = argparse.Namespace(window=30.0, argv=[], minutes=1, fault_every=20, rate=1)
+    refs = [{"text": "abc"}]
+    faults = [{"fault": "kill9:gateway", "at": 100.0, "gone": 100.05, "pid": 2}]
+
+    def lost(start):
+        return {"start": start, "e2e": 0.001, "ttft": None, "outcome": "connection_lost", "ref": 0, "text": ""}
+
+    out = report(a, refs, [lost(100.01)], faults, 0.0, {}, {})
+    assert out["ok"] and out["faults"][0]["exited_after_s"] == 0.05
+    assert report(a, refs, [lost(100.2)], faults, 0.0, {}, {})["connection_lost_not_at_a_gateway_kill"] == 1
+    stopped = report(a, refs, [lost(100.01)], faults, 0.0, {}, {}, stopped=130.0)  # the launcher gave up
+    assert not stopped["ok"] and stopped["mesh_stopped_at_s"] == 130.0
+
+    m = lambda pid, anon: {"pid": pid, "rss_mb": 10.0 + anon, "anon_mb": anon}  # noqa: E731
+    samples = [(0.0, {"gateway": m(7, 1.0)}), (60.0, {"gateway": m(7, 3.0)}), (120.0, {"gateway": m(8, 1.5)})]
+    assert memory_by_process(samples, 0.0) == [
+        {"name": "gateway", "pid": 7, "from_s": 0.0, "to_s": 60.0, "rss_mb": [11.0, 13.0], "anon_mb": [1.0, 3.0]},
+        {"name": "gateway", "pid": 8, "from_s": 120.0, "to_s": 120.0, "rss_mb": [11.5, 11.5], "anon_mb": [1.5, 1.5]}]

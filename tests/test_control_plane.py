@@ -284,4 +284,6 @@ def test_startup_bench_reads_a_process_memory():
 
     m = memory_mb(os.getpid())
     assert 0 < m["pss_mb"] <= m["rss_mb"]
+    assert 0 < m["anon_mb"] <= m["rss_mb"]  # this interpreter's own heap
+    assert abs(m["pss_anon_mb"] + m["pss_file_mb"] + m["pss_shmem_mb"] - m["pss_mb"]) <= 0.3  # PSS, split by kind
     assert mesh_processes(os.getpid())["launcher"] == os.getpid()
