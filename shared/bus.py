@@ -80,6 +80,7 @@ class Bus:
     def __init__(self, nc: Client, namespace: str = DEFAULT_NAMESPACE):
         self.nc = nc
         self.subjects = Subjects(namespace)
+        self.url = ""  # the NATS URL it connected to (connect sets it): names this mesh's shared files
         self.reconnect_hooks: list = []  # called (no arguments) after each reconnection
 
     def on_reconnect(self, hook) -> None:
@@ -122,6 +123,7 @@ class Bus:
                                 connect_timeout=2, allow_reconnect=True, error_cb=_on_error,
                                 disconnected_cb=_on_disconnect, reconnected_cb=reconnected, **options)
         bus.append(cls(nc, namespace or os.environ.get("MESHSERVE_NAMESPACE", DEFAULT_NAMESPACE)))
+        bus[0].url = url
         return bus[0]
 
     @property

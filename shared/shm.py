@@ -8,6 +8,7 @@ kv-pool, which only copies bytes and so never loads torch); torch is imported on
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -30,6 +31,16 @@ def shm_dir() -> Path:
     d = Path(os.environ.get("MESHSERVE_SHM_DIR", "/dev/shm" if Path("/dev/shm").is_dir() else "/tmp"))
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+def mesh_prefix(ns: str, node: str, nats_url: str) -> str:
+    """The start of the names of one mesh's shared files on a node. Two meshes on one host (other
+    NATS servers, the same namespace and node id: two `meshserve up`) must never share a KV arena or
+    a weights file: a restarted worker of one mapped the other's arena and read and wrote its KV
+    (the soak beside a benchmark: 27 streams differed). The NATS URL tells them apart, and stays the
+    same across restarts of the mesh's own services (the launcher restarts nats-server on its port)."""
+    tag = hashlib.sha1(nats_url.encode()).hexdigest()[:8]
+    return f"meshserve-{ns}-{node}-{tag}"
 
 
 def dtype_name(dtype) -> str:

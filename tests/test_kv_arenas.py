@@ -312,3 +312,20 @@ def test_one_worker_serves_two_kv_shapes_switching_arenas(shaped, tmp_path):
                 break
             assert time.monotonic() < deadline, kv
             time.sleep(0.2)
+
+
+def test_two_meshes_on_one_host_never_share_an_arena_file():
+    """The same namespace, node id and KV shape under two NATS servers (two `meshserve up` on one
+    host): two files. A restart of one mesh's kv-pool (the same NATS URL) makes the same name again,
+    replacing its own file rather than leaving one behind."""
+    made = []
+    try:
+        for url in ("nats://127.0.0.1:4222", "nats://127.0.0.1:4333", "nats://127.0.0.1:4222"):
+            desc, _ = create_arena("meshserve", "node0", NARROW, "float32", 16, 4 * 8192, 0, "cpu", "e", nats_url=url)
+            made.append(desc.path)
+        assert made[0] != made[1] and made[0] == made[2]
+        assert os.path.basename(made[0]).startswith("meshserve-meshserve-node0-") and "-kv-" in made[0]
+    finally:
+        for p in set(made):
+            if os.path.exists(p):
+                os.unlink(p)

@@ -241,7 +241,7 @@ class KVPool:
             desc, buf = create_arena(self.bus.subjects.ns, self.node, req.shape, req.shape.dtype,
                                      self.args.block_size, nbytes, self.budgets.swap_for(nbytes),
                                      getattr(self.args, "device", "cpu"), self.desc.epoch,
-                                     why=f"for model {req.model}")
+                                     why=f"for model {req.model}", nats_url=self.bus.url)
             a = self.arenas[key] = Arena(desc, buf)
             self.budgets.made[key] = desc.num_blocks * a.blocks.block_bytes
         if req.model:
@@ -497,7 +497,7 @@ def add_arguments(p) -> None:
 
 
 def create_arena(ns: str, node: str, cfg, dtype: str, block_size: int, nbytes: int, swap_bytes: int,
-                 device: str, epoch: str, why: str = "") -> tuple[ArenaDescriptor, object]:
+                 device: str, epoch: str, why: str = "", nats_url: str = "") -> tuple[ArenaDescriptor, object]:
     """An arena of `nbytes` (whole blocks) for KV of cfg's shape in `dtype` (the arena's element dtype),
     in shared memory or on the GPU (`device`); ValueError when nbytes holds no block."""
     block_bytes = kv_bytes_per_block(cfg, block_size, dtype)
@@ -509,7 +509,7 @@ def create_arena(ns: str, node: str, cfg, dtype: str, block_size: int, nbytes: i
                          f"{nbytes} bytes left for it, a block takes {block_bytes} (the manifest's models share "
                          "--kv-cache-gb, docs/models.md)")
     shape = kv_arena_shape(cfg, num_blocks, block_size, dtype)
-    buf, path, ipc = node_memory.create(f"meshserve-{ns}-{node}-kv-{key}", num_blocks * block_bytes, device,
+    buf, path, ipc = node_memory.create(f"{shm.mesh_prefix(ns, node, nats_url)}-kv-{key}", num_blocks * block_bytes, device,
                                         numpy=device == "cpu")
     swap_blocks = swap_bytes // block_bytes
     log.info("KV arena %s%s: %d blocks of %d tokens in %s, %.3f GiB at %s; host swap tier: %d blocks", key,
@@ -551,7 +551,7 @@ async def make_arena(bus: Bus, args) -> tuple[ArenaDescriptor, object, ArenaBudg
                         head_dim=cfg.head_dim, dtype=dtype)
     nbytes = budgets.for_arena(shape.key)
     desc, buf = create_arena(bus.subjects.ns, args.node_id, shape, shape.dtype, args.block_size, nbytes,
-                             budgets.swap_for(nbytes), device, uuid.uuid4().hex, why="made at start")
+                             budgets.swap_for(nbytes), device, uuid.uuid4().hex, why="made at start", nats_url=bus.url)
     return desc, buf, budgets
 
 
