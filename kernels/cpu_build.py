@@ -6,10 +6,11 @@ the caller then takes its Python reference path. A warning is logged once per ex
 
 ``MESHSERVE_DISABLE_CPU_KERNELS=1`` forces the reference path.
 
-A build leaves a stamp (the hash of its source, flags and torch and Python versions) beside the
-library; a later load whose stamp matches imports the library directly. Asking torch to load it
-instead costs a second or more per kernel on every start even when nothing is rebuilt (importing
-its build helpers, then running ninja to find nothing to do), and every worker loads three.
+A build leaves a stamp (the hash of its source and of the kernels/cpu/ headers it includes, its
+flags, torch and Python versions) beside the library; a later load whose stamp matches imports
+the library directly. Asking torch to load it instead costs a second or more per kernel on every
+start even when nothing is rebuilt (importing its build helpers, then running ninja to find
+nothing to do), and every worker loads several.
 
 The build goes to ``$TORCH_EXTENSIONS_DIR`` when that is set, else under meshserve's cache
 (``$MESHSERVE_CACHE``, else ``$XDG_CACHE_HOME/meshserve``, else ``~/.cache/meshserve``) in
@@ -24,6 +25,7 @@ import importlib.util
 import logging
 import os
 import platform
+import re
 import sys
 import threading
 from pathlib import Path
@@ -71,8 +73,21 @@ def build_dir() -> Path:
     return root / "torch_extensions" / f"{py}-torch{torch_version}-{_cpu_tag()}"
 
 
+def _local_headers(source: str, seen: set[str] | None = None) -> list[str]:
+    """The headers of kernels/cpu/ that `source` includes (#include "x.h"), directly or through another."""
+    seen = set() if seen is None else seen
+    for line in (SOURCES / source).read_text().splitlines():
+        m = re.match(r'\s*#\s*include\s+"([^"]+)"', line)
+        if m and m.group(1) not in seen and (SOURCES / m.group(1)).is_file():
+            seen.add(m.group(1))
+            _local_headers(m.group(1), seen)
+    return sorted(seen)
+
+
 def _stamp(name: str, source: str) -> str:
     h = hashlib.sha256((SOURCES / source).read_bytes())
+    for header in _local_headers(source):  # a changed header is a changed kernel
+        h.update((SOURCES / header).read_bytes())
     h.update(repr((name, CFLAGS, LDFLAGS, torch.__version__, sys.version)).encode())
     return h.hexdigest()
 

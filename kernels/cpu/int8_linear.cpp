@@ -18,126 +18,16 @@
 // 1.6-2.5x slower at every row count. Batch 1 reads each weight byte once (bound by memory
 // bandwidth). Oracle: F.linear on the dequantized weight (tests/test_int8.py).
 
+#include "int8_linear.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <c10/util/BFloat16.h>
 #include <torch/csrc/utils/pybind.h>
 
-#include <algorithm>
-#include <array>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <optional>
-#include <utility>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define MESHSERVE_INT8_AVX2 1
-#endif
-
-namespace {
-
-using bf16 = c10::BFloat16;
-constexpr int64_t kBlockN = 16;  // output columns per weight block: two vectors of 8 int32 accumulators
-constexpr int kMaxMR = 6;        // rows per tile: 12 accumulators + 2 weight vectors + 1 broadcast + 1 product
-// From this many rows on, each block is first widened to int16 (once, into a per-thread buffer)
-// and tiles of kWideMR rows read it with no conversion: 10-15% faster at 64-128 rows.
-constexpr int64_t kWidenRows = 2 * kMaxMR + 1;
-constexpr int kWideMR = 4;
-constexpr int kPrefetchBytes = 2048;
-
-#ifdef MESHSERVE_INT8_AVX2
-// fp32 -> bf16, round to nearest even as torch does; NaN stays NaN.
-inline __m128i to_bf16(__m256 v) {
-  __m256i b = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  b = _mm256_blendv_epi8(b, _mm256_set1_epi32(0x7fc0), nan);
-  return _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
-}
-
-inline __m256 load_bf16(const bf16* p) {  // 8 bf16 -> 8 fp32
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-// out[0:MR, block columns] from one weight block ([K/2][16][2], int8 as stored or int16 once widened)
-// and MR quantized rows. scale: the block's 16 column scales; sx: the rows' scales; bias: 16 fp32 or null.
-template <int MR, typename W>
-void tile(const int16_t* xq, int64_t K, const W* wblock, const float* scale, const float* sx, const float* bias,
-          bf16* out, int64_t ldo) {
-  __m256i acc[MR][2];
-  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
-  for (int64_t k2 = 0; k2 < K / 2; ++k2) {
-    const W* wp = wblock + k2 * 2 * kBlockN;
-    __m256i w0, w1;
-    if constexpr (sizeof(W) == 1) {
-      // The stream from memory: the hardware prefetcher alone left batch 1-4 ~15% slower.
-      _mm_prefetch(reinterpret_cast<const char*>(wp) + kPrefetchBytes, _MM_HINT_T0);
-      w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)));
-      w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + 16)));
-    } else {
-      w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
-      w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 16));
-    }
-    for (int m = 0; m < MR; ++m) {
-      int32_t v;  // the row's pair of inputs, broadcast to every column
-      std::memcpy(&v, xq + m * K + 2 * k2, sizeof v);
-      const __m256i xb = _mm256_set1_epi32(v);
-      acc[m][0] = _mm256_add_epi32(acc[m][0], _mm256_madd_epi16(xb, w0));
-      acc[m][1] = _mm256_add_epi32(acc[m][1], _mm256_madd_epi16(xb, w1));
-    }
-  }
-  const __m256 s0 = _mm256_loadu_ps(scale), s1 = _mm256_loadu_ps(scale + 8);
-  const __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
-  const __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
-  for (int m = 0; m < MR; ++m) {
-    const __m256 r = _mm256_set1_ps(sx[m]);
-    const __m256 y0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][0]), _mm256_mul_ps(s0, r), b0);
-    const __m256 y1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][1]), _mm256_mul_ps(s1, r), b1);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + m * ldo), to_bf16(y0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + m * ldo + 8), to_bf16(y1));
-  }
-}
-
-template <typename W>
-using TileFn = void (*)(const int16_t*, int64_t, const W*, const float*, const float*, const float*, bf16*, int64_t);
-
-template <typename W, int... R>
-constexpr std::array<TileFn<W>, sizeof...(R)> tiles(std::integer_sequence<int, R...>) {
-  return {&tile<R + 1, W>...};
-}
-constexpr auto kTiles = tiles<int8_t>(std::make_integer_sequence<int, kMaxMR>{});
-constexpr auto kWideTiles = tiles<int16_t>(std::make_integer_sequence<int, kWideMR>{});
-
-// One row to int16 with its scale: q = round(x / s), s = max|x| / levels.
-void quantize_row(const bf16* x, int64_t K, float levels, int16_t* q, float* s) {
-  __m256 amax = _mm256_setzero_ps();
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, load_bf16(x + k)));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, amax);
-  float a = 0.f;
-  for (float l : lanes) a = std::max(a, l);
-  for (; k < K; ++k) a = std::max(a, std::fabs(float(x[k])));
-  *s = a / levels;
-  const float inv = a > 0.f ? levels / a : 0.f;
-  const __m256 vinv = _mm256_set1_ps(inv);
-  for (k = 0; k + 16 <= K; k += 16) {  // cvtps rounds to nearest even; packs interleaves 128-bit lanes, the permute restores the order
-    const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(load_bf16(x + k), vinv));
-    const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(load_bf16(x + k + 8), vinv));
-    const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xd8);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), p);
-  }
-  for (; k < K; ++k) q[k] = static_cast<int16_t>(std::nearbyint(float(x[k]) * inv));
-}
-#endif
-
-}  // namespace
+using namespace int8_linear;
 
 bool available() {
 #ifdef MESHSERVE_INT8_AVX2
@@ -146,9 +36,6 @@ bool available() {
   return false;
 #endif
 }
-
-// The int16 levels a row gets: int32 accumulators hold K products of |q| <= 127 and |x| <= levels.
-double levels_for(int64_t K) { return std::min(32767.0, std::floor(2147483647.0 / (127.0 * double(K)))); }
 
 void linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& wb, const at::Tensor& scale,
                  const std::optional<at::Tensor>& bias) {
@@ -190,27 +77,25 @@ void linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& wb, cons
   const auto* wp = wb.data_ptr<int8_t>();
   const auto* sp = scale.data_ptr<float>();
   auto* op = out.data_ptr<bf16>();
+  const float* bp = b.empty() ? nullptr : b.data();
   const int64_t block_elems = (K / 2) * kBlockN * 2;
   at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
-    std::vector<int16_t> wide(M >= kWidenRows ? block_elems : 0);
+    if (M < kWidenRows) {
+      int8_blocks(xq.data(), sx.data(), M, K, wp, sp, bp, op, N, nb0, nb1);
+      return;
+    }
+    std::vector<int16_t> wide(block_elems);
     for (int64_t nb = nb0; nb < nb1; ++nb) {
       const int64_t n0 = nb * kBlockN;
-      const float* bb = b.empty() ? nullptr : b.data() + n0;
       const int8_t* block = wp + nb * block_elems;
-      if (wide.empty()) {
-        for (int64_t m0 = 0; m0 < M; m0 += kMaxMR) {
-          const int64_t mr = std::min<int64_t>(kMaxMR, M - m0);
-          kTiles[mr - 1](xq.data() + m0 * K, K, block, sp + n0, sx.data() + m0, bb, op + m0 * N + n0, N);
-        }
-        continue;
-      }
       for (int64_t i = 0; i < block_elems; i += 16) {
         const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + i));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(wide.data() + i), _mm256_cvtepi8_epi16(v));
       }
       for (int64_t m0 = 0; m0 < M; m0 += kWideMR) {
         const int64_t mr = std::min<int64_t>(kWideMR, M - m0);
-        kWideTiles[mr - 1](xq.data() + m0 * K, K, wide.data(), sp + n0, sx.data() + m0, bb, op + m0 * N + n0, N);
+        kWideTiles[mr - 1](xq.data() + m0 * K, K, wide.data(), sp + n0, sx.data() + m0, bp ? bp + n0 : nullptr,
+                           op + m0 * N + n0, N);
       }
     }
   });

@@ -7,6 +7,8 @@
 // Hugging Face's bf16 model rounds (the residual stream is stored in bf16 after each add).
 // Oracles: the torch expressions in shared/model/llama.py (tests/test_cpu_kernels.py).
 
+#include "layer_ops.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -15,9 +17,9 @@
 #include <cmath>
 #include <cstdint>
 
-namespace {
+using namespace layer_ops;
 
-using bf16 = c10::BFloat16;
+namespace {
 
 // Rows are split across threads only when there is enough work to pay for waking them.
 constexpr int64_t kParallelElems = 1 << 16;
@@ -34,17 +36,6 @@ void for_rows(int64_t rows, int64_t row_elems, F&& f) {
 void check_rows(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.scalar_type() == at::kBFloat16, what, ": bfloat16 only");
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, what, ": 2-d with contiguous rows");
-}
-
-inline void norm_row(const bf16* x, const bf16* w, bf16* out, int64_t d, float eps) {
-  float ss = 0.f;
-  for (int64_t j = 0; j < d; ++j) {
-    float v = float(x[j]);
-    ss += v * v;
-  }
-  const float r = 1.f / std::sqrt(ss / float(d) + eps);
-  // As Hugging Face: normalize in fp32, round to bf16, then scale by the bf16 weight.
-  for (int64_t j = 0; j < d; ++j) out[j] = bf16(float(w[j]) * float(bf16(float(x[j]) * r)));
 }
 
 }  // namespace
@@ -74,7 +65,7 @@ void add_rms_norm_(at::Tensor a, at::Tensor residual, const at::Tensor& w, doubl
     for (int64_t r = r0; r < r1; ++r) {
       bf16* ap = a.data_ptr<bf16>() + r * a.stride(0);
       bf16* xp = residual.data_ptr<bf16>() + r * residual.stride(0);
-      for (int64_t j = 0; j < d; ++j) xp[j] = bf16(float(xp[j]) + float(ap[j]));
+      add_row(xp, ap, d);
       norm_row(xp, wp, ap, d, float(eps));
     }
   });
@@ -98,15 +89,7 @@ void rope_(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos, c
       TORCH_CHECK(pos[r] >= 0 && pos[r] < max_pos, "rope: position out of range");
       const bf16* c = cos.data_ptr<bf16>() + pos[r] * cos.stride(0);
       const bf16* s = sin.data_ptr<bf16>() + pos[r] * sin.stride(0);
-      bf16* row = qkv.data_ptr<bf16>() + r * qkv.stride(0);
-      for (int64_t h = 0; h < heads; ++h) {
-        bf16* x = row + h * d;
-        for (int64_t j = 0; j < half; ++j) {
-          const float x1 = float(x[j]), x2 = float(x[j + half]), cj = float(c[j]), sj = float(s[j]);
-          x[j] = bf16(x1 * cj - x2 * sj);
-          x[j + half] = bf16(x2 * cj + x1 * sj);
-        }
-      }
+      rope_heads(qkv.data_ptr<bf16>() + r * qkv.stride(0), heads, d, c, s);
     }
   });
 }
@@ -120,13 +103,7 @@ void silu_mul(at::Tensor out, const at::Tensor& gate_up) {
   for_rows(n, inter, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const bf16* g = gate_up.data_ptr<bf16>() + r * gate_up.stride(0);
-      bf16* o = out.data_ptr<bf16>() + r * out.stride(0);
-      for (int64_t i = 0; i < inter; ++i) {
-        // As torch in bf16: silu rounded to bf16, then the product rounded.
-        const float gi = float(g[i]);
-        const float act = float(bf16(gi / (1.f + std::exp(-gi))));
-        o[i] = bf16(act * float(g[inter + i]));
-      }
+      silu_mul_row(g, g + inter, out.data_ptr<bf16>() + r * out.stride(0), inter);
     }
   });
 }
