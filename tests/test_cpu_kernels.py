@@ -140,6 +140,18 @@ def test_bad_block_table_is_rejected(kernel):
         kernel.paged_decode_attention(torch.empty_like(q), q, kv, table[:, :1], ctx, 8, 0.25)
 
 
+def test_build_stamp_covers_included_headers(tmp_path, monkeypatch):
+    """A kernel is rebuilt when a kernels/cpu header it includes changes, directly or through another."""
+    (tmp_path / "a.h").write_text('#pragma once\n#include "b.h"\n')
+    (tmp_path / "b.h").write_text("int b = 1;\n")
+    (tmp_path / "k.cpp").write_text('#include "a.h"\n#include <vector>\n')
+    monkeypatch.setattr(cpu_build, "SOURCES", tmp_path)
+    assert cpu_build._local_headers("k.cpp") == ["a.h", "b.h"]
+    before = cpu_build._stamp("k", "k.cpp")
+    (tmp_path / "b.h").write_text("int b = 2;\n")
+    assert cpu_build._stamp("k", "k.cpp") != before
+
+
 # -- bf16 projections from the blocked layout (kernels/cpu/linear.cpp) against F.linear
 
 
