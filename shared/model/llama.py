@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from meshserve.kernels.fused_decode import FusedDecode
 from meshserve.kernels.layer_ops import LayerOps
 from meshserve.kernels.int8_linear import quantize_weights
 from meshserve.kernels.linear import block_weights, projection
@@ -103,6 +104,16 @@ class LlamaModel:
         self.cos, self.sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
         self.scale = cfg.head_dim ** -0.5
         self.ops = LayerOps(self.dtype, self.device, cfg.rms_norm_eps)
+        # Decode-only steps of a bf16 model with int8 weights on the CPU: the layers in one call
+        # (kernels/fused_decode.py), bit for bit the per-operation forward below; None elsewhere,
+        # and until a layered load is complete (it reads the q|k|v biases when it is built).
+        self.fused = self._fused_decode() if gate is None else None
+
+    def _fused_decode(self) -> FusedDecode | None:
+        cfg = self.cfg
+        return FusedDecode.build(self.proj, self.attn_norm, self.mlp_norm, self.norm, self.cos, self.sin,
+                                 cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps,
+                                 self.scale)
 
     @classmethod
     def from_hf(cls, cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
@@ -132,6 +143,8 @@ class LlamaModel:
             gate.wait(1)
         # the residual stream, updated in place
         x = F.embedding(input_ids, self.embed) if self.embed is not None else self.head.rows(input_ids, self.dtype)
+        if self.fused is not None and lora is None and gate is None and self.fused.applies(n, meta, kv_cache):
+            return self.fused(x, positions, meta, kv_cache)
         h = ops.rms_norm(x, self.attn_norm[0])
         next_norm = self.attn_norm[1:] + [self.norm]
         for i in range(len(self.proj)):
@@ -157,4 +170,5 @@ class LlamaModel:
             self.gate.wait(self.cfg.num_hidden_layers + 1)
             if self.gate.done:  # fully loaded: no more checks
                 self.gate = None
+                self.fused = self._fused_decode()
         return self.head(hidden).float()

@@ -1,0 +1,69 @@
+"""A decode step's decoder layers in one C++ call (kernels/cpu/fused_decode.cpp), for a bf16 model
+with int8 weights on a CPU with AVX2: at batch 1 the ~25 small operations of each layer and the
+fork and join of each projection cost more than the layer's arithmetic.
+
+It applies to steps of decodes only (one new token per sequence, up to MAX_ROWS of them) over a
+bf16 or int8 KV arena. It runs the per-operation path's own kernels (int8_linear.h, layer_ops.h,
+paged_attention.h) in the same order on the same inputs, so its output is bit for bit that path's:
+LlamaModel's per-operation forward is its oracle, and everything else (prompts, LoRA, fp32, other
+devices, the kernels disabled) runs that path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import cpu_build
+from .int8_linear import Int8Linear
+from .paged_attention import AttentionMetadata
+
+MAX_ROWS = 12  # the int8 kernel's tiles below the row count where it widens weights (int8_linear.h kWidenRows)
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
+def kernel():
+    mod = cpu_build.load("meshserve_fused_decode_cpu", "fused_decode.cpp")
+    return mod if mod is not None and mod.available() else None
+
+
+class FusedDecode:
+    def __init__(self, plan):
+        self.plan = plan  # the C++ object: raw pointers to the weights, which the model keeps alive
+
+    @classmethod
+    def build(cls, layers: list[dict], attn_norm: list[torch.Tensor], mlp_norm: list[torch.Tensor],
+              norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
+              eps: float, scale: float) -> "FusedDecode | None":
+        """layers: each layer's projections by name (PROJECTIONS); None unless every one is an int8
+        projection in the CPU kernel's layout in a bf16 CPU model and the kernel is built."""
+        projs = [layer[name] for layer in layers for name in PROJECTIONS]
+        if not all(isinstance(p, Int8Linear) and p.blocked is not None for p in projs):
+            return None
+        if any(layer[name].bias is not None for layer in layers for name in PROJECTIONS[1:]):
+            return None
+        biases = [layer["qkv"].bias for layer in layers]
+        if any(b is None for b in biases) and any(b is not None for b in biases):
+            return None
+        if norm.dtype != torch.bfloat16 or norm.device.type != "cpu" or cos.dtype != torch.bfloat16:
+            return None
+        mod = kernel()
+        if mod is None:
+            return None
+        plan = mod.FusedDecode([p.blocked for p in projs], [p.scale for p in projs],
+                               [] if biases[0] is None else biases, list(attn_norm) + list(mlp_norm) + [norm],
+                               cos.contiguous(), sin.contiguous(), heads, kv_heads, head_dim, eps, scale)
+        return cls(plan)
+
+    @staticmethod
+    def applies(n: int, meta: AttentionMetadata, kv_cache: torch.Tensor) -> bool:
+        return (n <= MAX_ROWS and meta.num_decodes == n and not meta.prefills
+                and meta.decode_block_tables is not None and kv_cache.device.type == "cpu"
+                and kv_cache.dtype in (torch.bfloat16, torch.int8) and kv_cache.is_contiguous())
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 kv_cache: torch.Tensor) -> torch.Tensor:
+        """x: the embedding rows [n, hidden]; returns the final hidden states, as the model's forward."""
+        out = torch.empty_like(x)
+        self.plan.forward(out, x, positions, kv_cache, meta.slot_mapping, meta.decode_block_tables,
+                          meta.decode_context_lens, meta.block_size)
+        return out
