@@ -77,10 +77,9 @@ class ModelRunner:
             ctx = [s.num_computed_tokens + 1 for s in batch.seqs[:nd]]
             t = max(ctx)
             nblk = -(-t // bs)
-            table = torch.zeros(nd, nblk, dtype=torch.long)
-            for i, s in enumerate(batch.seqs[:nd]):
-                row = s.block_table[:nblk]
-                table[i, :len(row)] = torch.tensor(row)
+            # Padded with block 0 (any valid id: the kernel reads only the context's blocks); one
+            # tensor from nested lists, not one per sequence (a few microseconds each).
+            table = torch.tensor([(s.block_table + [0] * nblk)[:nblk] for s in batch.seqs[:nd]], dtype=torch.long)
             meta.decode_block_tables, meta.decode_context_lens, meta.block_size = table, torch.tensor(ctx), bs
             if not use_decode_kernel(self.kv_cache):  # the reference path gathers through slot ids
                 meta.decode_slots, meta.decode_mask = decode_slots_and_mask(table, meta.decode_context_lens, bs)
@@ -131,7 +130,9 @@ class ModelRunner:
         for i in sorted(spec):
             n = batch.num_tokens[i]
             idx += range(rows[i] - n + 1, rows[i] + 1)
-        logits = self.model.logits(hidden[idx])
+        # A run of consecutive rows (every decode-only step) as a view: indexing by a list copies (~30 us).
+        rows_of = slice(idx[0], idx[-1] + 1) if idx == list(range(idx[0], idx[0] + len(idx))) else idx
+        logits = self.model.logits(hidden[rows_of])
         allowed = masks.result() if masks is not None else None
         if which:
             row_masks = None

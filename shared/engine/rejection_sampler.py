@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .sampler import TokenLogprobs, _filter, logprobs_of, process_logits
+from .sampler import TokenLogprobs, _filter, argmax_rows, logprobs_of, process_logits
 
 if TYPE_CHECKING:
     from .sequence import SamplingParams, Sequence
@@ -67,7 +67,7 @@ def verify(logits: torch.Tensor, seq: "Sequence", eos_token_ids: list[int] = (),
     processed = process_logits(logits, views, list(eos_token_ids),
                                None if masks is None else (list(range(k + 1)), masks))
     if p.greedy:
-        best = processed.argmax(-1).tolist()
+        best = argmax_rows(processed)
         a = 0
         while a < k and best[a] == draft.tokens[a]:
             a += 1
