@@ -24,7 +24,6 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
 
-#include <optional>
 #include <vector>
 
 #ifdef _OPENMP
