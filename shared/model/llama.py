@@ -135,7 +135,8 @@ class LlamaModel:
         """input_ids, positions: [N]. kv_cache: [layers, 2, num_slots, kv_heads, head_dim].
         lora: which rows run which adapter (shared/model/lora.py); None: the base model alone.
         stop(i), asked before layer i: True ends the pass there (Interrupted); the KV it wrote is
-        past every sequence's computed tokens, so nothing reads it before it is written again.
+        past every sequence's computed tokens, so nothing reads it before it is written again. A
+        fused decode step (self.fused: decodes only, one C++ call of 10-20 ms) is not asked.
         Returns the final hidden states [N, hidden]."""
         cfg, ops, gate = self.cfg, self.ops, self.gate
         n, hq, hkv, d = input_ids.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
