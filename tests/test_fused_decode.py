@@ -124,3 +124,38 @@ def test_engine_greedy_tokens_same_with_and_without_fused_step(models):
     finally:
         model.fused = fused
     assert with_fused == without
+
+
+def test_layered_load_builds_the_fused_step_once_complete(tiny_llama, tmp_path):
+    """While a layered load is being written the model runs the per-operation path (the fused step
+    reads the q|k|v biases when built); once the gate is done it builds the fused step, on the biases
+    as finally written."""
+    import numpy as np
+
+    from tiny_model import make_tiny_llama
+
+    from meshserve.shared.model.layer_gate import LayerGate, num_parts
+    from meshserve.shared.model.llama import fuse_hf_weights
+
+    cfg, sd = load_hf_dir(make_tiny_llama(tmp_path / "m", attention_bias=True))
+    final = fuse_hf_weights(cfg, sd, torch.bfloat16, quantization="int8")
+    weights = {k: v.clone() for k, v in final.items()}
+    for k in weights:
+        if k.endswith("qkv_bias"):
+            weights[k].zero_()  # not written yet
+    ready = tmp_path / "ready"
+    np.array([1], dtype=np.int64).tofile(ready)  # part 0 written
+    model = LlamaModel(cfg, weights, gate=LayerGate(str(ready), num_parts(cfg.num_hidden_layers)))
+    assert model.fused is None
+    for k in weights:
+        weights[k].copy_(final[k])
+    word = np.memmap(ready, dtype=np.int64, mode="r+", shape=(1,))
+    word[0] = num_parts(cfg.num_hidden_layers)
+    word.flush()
+    model.logits(torch.zeros(1, cfg.hidden_size, dtype=torch.bfloat16))
+    assert model.gate is None and model.fused is not None
+    ids, pos, meta, kv = decode_step(cfg, 3, torch.bfloat16, seed=5)
+    got = model(ids, pos, meta, kv.clone())
+    want = LlamaModel(cfg, final)
+    want.fused = None
+    assert torch.equal(got, want(ids, pos, meta, kv.clone()))
