@@ -241,7 +241,7 @@ class KVPool:
             desc, buf = create_arena(self.bus.subjects.ns, self.node, req.shape, req.shape.dtype,
                                      self.args.block_size, nbytes, self.budgets.swap_for(nbytes),
                                      getattr(self.args, "device", "cpu"), self.desc.epoch,
-                                     why=f"for model {req.model}", nats_url=self.bus.url)
+                                     why=f"for model {req.model}", nats_url=getattr(self.bus, "url", ""))
             a = self.arenas[key] = Arena(desc, buf)
             self.budgets.made[key] = desc.num_blocks * a.blocks.block_bytes
         if req.model:
@@ -551,7 +551,7 @@ async def make_arena(bus: Bus, args) -> tuple[ArenaDescriptor, object, ArenaBudg
                         head_dim=cfg.head_dim, dtype=dtype)
     nbytes = budgets.for_arena(shape.key)
     desc, buf = create_arena(bus.subjects.ns, args.node_id, shape, shape.dtype, args.block_size, nbytes,
-                             budgets.swap_for(nbytes), device, uuid.uuid4().hex, why="made at start", nats_url=bus.url)
+                             budgets.swap_for(nbytes), device, uuid.uuid4().hex, why="made at start", nats_url=getattr(bus, "url", ""))
     return desc, buf, budgets
 
 
