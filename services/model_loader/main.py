@@ -80,7 +80,8 @@ class ModelLoader:
         the prepared form, else the model's files; `source`: the files even when prepared)."""
         variant = f"{dtype}-{quantization}" if quantization else dtype
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{model}-{variant}")[-120:]
-        name = f"{shm.mesh_prefix(self.bus.subjects.ns, self.node_id, getattr(self.bus, "url", ""))}-weights-{safe}{name_suffix}"
+        prefix = shm.mesh_prefix(self.bus.subjects.ns, self.node_id, getattr(self.bus, "url", ""))
+        name = f"{prefix}-weights-{safe}{name_suffix}"
         if host is not None:  # the host tier: one copy into a new shared file
             specs, config = meta
             return loads.open_host(name, host, specs, config)
