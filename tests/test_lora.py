@@ -115,7 +115,7 @@ def test_two_adapters_and_the_base_in_one_batch_equal_merged_models(tiny_llama, 
 
     steps = []  # which adapters each step's batch held (the real runner runs it)
     run = eng.runner.run
-    eng.runner.run = lambda batch: (steps.append({s.lora for s in batch.seqs}), run(batch))[1]
+    eng.runner.run = lambda batch, *rest: (steps.append({s.lora for s in batch.seqs}), run(batch, *rest))[1]
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0)
     for wave in range(2):  # the second wave finds the first's blocks cached: each adapter only its own
         seqs = {(lo, i): eng.add_request(f"{wave}-{lo}-{i}", p, params, lora=lo)

@@ -171,8 +171,9 @@ def test_n_siblings_share_the_prompt(tiny):
     eng = engine(model)
     computed = []
     run = eng.runner.run
-    eng.runner.run = lambda batch: computed.append(sum(n for s, n in zip(batch.seqs, batch.num_tokens)
-                                                       if s.num_computed_tokens < s.num_prompt_tokens)) or run(batch)
+    eng.runner.run = lambda batch, *rest: computed.append(sum(n for s, n in zip(batch.seqs, batch.num_tokens)
+                                                              if s.num_computed_tokens < s.num_prompt_tokens)) \
+        or run(batch, *rest)
     seqs = [eng.add_request("r0", p, SamplingParams(max_tokens=10, seed=7))]
     seqs += [eng.add_request(f"r{i}", p, SamplingParams(max_tokens=10, seed=7 + i), after="r0") for i in (1, 2)]
     while eng.has_unfinished():
