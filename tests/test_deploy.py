@@ -537,3 +537,17 @@ def test_the_deploy_nats_server_admits_each_service_and_nobody_else(credentials)
     finally:
         server.terminate()
         server.wait(10)
+
+
+def test_generated_passwords_always_parse_as_strings_in_the_nats_config(tmp_path):
+    """Many fresh password sets through `nats-server -t`: a value nats reads as a number or a size
+    (a leading digit) would fail the parse."""
+    from meshserve.shared import nats_auth
+
+    users = {u: "$" + nats_auth.password_env(u) for u in nats_auth.USERS}
+    conf = tmp_path / "nats.conf"
+    conf.write_text(nats_auth.authorization_block("meshserve", users))
+    for _ in range(40):
+        env = {"PATH": "/usr/bin:/bin"} | {nats_auth.password_env(u): p for u, p in nats_auth.generate_passwords().items()}
+        proc = subprocess.run([_nats_server(), "-t", "-c", conf], capture_output=True, text=True, timeout=30, env=env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
