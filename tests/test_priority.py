@@ -374,8 +374,11 @@ def test_mesh_interactive_request_overtakes_a_background_batch(tiny_llama, tmp_p
             texts = [f.result(timeout=120) for f in bg] + [inter.result(timeout=120)]
         done_before = [w for what, w in events[:events.index(("first", "inter"))] if what == "done"]
         assert len(done_before) < 4, events
-        time.sleep(1.0)  # the next heartbeat carries the counters
-        assert mesh.ask("scheduler.status")["num_priority_preemptions"] >= 1
+        deadline, preempted = time.monotonic() + 15, 0
+        while time.monotonic() < deadline and not preempted:  # the heartbeats carry the counters (every 0.5 s)
+            preempted = mesh.ask("scheduler.status")["num_priority_preemptions"]
+            time.sleep(0.1)
+        assert preempted >= 1
     finally:
         mesh.stop()
     llm = LLM(str(tiny_llama), "float32")
