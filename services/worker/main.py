@@ -423,9 +423,9 @@ class Worker:
                 await asyncio.sleep(0.2)
                 continue
             waited = self.engine.scheduler.num_waiting
+            t0 = time.perf_counter()  # the step's wall time, the last step's tokens streamed meanwhile
             step = asyncio.get_running_loop().run_in_executor(self.stepper, self._step)
             await self._flush()
-            t0 = time.perf_counter()
             outputs = await step
             took = time.perf_counter() - t0
             self.step_s = took if not self.step_s else 0.8 * self.step_s + 0.2 * took
