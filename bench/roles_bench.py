@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         s = summarize(results, slo_of(a))
         res["configurations"][name] = {
             "prefill": p, "decode": d, "elastic": elastic, "failed": s["failed"],
+            "failure_reasons": s["failures"]["reasons"],
             "output_throughput": s["output_throughput"], "request_throughput": s["request_throughput"],
             "ttft_p50": s["ttft"]["p50"], "ttft_p99": s["ttft"]["p99"], "role_switches": status["role_switches"],
             "switches": status["recent_role_switches"], "final_roles": sorted(w["role"] for w in status["workers"])}

@@ -231,7 +231,7 @@ class Heartbeat(Message):
     compute_yields: int = 0
     compute_yield_s: float = 0.0
     compute_claim: bool = False
-    # Steps it ended early for an interactive request that arrived (LLMEngine.urgent).
+    # Steps it ended early for an interactive request or a role switch that arrived (LLMEngine.urgent).
     interrupted_steps: int = 0
     arena: str = ""  # the key of the node's KV arena its model's blocks are in (shared/kv_layout.py)
     time: float

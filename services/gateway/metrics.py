@@ -62,7 +62,7 @@ class ComputeYields:
     """`meshserve:compute_yields_total` and `meshserve:compute_yield_seconds_total` by worker: the
     steps a worker held back for another worker's compute claim on its node (runs of waits, and
     seconds; services/worker/compute_claims.py); `meshserve:interrupted_steps_total`: the steps it
-    ended early for an interactive request that arrived (LLMEngine.urgent). From the scheduler's
+    ended early for an interactive request or a role switch that arrived (LLMEngine.urgent). From the scheduler's
     last status."""
 
     def __init__(self, model_name: str):

@@ -91,9 +91,11 @@ class Worker:
         self.manifest = ManifestFile(args.models) if getattr(args, "models", None) else None
         # Each step's thread count by measured speed (threads.py), unless --fixed-threads.
         self.tuner = None if args.fixed_threads else ThreadTuner(threads or len(self.node_cores), _set_threads)
-        # Set when an interactive request arrives, cleared when the loop takes its inbox: the step in
-        # progress, if it has no interactive sequence, ends early (LLMEngine.urgent). Not under fcfs.
-        self.urgent = None if args.scheduling == "fcfs" else threading.Event()
+        # Set when something must not wait for the step in progress: an interactive request (not
+        # under fcfs) or a role switch. Cleared when the loop takes its inbox. The step in progress,
+        # if it has no interactive sequence, ends early (LLMEngine.urgent).
+        self.urgent = threading.Event()
+        self.interactive_interrupts = args.scheduling != "fcfs"
         self.received: dict[str, float] = {}  # wall clock, for the queue and prefill spans
         self.decode_start: dict[str, float] = {}
         self.tokens_streamed = 0
@@ -157,6 +159,7 @@ class Worker:
             return
         self.draining = True
         self._post("role", RoleSwitch(role="prefill", reason="draining"))
+        self.urgent.set()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while (self.streams or self.inbox) and loop.time() < deadline:
@@ -186,7 +189,7 @@ class Worker:
         self.received_by_priority[req.priority] += 1
         self._post("request", req)
         if req.priority == "interactive":  # claimed now, not after the step in progress
-            if self.urgent is not None:
+            if self.interactive_interrupts:
                 self.urgent.set()
             await self.compute.hold(INTERACTIVE)
 
@@ -202,7 +205,10 @@ class Worker:
         self._post("abort", Abort.decode(msg.data))
 
     async def _on_role(self, msg) -> None:
+        """A switch waits for no long step: a prefill step of thousands of tokens takes seconds on a
+        CPU, and the scheduler already routes by the new role."""
         self._post("role", RoleSwitch.decode(msg.data))
+        self.urgent.set()
 
     async def _on_model(self, msg) -> None:
         self._post("model", (ModelSwitch.decode(msg.data), msg))
@@ -399,8 +405,7 @@ class Worker:
         # on the messages); a prefill worker streams before its next step, since its hand-offs
         # detach sequences from the engine, which only happens between steps.
         while True:
-            if self.urgent is not None:
-                self.urgent.clear()  # what came so far is in the inbox, hence in the next step
+            self.urgent.clear()  # what came so far is in the inbox, hence in the next step
             await self._apply_inbox()
             await self._claim_compute()
             await self._switch_model_when_idle()
