@@ -137,6 +137,33 @@ def test_kill9_mid_load_loses_nothing(mesh, reference, service):
     assert mesh.proc.poll() is None
 
 
+def test_a_request_sent_to_a_frozen_scheduler_is_served_by_its_replacement(mesh, reference):
+    """The scheduler stops answering (SIGSTOP: its connection stays open, so the submission is
+    delivered and never answered), then dies. The gateway's submission times out; the request must
+    not fail with a 503 but go again, as a new attempt, to the restarted scheduler."""
+    _all_back(mesh, time.monotonic() + RECOVERY_S)
+    client = OpenAI(base_url=mesh.url + "/v1", api_key="unused", timeout=90, max_retries=0)
+    pid = mesh.service_pid("scheduler")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            future = ex.submit(client.completions.create, model=mesh.model, prompt=PROMPTS[1],
+                               max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+            deadline = time.monotonic() + 30
+            while "sending it again as attempt 1" not in mesh.log.read_text() and time.monotonic() < deadline:
+                assert not future.done(), future.result()
+                time.sleep(0.1)
+            assert "sending it again as attempt 1" in mesh.log.read_text(), mesh.log.read_text()[-3000:]
+            os.kill(pid, signal.SIGKILL)
+            assert future.result(timeout=80).choices[0].text == reference[1]
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _all_back(mesh, time.monotonic() + RECOVERY_S)
+
+
 def test_sigterm_rolling_restart_loses_nothing(mesh, reference):
     """SIGTERM to each worker in turn, mid-load: it takes nothing new, hands its sequences on (or
     finishes those nobody else can take), exits cleanly and the launcher starts it again at once.

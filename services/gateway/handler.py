@@ -31,7 +31,7 @@ from .auth import Auth, rejection_reason
 from .catalog import Catalog, ModelEntry
 from .metrics import GatewayMetrics
 from .request_log import RequestLog
-from .streams import NotSubmitted, RequestStream, TokenStreams, submit
+from .streams import MaybeSubmitted, NotSubmitted, RequestStream, TokenStreams, submit
 
 log = logging.getLogger(__name__)
 
@@ -219,9 +219,9 @@ class Gateway:
             tenant=tenant and tenant.name, after=None if i == 0 else rid, lora=p.model.lora) for i in range(p.n)]
         streams = [self.streams.open(r) for r in requests]
         try:
-            await self._submit_when_ready(requests[0], streams[0])
+            await self._submit_when_ready(streams[0])
             if len(requests) > 1:  # after the first: the scheduler then knows where it went
-                await asyncio.gather(*(self._submit_when_ready(r, s) for r, s in zip(requests[1:], streams[1:])))
+                await asyncio.gather(*(self._submit_when_ready(s) for s in streams[1:]))
         except BaseException as e:
             self._log_rejected(kind, body, arrival, e, p, rid)
             if isinstance(e, OpenAIError):
@@ -243,17 +243,25 @@ class Gateway:
         gen.span = span
         return gen
 
-    async def _submit_when_ready(self, request: GenerateRequest, stream: RequestStream) -> None:
+    async def _submit_when_ready(self, stream: RequestStream) -> None:
         """Submits; while the mesh is still starting (no scheduler, or no worker yet) the request waits
-        for it, up to `ready_timeout` seconds, then gets a 503 with Retry-After."""
+        for it, up to `ready_timeout` seconds, then gets a 503 with Retry-After. A submission that got
+        no answer (the scheduler or the nats-server died with it) waits for the mesh the same way
+        and goes again as a new attempt, the old one aborted."""
         deadline = time.monotonic() + self.ready_timeout
         retried = False
         while True:
             try:
-                stream.scheduler_id = (await submit(self.bus, request)).scheduler_id
+                stream.scheduler_id = (await submit(self.bus, stream.request)).scheduler_id
                 return
             except NotSubmitted as e:
                 refused = e
+            except MaybeSubmitted as e:
+                refused = e
+                abort = stream.supersede()
+                log.warning("request %s: %s; sending it again as attempt %d", abort.request_id, e.message,
+                            stream.request.attempt)
+                self._publish_soon(self.bus.subjects.abort, abort)
             waited = await self._until_ready(deadline)
             if waited is None or (waited is False and retried):
                 # Timed out, or the scheduler says it is ready and still refuses: not a start-up matter.

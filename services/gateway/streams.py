@@ -69,6 +69,15 @@ class NotSubmitted(OpenAIError):
         super().__init__(message, 503, type="server_error", code=NOT_READY)
 
 
+class MaybeSubmitted(OpenAIError):
+    """A 503 for a submission that went out but got no answer: the scheduler (or the nats-server)
+    may have died with it in hand, or taken it and died before replying. Sent again, it must be a
+    new attempt, the old one aborted (RequestStream.supersede), so it cannot run twice."""
+
+    def __init__(self, message: str):
+        super().__init__(message, 503, type="server_error")
+
+
 async def submit(bus: Bus, request: GenerateRequest) -> SubmitReply:
     """Hands a request to the scheduler; raises OpenAIError when it is refused or nobody answers."""
     try:
@@ -79,9 +88,9 @@ async def submit(bus: Bus, request: GenerateRequest) -> SubmitReply:
     except nats.errors.NoRespondersError:
         raise NotSubmitted("no scheduler is available to serve the request") from None
     except (nats.errors.TimeoutError, asyncio.TimeoutError):
-        raise OpenAIError("no scheduler is available to serve the request", 503, type="server_error") from None
+        raise MaybeSubmitted(f"the scheduler did not answer the submission in {SUBMIT_TIMEOUT:g} s") from None
     except nats.errors.Error as e:
-        raise OpenAIError(f"the mesh is unreachable: {e}", 503, type="server_error") from None
+        raise MaybeSubmitted(f"the mesh is unreachable: {e}") from None
     except RuntimeError as e:  # the scheduler answered with an error instead of a SubmitReply
         raise OpenAIError(f"the scheduler failed: {e}", 500, type="server_error") from None
     if not reply.ok:
@@ -141,24 +150,29 @@ class RequestStream:
             raise item
         return item
 
-    def resubmit(self, why: str) -> None:
-        """A new attempt from the tokens the client has: the old one is aborted on the workers, and
-        its chunks (and those of its dead scheduler's routing) are ignored from now on."""
-        if self.finished:
-            return
+    def supersede(self) -> Abort:
+        """Makes the request a new attempt: the old attempt's chunks (and those of its dead
+        scheduler's routing) are ignored from now on. Returns the Abort that stops the old one on
+        the workers, for the caller to publish before submitting the new one."""
         old = self.request.attempt
         self.request = self.request.model_copy(update={"attempt": old + 1})
         self._held.clear()
         self._gap_since = None
         self.scheduler_id = None
+        return Abort(request_id=self.request.request_id, reason="superseded", attempt=old)
+
+    def resubmit(self, why: str) -> None:
+        """A new attempt from the tokens the client has: the old one is aborted on the workers."""
+        if self.finished:
+            return
+        abort = self.supersede()
         self.resubmits += 1
         if self.resubmits > MAX_RESUBMITS:
             self._fail(OpenAIError(f"the request was re-submitted {self.resubmits - 1} times; giving up "
                                    f"(last: {why})", 503, type="server_error"))
             return
         log.warning("request %s: %s; re-submitting after %d tokens (attempt %d)", self.request.request_id, why,
-                    len(self.token_ids), old + 1)
-        abort = Abort(request_id=self.request.request_id, reason="superseded", attempt=old)
+                    len(self.token_ids), self.request.attempt)
         again = self.request.model_copy(update={"output_token_ids": list(self.token_ids)})
         self._resubmitting = self._spawn(self._resubmit(again, abort))
 
