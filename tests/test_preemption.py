@@ -247,8 +247,10 @@ def test_an_urgent_request_ends_a_batch_step_early_and_nothing_is_lost(tiny):
         return real(*args, stop=stop_at, **kw)
 
     eng.runner.model = _Calls(eng.model, arrives_mid_pass)
+    shares = list(eng.scheduler.policy.shares.tokens)
     assert eng.step() == [] and eng.interrupted_steps == 1
     assert layers == [0] and [s.num_computed_tokens for s in bg] == done  # stopped before layer 0
+    assert eng.scheduler.policy.shares.tokens == pytest.approx(shares)  # no output credited to a step that made none
     eng.runner.model = eng.model
     i = eng.add_request("i", prompts[0], SamplingParams(max_tokens=1, temperature=0), priority="interactive")
     assert eng.urgent.is_set()  # still set: a step with an interactive sequence runs on regardless

@@ -306,6 +306,7 @@ class LLMEngine:
         except Interrupted:
             self.interrupted_steps += 1  # nothing advanced: the next schedule() plans it again
             self.owes_step = True
+            self.scheduler.step_ended_early()
             return []
         if self.owes_step and self._interruptible(batch):
             self.owes_step = False  # the step owed ran

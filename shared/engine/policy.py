@@ -47,10 +47,19 @@ class ClassShares:
     def __init__(self, window: int):
         self.decay = 1.0 - 1.0 / max(1, window)
         self.tokens = [0.0] * len(PRIORITIES)
+        self._last: tuple[float, list[int]] | None = None
 
     def record(self, produced: list[int]) -> None:
         f = self.decay ** sum(produced)
         self.tokens = [t * f + p for t, p in zip(self.tokens, produced)]
+        self._last = (f, produced)
+
+    def take_back(self) -> None:
+        """Undoes the last record: its step ended early (LLMEngine.urgent) and produced nothing."""
+        last, self._last = self._last, None
+        if last is not None:
+            f, produced = last
+            self.tokens = [(t - p) / f for t, p in zip(self.tokens, produced)]
 
     def share(self, level: int) -> float:
         total = sum(self.tokens)

@@ -326,6 +326,11 @@ class Scheduler:
         pol.shares.record(produced)
         return step.batch()
 
+    def step_ended_early(self) -> None:
+        """The last scheduled step was interrupted before sampling: it produced no output tokens,
+        so the classes' output shares forget it (it is scheduled again)."""
+        self.policy.shares.take_back()
+
     def _interactive_near(self) -> bool:
         return (self.clock() - self.last_interactive < self.config.interactive_guard_s
                 or any(s.priority == INTERACTIVE for s in self.running))
