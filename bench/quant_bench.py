@@ -14,8 +14,10 @@ Per variant (--variants: dtype[+weight quantization]) and KV cache dtype (--kv-c
   --context-tokens prompts each, over --concurrent-tokens steps after every prompt is prefilled,
   with the KV bytes a step's attention reads (where an int8 KV cache pays);
 - the perplexity of TEXT (a fixed text of a few hundred tokens).
-Also the machine's read bandwidth (a large tensor summed), so each variant's distance from its
-memory bound (weight bytes / bandwidth) can be read off.
+Also the machine's roofline: its read bandwidth (a large tensor summed) and its matmul peak in
+float32 and bfloat16 (torch's GEMM: AMX or AVX-512 where the CPU has them). Per variant and case,
+`roofline` gives the bytes and FLOPs a step needs, the time each bound allows, which one binds, and
+the measured time's share of the bound (1.0: at the roofline).
 """
 
 from __future__ import annotations
@@ -83,10 +85,51 @@ def weight_bytes_per_token(model) -> int:
     lookup and the norms are a few rows)."""
     total = 0
     for lin in [p for layer in model.proj for p in layer.values()] + [model.head]:
-        for t in (getattr(lin, a, None) for a in lin.__slots__):
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
+        for a in lin.__slots__:
+            t = getattr(lin, a, None)
+            if isinstance(t, torch.Tensor) and not (a == "weight" and getattr(lin, "blocked", None) is not None):
+                total += t.numel() * t.element_size()  # a plain copy kept beside the blocked one is not read
     return total
+
+
+def weight_params(model) -> int:
+    """Weights one token multiplies through (projections and lm_head): 2 FLOPs each."""
+    return sum(lin.out_features * lin_in_features(lin) for layer in model.proj for lin in layer.values()) + \
+        model.head.out_features * lin_in_features(model.head)
+
+
+def lin_in_features(lin) -> int:
+    for a in ("blocked", "weight", "q"):
+        t = getattr(lin, a, None)
+        if isinstance(t, torch.Tensor):
+            return t.shape[1] if t.dim() == 2 else t.shape[1] * t.shape[3]  # blocked: [N/b, K/2, b, 2]
+    raise ValueError(f"no weight in {lin!r}")
+
+
+def peak_gflops(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
+    """The best of `reps` square matmuls: what the cores can compute in `dtype` at best."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best / 1e9
+
+
+def roofline(measured_ms: float, nbytes: float, flops: float, bandwidth_gbs: float, peak: float) -> dict:
+    memory_ms, compute_ms = 1000 * nbytes / 1e9 / bandwidth_gbs, 1000 * flops / 1e9 / peak
+    bound = max(memory_ms, compute_ms)
+    return {"mb": nbytes / 1e6, "gflop": flops / 1e9, "memory_bound_ms": memory_ms, "compute_bound_ms": compute_ms,
+            "bound_by": "memory" if memory_ms >= compute_ms else "compute", "measured_ms": measured_ms,
+            "of_roofline": bound / measured_ms}
+
+
+def attention_flops(model, context: float) -> float:
+    """One token's attention over `context` tokens: QK and PV, 2 FLOPs a multiply-add each."""
+    cfg = model.cfg
+    return 4 * cfg.num_hidden_layers * cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads) * context
 
 
 def read_bandwidth_gbs(mib: int = 512, reps: int = 5) -> float:
@@ -162,10 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     from meshserve.shared.engine.llm import LLM
 
     bandwidth = read_bandwidth_gbs()
+    peaks = {"float32": peak_gflops(torch.float32), "bfloat16": peak_gflops(torch.bfloat16)}
     res: dict = {"command": "python -m meshserve.bench.quant_bench " + " ".join(argv or sys.argv[1:]),
                  "model": a.model,
                  "machine": {"threads": torch.get_num_threads(), "processor": platform.processor(),
-                             "read_bandwidth_gbs": bandwidth,
+                             "read_bandwidth_gbs": bandwidth, "peak_gflops": peaks,
                              "bf16_projection_kernel": linear.kernel() is not None,
                              "int8_projection_kernel": int8_linear.kernel() is not None},
                  "variants": {}}
@@ -183,18 +227,28 @@ def main(argv: list[str] | None = None) -> int:
                   "memory_bound_ms_per_token": 1000 * wbytes / 1e9 / bandwidth,
                   "perplexity": perplexity(llm.engine.model, text_ids[:llm.engine.max_model_len], kv_dtype),
                   "perplexity_tokens": min(len(text_ids), llm.engine.max_model_len)}
+            model, peak = llm.engine.model, peaks[dtype]  # int8 weights: the activations' dtype computes
+            flops = 2 * weight_params(model)
+            r["roofline"] = roofline(r["ms_per_token"], wbytes, flops + attention_flops(model, a.prompt_tokens + a.tokens / 2),
+                                     bandwidth, peak)
             if a.concurrent:
                 long = text_ids * (a.context_tokens // len(text_ids) + 2)
                 prompts = [long[i:i + a.context_tokens] for i in range(a.concurrent)]  # no two share a prefix
-                r["concurrent"] = concurrent_decode(llm, prompts, a.concurrent_tokens)
+                c = r["concurrent"] = concurrent_decode(llm, prompts, a.concurrent_tokens)
+                context = a.context_tokens + a.concurrent_tokens / 2
+                c["roofline"] = roofline(c["ms_per_step"], wbytes + c["kv_mb_per_step"] * 1e6,
+                                         a.concurrent * (flops + attention_flops(model, context)), bandwidth, peak)
             res["variants"][name] = r
             c = r.get("concurrent")
             print(f"{name}: {r['ms_per_token']:.2f} ms/token (CPU {r['cpu_ms_per_token']:.2f}; "
                   f"{r['weight_mb_per_token']:.0f} MB of weights, "
-                  f"bound {r['memory_bound_ms_per_token']:.2f} ms at {bandwidth:.1f} GB/s), perplexity "
+                  f"bound {r['memory_bound_ms_per_token']:.2f} ms at {bandwidth:.1f} GB/s, "
+                  f"{r['roofline']['of_roofline']:.0%} of the roofline), perplexity "
                   f"{r['perplexity']:.3f}" + (f"; {c['sequences']} x {c['context_tokens']} tokens: "
                                               f"{c['decode_tokens_per_s']:.1f} tokens/s, "
-                                              f"{c['kv_mb_per_step']:.0f} MB of KV per step" if c else ""),
+                                              f"{c['kv_mb_per_step']:.0f} MB of KV per step, "
+                                              f"{c['roofline']['of_roofline']:.0%} of the roofline "
+                                              f"({c['roofline']['bound_by']})" if c else ""),
                   file=sys.stderr)
             del llm
     base = res["variants"].get("bfloat16")
