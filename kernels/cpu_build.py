@@ -20,6 +20,7 @@ keyed by the CPU's feature flags and a cache shared between different machines s
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -45,6 +46,33 @@ _modules: dict[str, ModuleType | None] = {}  # name -> module, or None once a bu
 
 def disabled() -> bool:
     return os.environ.get("MESHSERVE_DISABLE_CPU_KERNELS", "").strip().lower() not in ("", "0", "false", "no")
+
+
+# From this many rows on, torch's GEMM on AMX tiles (oneDNN) computes a bf16 projection faster than
+# the AVX-512 kernels here: a prefill chunk or a large decode batch, not batch-1 decode. int8
+# weights are dequantized for it on every call (no second copy), so they go from more rows on
+# (docs/quantization.md, "AMX"). MESHSERVE_AMX_GEMM_MIN_ROWS overrides the first (the second
+# stays 4x it); 0 never hands a projection to the GEMM.
+AMX_GEMM_MIN_ROWS = 32
+AMX_DEQUANTIZE_FACTOR = 4
+
+
+@functools.cache
+def amx_gemm_min_rows() -> int:
+    """AMX_GEMM_MIN_ROWS (or its override) where torch can use AMX tiles, else 0 (never)."""
+    try:
+        n = int(os.environ.get("MESHSERVE_AMX_GEMM_MIN_ROWS", AMX_GEMM_MIN_ROWS))
+    except ValueError:
+        n = AMX_GEMM_MIN_ROWS
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    return n if n > 0 and amx() else 0
+
+
+def amx_gemm(rows: int, dequantize: bool = False) -> bool:
+    """Whether a bf16 projection of `rows` input rows goes to torch's GEMM on AMX tiles (int8
+    weights, dequantized per call: `dequantize`)."""
+    n = amx_gemm_min_rows() * (AMX_DEQUANTIZE_FACTOR if dequantize else 1)
+    return 0 < n <= rows
 
 
 def _cpu_tag() -> str:

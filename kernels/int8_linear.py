@@ -113,6 +113,8 @@ class Int8Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocked is not None and x.dtype == torch.bfloat16:
+            if cpu_build.amx_gemm(x.shape[0], dequantize=True):  # a prefill chunk on AMX tiles
+                return F.linear(x, self.weight(x.dtype), self.bias)
             x = x.contiguous()
             out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
             self.kernel.linear_int8(out, x, self.blocked, self.scale, self.bias)

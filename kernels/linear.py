@@ -3,7 +3,9 @@
 bf16 on a CPU with AVX-512 BF16: kernels/cpu/linear.cpp, from the weight in a blocked layout
 ("n32k2", `to_blocked`) that whoever loads the model makes once: the mesh's model loader writes it
 into the node's shared memory, so every worker runs the fast kernel on one copy of the weights.
-Everything else (fp32, other devices, shapes the layout does not fit, the kernels disabled):
+On a CPU with AMX the plain form is kept too (keeps_plain), and steps of many rows
+(cpu_build.amx_gemm) go to F.linear on it. Everything else (fp32, other devices, shapes the layout does
+not fit, the kernels disabled):
 F.linear on the plain weight, which is also the kernel's oracle. int8 weights: kernels/int8_linear.py;
 `projection` picks the class for the form a weights dict holds.
 """
@@ -42,10 +44,19 @@ def from_blocked(b: torch.Tensor) -> torch.Tensor:
     return b.permute(0, 2, 1, 3).reshape(nb * BLOCK_N, k2 * 2)
 
 
+def keeps_plain() -> bool:
+    """Whether bf16 projections keep their plain form beside the blocked one: on a CPU with AMX,
+    where torch's GEMM computes many rows (a prefill chunk, a large decode batch) far faster than
+    the kernel, at the price of a second copy of those weights (docs/quantization.md, "AMX")."""
+    return cpu_build.amx_gemm_min_rows() > 0 and kernel() is not None
+
+
 def block_weights(weights: dict[str, torch.Tensor], names: list[str], keep: set[str] = frozenset()
                   ) -> dict[str, torch.Tensor]:
     """`weights` with each named projection also in the blocked layout (name + BLOCKED) where it
-    fits; the plain form is dropped (one copy) unless its name is in `keep`."""
+    fits; the plain form is dropped (one copy) unless its name is in `keep`, or keeps_plain()."""
+    if keeps_plain():
+        keep = set(names)
     out = dict(weights)
     for name in names:
         if can_block(weights[name]):
@@ -69,12 +80,13 @@ class Linear:
 
     @classmethod
     def of(cls, weights: dict[str, torch.Tensor], name: str, bias: str | None = None) -> "Linear":
-        b = weights.get(bias) if bias else None
-        blocked = weights.get(name + BLOCKED)
-        return cls(None if blocked is not None else weights[name], b, blocked)
+        """Both forms where the loader kept both (keeps_plain): the kernel for few rows, the GEMM for many."""
+        return cls(weights.get(name), weights.get(bias) if bias else None, weights.get(name + BLOCKED))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocked is not None and x.dtype == torch.bfloat16:
+            if self.weight is not None and cpu_build.amx_gemm(x.shape[0]):  # many rows on AMX tiles
+                return F.linear(x, self.weight, self.bias)
             x = x.contiguous()
             out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
             self.kernel.linear_bf16(out, x, self.blocked, self.bias)

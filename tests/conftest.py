@@ -67,3 +67,18 @@ def default_bf16(default_model_file):
     ids = Tokenizer.from_gguf(default_model_file).encode(TEXT)
     model = LlamaModel.from_hf(cfg, sd, torch.bfloat16)
     return {"cfg": cfg, "sd": sd, "ids": ids, "model": model, "perplexity": perplexity(model, ids)}
+
+
+@pytest.fixture(params=["kernel", "amx-gemm"])
+def projection_path(request, monkeypatch):
+    """Each bf16 projection test runs the AVX-512 kernel at every row count, and, where the CPU has
+    AMX, also the GEMM that takes many rows (cpu_build.amx_gemm; from 2 rows on here)."""
+    from meshserve.kernels import cpu_build
+
+    monkeypatch.setenv("MESHSERVE_AMX_GEMM_MIN_ROWS", "0" if request.param == "kernel" else "2")
+    cpu_build.amx_gemm_min_rows.cache_clear()
+    if request.param == "amx-gemm" and not cpu_build.amx_gemm(2):
+        pytest.skip("no AMX on this CPU")
+    yield request.param
+    monkeypatch.undo()
+    cpu_build.amx_gemm_min_rows.cache_clear()

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from oracle import hf_greedy
 
+from meshserve.kernels import cpu_build
 from meshserve.kernels import int8_linear as il
 from meshserve.shared.engine.llm_engine import EngineConfig, LLMEngine
 from meshserve.shared.engine.scheduler import SchedulerConfig
@@ -36,7 +37,7 @@ def test_quantize_is_within_half_a_step():
 @needs_kernel
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (48, 34), (32, 2)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_kernel_matches_dequantized_reference(n, k, bias):
+def test_kernel_matches_dequantized_reference(n, k, bias, projection_path):
     g = torch.Generator().manual_seed(n + k)
     q, s = il.quantize(torch.randn(n, k, generator=g) * 0.05)
     b = (torch.randn(n, generator=g) * 0.1).bfloat16() if bias else None
@@ -48,11 +49,15 @@ def test_kernel_matches_dequantized_reference(n, k, bias):
         x[0, 0] = 8.0  # one large input: the row's scale is set by it
         got = fast(x).float()
         want = F.linear(x.float(), ref.weight(), None if b is None else b.float())
-        # The input row's int16 rounding (half a level each) and the bf16 output's rounding, no more.
-        bound = (ref.weight().abs().sum(1) * x.float().abs().amax(1, keepdim=True) / (2 * levels)
-                 + want.abs() * 2 ** -8 + 1e-6)
+        if not cpu_build.amx_gemm(m, dequantize=True):  # the kernel
+            # The input row's int16 rounding (half a level each) and the bf16 output's rounding, no more.
+            bound = (ref.weight().abs().sum(1) * x.float().abs().amax(1, keepdim=True) / (2 * levels)
+                     + want.abs() * 2 ** -8 + 1e-6)
+            assert torch.equal(fast(x[-1:]), fast(x)[-1:])  # a row's result does not depend on the batch
+        else:  # the GEMM on the weight rounded to bf16 (half an ulp each), the output's rounding
+            assert torch.equal(got.bfloat16(), F.linear(x, ref.weight(torch.bfloat16), b))
+            bound = x.float().abs() @ ref.weight().abs().T * 2 ** -8 + want.abs() * 2 ** -7 + 1e-6
         assert ((got - want).abs() <= bound).all(), (m, (got - want).abs().max())
-        assert torch.equal(fast(x[-1:]), fast(x)[-1:])  # a row's result does not depend on the batch
 
 
 def test_tied_embedding_rows_from_either_layout():

@@ -40,6 +40,9 @@ def recipe() -> str:
         h.update(Path(importlib.util.find_spec(name).origin).read_bytes())
     for dist in RECIPE_DISTRIBUTIONS:
         h.update(importlib.metadata.version(dist).encode())
+    from meshserve.kernels.linear import keeps_plain
+
+    h.update(b"plain+blocked" if keeps_plain() else b"blocked")  # what this CPU's layout keeps
     return h.hexdigest()[:16]
 
 
