@@ -280,3 +280,28 @@ def test_meshserve_up_speculative_model(tiny_llama, draft_dir, tmp_path):
             time.sleep(0.2)
         assert decode_streamed()[0] > 0  # the decode worker, after the handoff, streamed (and speculated)
         assert m.ask("scheduler.status")["spec_decode"]["num_draft_tokens"] > 0
+
+
+def test_speculation_turns_itself_off_where_verifying_makes_tokens_slower_and_back_on():
+    """Payoff: decode-only steps measured both ways. Plain steps at 200 tokens/s against verifying
+    steps at 100: after its warm-up it proposes only on its probes; once verifying gives 500
+    tokens/s it proposes again."""
+    from meshserve.shared.engine.speculative import Payoff
+
+    p = Payoff()
+
+    def run(steps: int, verify_rate: float) -> list[bool]:
+        out = []
+        for _ in range(steps):
+            on = p.proposes()
+            p.observe(0.01, round(0.01 * (verify_rate if on else 200.0)), verified=on)
+            out.append(on)
+        return out
+
+    warm = run(64, 100.0)
+    assert p.measured and not p.pays()
+    assert 0 < warm[:32].count(False) < 32  # the warm-up measured plain steps too
+    slow = run(320, 100.0)
+    assert sum(slow) == 320 // Payoff.PROBE_EVERY  # only the probes propose
+    fast = run(320, 500.0)
+    assert p.pays() and fast[-100:].count(True) >= 96  # back on, bar the probes the other way

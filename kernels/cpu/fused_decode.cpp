@@ -304,8 +304,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double, double>(),
            py::arg("weights"), py::arg("scales"), py::arg("qkv_bias"), py::arg("norms"), py::arg("cos"), py::arg("sin"),
            py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"))
+      // Without the GIL: one call is a whole step (several ms), and the worker's event loop streams
+      // the last step's tokens meanwhile.
       .def("forward", &FusedDecode::forward, "the decoder layers of a decode step: out = the final hidden states",
-           py::arg("out"), py::arg("x"), py::arg("positions"), py::arg("kv_cache"), py::arg("slot_mapping"), py::arg("block_tables"),
+           py::call_guard<py::gil_scoped_release>(), py::arg("out"), py::arg("x"), py::arg("positions"), py::arg("kv_cache"), py::arg("slot_mapping"), py::arg("block_tables"),
            py::arg("context_lens"), py::arg("block_size"));
 #endif
 }

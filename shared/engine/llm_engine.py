@@ -123,6 +123,7 @@ class LLMEngine:
         self.urgent: threading.Event | None = None
         self.interrupted_steps = 0
         self.owes_step = False  # interrupted: the next such step runs to its end (the batch progresses)
+        self.last_step_decode_only = False  # the last step computed decodes only (and ran to its end)
         self.speculator = None
         if config.speculative is not None:
             if draft_model is not None and draft_model.cfg.vocab_size != cfg.vocab_size:
@@ -270,9 +271,14 @@ class LLMEngine:
     def step(self, run: Callable[[int, Callable[[], list]], list] | None = None) -> list[RequestOutput]:
         """run(num_tokens, compute): how the batch's model pass is run once it is scheduled (the
         worker's thread tuner picks the thread count by the step's size); by default, directly."""
+        t0 = time.perf_counter()
         proposed = self.speculator.propose(self.scheduler.running, self.requests) if self.speculator else []
         try:
-            return self._step(run)
+            outputs = self._step(run)
+            if self.speculator is not None and self.last_step_decode_only:  # what proposing costs and gives
+                self.speculator.observe_step(time.perf_counter() - t0, sum(len(o.new_token_ids) for o in outputs),
+                                             verified=bool(proposed))
+            return outputs
         finally:
             for seq in proposed:  # a proposal lives for one step
                 seq.draft = None
@@ -293,6 +299,7 @@ class LLMEngine:
         return lambda layer: layer < last and urgent.is_set()
 
     def _step(self, run) -> list[RequestOutput]:
+        self.last_step_decode_only = False
         batch: ScheduledBatch = self.scheduler.schedule()
         if batch.swap_out or batch.swap_in:
             batch = self._swap(batch)
@@ -311,6 +318,7 @@ class LLMEngine:
         if self.owes_step and self._interruptible(batch):
             self.owes_step = False  # the step owed ran
         prompt = sum(n for s, n in zip(batch.seqs, batch.num_tokens) if n > 1 and s.draft is None)
+        self.last_step_decode_only = prompt == 0
         if 2 * prompt >= sum(batch.num_tokens):  # mostly prefill: what recomputing costs
             self.scheduler.costs.observe_prefill(sum(batch.num_tokens), time.perf_counter() - t0)
         now = time.monotonic()

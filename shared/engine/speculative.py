@@ -14,6 +14,9 @@ rejection_sampler.py), and the engine keeps the accepted tokens and rolls the re
   speculates. A step of B decodes then costs B rows; verifying k tokens each makes it B(k + 1),
   which on a CPU stops being nearly free once the step's matrix products leave the memory-bound
   regime (docs/speculative.md: how the default was chosen and how to measure it).
+- Turned down when it does not pay: `Payoff` measures decode-only steps' output tokens per second
+  with proposals and without, on this machine and model, and proposes only while verifying is
+  the faster (a fused int8 decode step can be faster than any verification on a CPU).
 - A structured-output request's proposal is cut where its grammar rejects a token.
 
 Torch-free at import (the launcher reads the flags here); the proposers load on use.
@@ -67,6 +70,42 @@ class SpecStats:
                 "num_verification_steps": self.num_verification_steps}
 
 
+class Payoff:
+    """Whether proposing pays, measured: the output tokens per second of decode-only steps with
+    proposals and without (exponential means). It proposes until it has SAMPLES of each kind (one
+    step in WARMUP_EVERY goes without, so plain steps get measured even when every decode has a
+    proposal), then only while verifying makes tokens faster; one step in PROBE_EVERY tries the
+    other way, so a change of acceptance, batch or load is seen."""
+
+    SAMPLES = 8
+    WARMUP_EVERY = 4
+    PROBE_EVERY = 32
+
+    def __init__(self):
+        self.rate = {True: 0.0, False: 0.0}  # tokens per second, by whether the step verified
+        self.samples = {True: 0, False: 0}
+        self.steps = 0
+
+    def observe(self, seconds: float, tokens: int, verified: bool) -> None:
+        r = tokens / max(seconds, 1e-9)
+        n = self.samples[verified]
+        self.rate[verified] = r if n == 0 else 0.8 * self.rate[verified] + 0.2 * r
+        self.samples[verified] = n + 1
+
+    @property
+    def measured(self) -> bool:
+        return min(self.samples.values()) >= self.SAMPLES
+
+    def pays(self) -> bool:
+        return not self.measured or self.rate[True] >= self.rate[False]
+
+    def proposes(self) -> bool:
+        """Whether this step proposes."""
+        self.steps += 1
+        probe = self.steps % (self.PROBE_EVERY if self.measured else self.WARMUP_EVERY) == 0
+        return self.pays() != probe
+
+
 class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, block_size: int, draft_model=None,
                  grammars=None):
@@ -84,6 +123,7 @@ class Speculator:
 
             self.proposer = DraftModelProposer(draft_model, config.draft_kv_blocks, block_size)
         self.stats = SpecStats()
+        self.payoff = Payoff()
 
     def _room(self, seq: "Sequence") -> int:
         """Tokens seq may propose: k, less what would pass max_tokens or the context."""
@@ -94,7 +134,7 @@ class Speculator:
     def propose(self, running: list["Sequence"], live_ids) -> list["Sequence"]:
         """Sets seq.draft on the running sequences that decode and speculate this step; returns them."""
         self.proposer.retain(live_ids)
-        if len(running) > self.config.disable_by_batch_size:
+        if len(running) > self.config.disable_by_batch_size or not self.payoff.proposes():
             return []
         seqs, ks = [], []
         for s in running:
@@ -109,6 +149,10 @@ class Speculator:
                 s.draft = d
                 out.append(s)
         return out
+
+    def observe_step(self, seconds: float, tokens: int, verified: bool) -> None:
+        """A decode-only step's wall time (its proposals' included) and the tokens it produced."""
+        self.payoff.observe(seconds, tokens, verified)
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         st = self.stats
