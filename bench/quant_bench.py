@@ -236,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
                 prompts = [long[i:i + a.context_tokens] for i in range(a.concurrent)]  # no two share a prefix
                 c = r["concurrent"] = concurrent_decode(llm, prompts, a.concurrent_tokens)
                 context = a.context_tokens + a.concurrent_tokens / 2
-                c["roofline"] = roofline(c["ms_per_step"], wbytes + c["kv_mb_per_step"] * 1e6,
+                # Per round of one token for every sequence: a step that runs them all at once (the
+                # measured mean step may include recomputes of preempted sequences).
+                c["roofline"] = roofline(1000 * a.concurrent / c["decode_tokens_per_s"], wbytes + c["kv_mb_per_step"] * 1e6,
                                          a.concurrent * (flops + attention_flops(model, context)), bandwidth, peak)
             res["variants"][name] = r
             c = r.get("concurrent")
