@@ -229,8 +229,8 @@ def main(argv: list[str] | None = None) -> int:
                   "perplexity_tokens": min(len(text_ids), llm.engine.max_model_len)}
             model, peak = llm.engine.model, peaks[dtype]  # int8 weights: the activations' dtype computes
             flops = 2 * weight_params(model)
-            r["roofline"] = roofline(r["ms_per_token"], wbytes, flops + attention_flops(model, a.prompt_tokens + a.tokens / 2),
-                                     bandwidth, peak)
+            one = flops + attention_flops(model, a.prompt_tokens + a.tokens / 2)
+            r["roofline"] = roofline(r["ms_per_token"], wbytes, one, bandwidth, peak)
             if a.concurrent:
                 long = text_ids * (a.context_tokens // len(text_ids) + 2)
                 prompts = [long[i:i + a.context_tokens] for i in range(a.concurrent)]  # no two share a prefix
@@ -238,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
                 context = a.context_tokens + a.concurrent_tokens / 2
                 # Per round of one token for every sequence: a step that runs them all at once (the
                 # measured mean step may include recomputes of preempted sequences).
-                c["roofline"] = roofline(1000 * a.concurrent / c["decode_tokens_per_s"], wbytes + c["kv_mb_per_step"] * 1e6,
+                round_ms = 1000 * a.concurrent / c["decode_tokens_per_s"]
+                c["roofline"] = roofline(round_ms, wbytes + c["kv_mb_per_step"] * 1e6,
                                          a.concurrent * (flops + attention_flops(model, context)), bandwidth, peak)
             res["variants"][name] = r
             c = r.get("concurrent")
