@@ -163,24 +163,31 @@ def batch1(llm, prompt: list[int], n: int) -> dict:
 
 
 def concurrent_decode(llm, prompts: list[list[int]], n: int) -> dict:
-    """Decode tokens/s of len(prompts) sequences decoding together, measured once every prompt is
-    prefilled (the prefill steps are not counted)."""
+    """Decode tokens/s of len(prompts) sequences decoding together: `n` steps measured once every
+    prompt is prefilled, each sequence long enough to decode through all of them (the ones
+    prefilled first decode while the others prefill; then they are aborted)."""
     from meshserve.shared.engine.sequence import SamplingParams
 
     eng = llm.engine
-    cs = [llm.add(p, SamplingParams(max_tokens=n + 1, temperature=0, ignore_eos=True)) for p in prompts]
+    room = eng.max_model_len - max(len(p) for p in prompts) - 1
+    cs = [llm.add(p, SamplingParams(max_tokens=room, temperature=0, ignore_eos=True)) for p in prompts]
     while eng.has_unfinished() and not all(c.token_ids for c in cs):
         llm.outputs.process(eng.step())
     done0, t0, cpu0, steps = sum(len(c.token_ids) for c in cs), time.perf_counter(), time.process_time(), 0
-    while eng.has_unfinished():
+    while steps < n and eng.has_unfinished():
         llm.outputs.process(eng.step())
         steps += 1
     dt, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     tokens = sum(len(c.token_ids) for c in cs) - done0
-    context = sum(len(p) for p in prompts) + tokens / 2  # the mean context over the measured steps
+    for c in cs:
+        eng.abort(c.request_id)
+    while eng.has_unfinished():
+        llm.outputs.process(eng.step())
+    context = sum(len(c.prompt_token_ids) + len(c.token_ids) for c in cs) - tokens / 2  # mean over the steps
     kv_token_bytes = eng.kv_cache[:, :, :1].numel() * eng.kv_cache.element_size()
     return {"sequences": len(prompts), "context_tokens": len(prompts[0]), "steps": steps,
             "decode_tokens_per_s": tokens / dt, "ms_per_step": 1000 * dt / max(1, steps),
+            "tokens_per_step": tokens / max(1, steps),
             "cpu_ms_per_step": 1000 * cpu / max(1, steps), "kv_mb_per_step": context * kv_token_bytes / 1e6}
 
 
@@ -236,9 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                 prompts = [long[i:i + a.context_tokens] for i in range(a.concurrent)]  # no two share a prefix
                 c = r["concurrent"] = concurrent_decode(llm, prompts, a.concurrent_tokens)
                 context = a.context_tokens + a.concurrent_tokens / 2
-                # Per round of one token for every sequence: a step that runs them all at once (the
-                # measured mean step may include recomputes of preempted sequences).
-                round_ms = 1000 * a.concurrent / c["decode_tokens_per_s"]
+                round_ms = 1000 * a.concurrent / c["decode_tokens_per_s"]  # every sequence one token
                 c["roofline"] = roofline(round_ms, wbytes + c["kv_mb_per_step"] * 1e6,
                                          a.concurrent * (flops + attention_flops(model, context)), bandwidth, peak)
             res["variants"][name] = r
