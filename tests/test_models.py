@@ -244,6 +244,29 @@ def test_canary_versions_follow_their_shares(mesh, models, oracle):
                       timeout=60).headers.get("meshserve-model-version") is None  # no version: no header
 
 
+def test_canary_rollback_under_load_loses_no_request(mesh, models, oracle):
+    """A 50/50 canary under load is rolled back to 100/0 while requests of both versions are in
+    flight: every request completes with its version's text (those already running finish on the
+    version they started on), and once the reload is answered every new one goes to version 1."""
+    good, broken, _ = models
+    _manifest(mesh.manifest, {**good, "broken": broken}, pinned="alpha", canary=_canary(models, 50))
+    _reload(mesh)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(_canary_call, mesh) for _ in range(40)]
+        deadline = time.monotonic() + 120
+        while sum(f.done() for f in futures) < 8:  # the load is under way: roll back now
+            assert time.monotonic() < deadline and not any(f.done() and f.exception() for f in futures)
+            time.sleep(0.05)
+        _manifest(mesh.manifest, {**good, "broken": broken}, pinned="alpha", canary=_canary(models, 100))
+        _reload(mesh)
+        in_flight = sum(not f.done() for f in futures)
+        got = [f.result(timeout=120) for f in futures]
+    assert in_flight > 0, "the rollback came after the load"
+    assert {v for v, _ in got} <= {"1", "2"} and len(got) == 40
+    assert all(text == oracle["beta" if v == "1" else "gamma"] for v, text in got)
+    assert all(v == "1" for v, _ in (_canary_call(mesh) for _ in range(6)))
+
+
 def test_reload_removes_a_model(mesh, models, oracle):
     good = models[0]
     _manifest(mesh.manifest, {"alpha": good["alpha"], "beta": good["beta"]}, pinned="alpha")
