@@ -4,9 +4,9 @@ bf16 on a CPU with AVX-512 BF16: kernels/cpu/linear.cpp, from the weight in a bl
 ("n32k2", `to_blocked`) that whoever loads the model makes once: the mesh's model loader writes it
 into the node's shared memory, so every worker runs the fast kernel on one copy of the weights.
 On a CPU with AMX the plain form is kept too (keeps_plain), and steps of many rows
-(cpu_build.amx_gemm) go to F.linear on it. Everything else (fp32, other devices, shapes the layout does
-not fit, the kernels disabled):
-F.linear on the plain weight, which is also the kernel's oracle. int8 weights: kernels/int8_linear.py;
+(cpu_build.amx_gemm) go to F.linear on it. Everything else (fp32, other devices, shapes the
+layout does not fit, the kernels disabled): F.linear on the plain weight, which is also the
+kernel's oracle. int8 weights: kernels/int8_linear.py;
 `projection` picks the class for the form a weights dict holds.
 """
 
@@ -81,6 +81,8 @@ class Linear:
     @classmethod
     def of(cls, weights: dict[str, torch.Tensor], name: str, bias: str | None = None) -> "Linear":
         """Both forms where the loader kept both (keeps_plain): the kernel for few rows, the GEMM for many."""
+        if name not in weights and name + BLOCKED not in weights:
+            raise KeyError(name)
         return cls(weights.get(name), weights.get(bias) if bias else None, weights.get(name + BLOCKED))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
