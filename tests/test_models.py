@@ -258,8 +258,8 @@ def test_canary_rollback_under_load_loses_no_request(mesh, models, oracle):
             assert time.monotonic() < deadline and not any(f.done() and f.exception() for f in futures)
             time.sleep(0.05)
         _manifest(mesh.manifest, {**good, "broken": broken}, pinned="alpha", canary=_canary(models, 100))
+        in_flight = sum(not f.done() for f in futures)  # sent or queued when the rollback is asked for
         _reload(mesh)
-        in_flight = sum(not f.done() for f in futures)
         got = [f.result(timeout=120) for f in futures]
     assert in_flight > 0, "the rollback came after the load"
     assert {v for v, _ in got} <= {"1", "2"} and len(got) == 40
