@@ -56,7 +56,7 @@ def block_weights(weights: dict[str, torch.Tensor], names: list[str], keep: set[
     """`weights` with each named projection also in the blocked layout (name + BLOCKED) where it
     fits; the plain form is dropped (one copy) unless its name is in `keep`, or keeps_plain()."""
     if keeps_plain():
-        keep = set(names)
+        keep = set(keep) | set(names)
     out = dict(weights)
     for name in names:
         if can_block(weights[name]):

@@ -158,8 +158,7 @@ class Worker:
         if getattr(self, "engine", None) is None:  # still starting: nothing to hand on
             return
         self.draining = True
-        self._post("role", RoleSwitch(role="prefill", reason="draining"))
-        self.urgent.set()
+        self._post_role(RoleSwitch(role="prefill", reason="draining"))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while (self.streams or self.inbox) and loop.time() < deadline:
@@ -205,9 +204,12 @@ class Worker:
         self._post("abort", Abort.decode(msg.data))
 
     async def _on_role(self, msg) -> None:
-        """A switch waits for no long step: a prefill step of thousands of tokens takes seconds on a
-        CPU, and the scheduler already routes by the new role."""
-        self._post("role", RoleSwitch.decode(msg.data))
+        self._post_role(RoleSwitch.decode(msg.data))
+
+    def _post_role(self, m: RoleSwitch) -> None:
+        """A switch waits for no long step (it ends the one in progress): a prefill step of
+        thousands of tokens takes seconds on a CPU, and the scheduler already routes by the new role."""
+        self._post("role", m)
         self.urgent.set()
 
     async def _on_model(self, msg) -> None:
