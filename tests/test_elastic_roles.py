@@ -1,6 +1,7 @@
 """Elastic roles through the mesh: a real `meshserve up` (one prefill, one decode worker) whose
-traffic turns decode-heavy, then prefill-heavy. The scheduler switches the prefill worker to
-decode, then a decode worker back to prefill (handing off what it decodes), every request's text
+traffic turns decode-heavy, then long prompts arrive beside the streams still decoding. The
+scheduler switches the prefill worker to decode (one-sided traffic runs on both workers), then a
+decode worker back to prefill when both demands are in proportion (handing off what it decodes), every request's text
 equals the in-process engine's (greedy), and /health and /metrics show the switches."""
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ def test_role_switches_under_load_lose_nothing(mesh, tiny_llama):
     until_switches(1, timeout=60)
     stop_a.set()
     assert switches(mesh) >= 1, "no switch to decode under decode-heavy traffic"
-    # Prefill-heavy: long prompts, few outputs -> a decode worker becomes a prefill worker, handing
-    # the sequences it decodes to the other decode worker.
+    # Long prompts with few outputs beside the steady streams: prompts and outputs in proportion ->
+    # a decode worker becomes a prefill worker, handing the sequences it decodes to the other.
     prefill_heavy, stop_b = start(range(100, 116), 55, 2)
     until_switches(2, timeout=60)
     stop_b.set()

@@ -1,13 +1,14 @@
-"""The elastic-roles policy (services/scheduler/roles.py) on its own: targets, hysteresis, hold,
-cooldown, and the floor of one decode worker."""
+"""The elastic-roles policy (services/scheduler/roles.py) on its own: sharing against a split by
+drain time, hysteresis, hold, cooldown, and the floor of one decode worker."""
 
 from __future__ import annotations
 
 from hypothesis import given, strategies as st
 
-from meshserve.services.scheduler.roles import ElasticRoles, Load, RolePolicy, target_prefill_workers, wanted
+from meshserve.services.scheduler.roles import (ElasticRoles, Load, RolePolicy, drain_time, split_score,
+                                               target_prefill_workers, wanted)
 
-POLICY = RolePolicy(decode_token_cost=8.0, min_work=1000.0, hysteresis=0.25, hold_s=0.5, cooldown_s=2.0)
+POLICY = RolePolicy(decode_token_cost=8.0, min_work=1000.0, split_worth=0.5, hysteresis=0.15, hold_s=0.5, cooldown_s=2.0)
 
 
 def node(roles: str, prefill: list[int], decode: list[int]) -> list[Load]:
@@ -16,35 +17,49 @@ def node(roles: str, prefill: list[int], decode: list[int]) -> list[Load]:
             enumerate(zip(roles, prefill, decode))]
 
 
-def test_target_splits_by_weighted_work():
-    assert target_prefill_workers(0, 100, 4, POLICY) == 0.0
-    assert target_prefill_workers(800, 100, 4, POLICY) == 2.0  # equal work: half the workers
-    assert target_prefill_workers(10_000, 0, 4, POLICY) == 3.0  # never all: one decodes
-    assert target_prefill_workers(0, 0, 4, POLICY) == 0.0
+def test_sharing_drains_no_slower_and_a_split_is_taken_only_near_the_demands_proportion():
+    # Sharing is work-conserving: never slower than any split, equal where the split fits the demand.
+    for p, d in [(0, 100), (800, 100), (10_000, 0), (3000, 500), (123, 4567)]:
+        assert all(drain_time(p, d, 4, 0, POLICY) <= drain_time(p, d, 4, k, POLICY) + 1e-9 for k in (1, 2, 3))
+    assert drain_time(800, 100, 4, 2, POLICY) == drain_time(800, 100, 4, 0, POLICY) == 400
+    assert target_prefill_workers(800, 100, 4, POLICY) == 2  # prompts and outputs in proportion: half
+    assert target_prefill_workers(2400, 100, 4, POLICY) == 3  # three quarters prompts
+    assert target_prefill_workers(10_000, 0, 4, POLICY) == 0  # only prompts: every worker prefills
+    assert target_prefill_workers(0, 100, 4, POLICY) == 0  # only outputs: every worker decodes
+    assert target_prefill_workers(0, 0, 4, POLICY) == 0
+    # Two workers: a split drains max(P, 8D) against (P + 8D) / 2, credited by 0.5 x min / max.
+    assert target_prefill_workers(1000, 100, 2, POLICY) == 1  # 1000 / 1.4 vs 900
+    assert target_prefill_workers(1000, 75, 2, POLICY) == 1  # 1000 / 1.3 vs 800
+    assert target_prefill_workers(1000, 65, 2, POLICY) == 0  # 1000 / 1.26 vs 760
 
 
-def test_decode_heavy_switches_a_prefill_worker_and_keeps_a_decoder():
+def test_one_sided_traffic_shares_every_worker():
+    # Decode-heavy: the prefill worker decodes (and prefills the short prompts), one decoder stays.
     s = wanted(node("PD", [0, 0], [40, 400]), POLICY)
     assert s is not None and (s.worker_id, s.from_role, s.to_role) == ("w0", "prefill", "decode")
     assert "pending prefill 0 tokens" in s.reason
-    # Prefill-heavy with one decoder: it stays (nothing would decode).
-    assert wanted(node("PD", [5000, 0], [5, 0]), POLICY) is None
+    # Prefill-heavy: a batch of long prompts with nothing to decode goes on both workers too.
+    s = wanted(node("PD", [5000, 0], [5, 0]), POLICY)
+    assert s is not None and (s.worker_id, s.to_role) == ("w0", "decode")
+    assert wanted(node("DD", [3000, 2000], [5, 0]), POLICY) is None
 
 
-def test_prefill_heavy_switches_the_least_busy_decoder():
-    loads = [Load("a", "decode", 3000, 10, num_running=5), Load("b", "decode", 0, 10, num_running=1)]
-    s = wanted(loads, POLICY)
+def test_mixed_traffic_splits_off_the_least_busy_decoder():
+    loads = [Load("a", "decode", 3000, 200, num_running=5), Load("b", "decode", 0, 200, num_running=1)]
+    s = wanted(loads, POLICY)  # P 3000 vs 8 x 400: in proportion
     assert s is not None and (s.worker_id, s.to_role) == ("b", "prefill")
 
 
-def test_hysteresis_band_and_light_traffic():
-    # 1P:1D. The target must leave [1 - 0.75, 1 + 0.75] to move: just inside the band, nothing.
-    p, d = 150, 100  # target = 2 * 150 / 950 = 0.32 > 0.25
-    assert wanted(node("PD", [p, 0], [0, d]), POLICY) is None
-    assert wanted(node("PD", [100, 0], [0, 200]), POLICY) is not None  # 2*100/1700 = 0.12 < 0.25
-    # 0P:2D back to 1P needs a target above 0.75, not merely above 0.5.
-    assert wanted(node("DD", [600, 0], [0, 100]), POLICY) is not None  # 2*600/1400 = 0.86 > 0.75
-    assert wanted(node("DD", [300, 0], [0, 100]), POLICY) is None  # 2*300/1100 = 0.55: inside the band
+def test_hysteresis_and_light_traffic():
+    # 0P:2D with P = 1000: a split wins once 8D is near enough P, with a margin of 15% on the score.
+    for d, moves in [(125, True), (100, True), (90, True), (80, False), (60, False)]:
+        s = wanted(node("DD", [1000, 0], [0, d]), POLICY)
+        assert (s is not None) == moves, d
+        gain = split_score(1000, d, 2, 0, POLICY) / split_score(1000, d, 2, 1, POLICY)
+        assert (gain > 1.15) == moves
+    # 1P:1D stays split while sharing would not gain 15% on the score.
+    assert wanted(node("PD", [1000, 0], [0, 60]), POLICY) is None
+    assert wanted(node("PD", [1000, 0], [0, 40]), POLICY) is not None
     # Below min_work, even a lopsided node stays.
     assert wanted(node("PD", [0, 0], [0, 100]), POLICY) is None
 
@@ -61,11 +76,11 @@ def test_hold_and_cooldown_prevent_flapping():
     assert roles.reported("n", "w0", "prefill", now=0.7) is None  # an old heartbeat
     assert roles.reported("n", "w0", "decode", now=0.8) == s and roles.switches == 1
     assert roles.history[-1]["seconds"] == 0.2 and roles.history[-1]["reason"] == s.reason
-    heavy_prefill = [Load("w0", "decode", 9000, 0), Load("w1", "decode", 0, 10), Load("w2", "decode", 0, 10)]
+    mixed = [Load("w0", "decode", 9000, 0), Load("w1", "decode", 0, 300), Load("w2", "decode", 0, 300)]
     for t in (1.0, 1.6, 2.4):  # held, but within the cooldown after the switch at 0.8
-        assert roles.observe("n", heavy_prefill, now=t) is None
-    assert roles.observe("n", heavy_prefill, now=2.9) is None  # cooled down (2.8): the wish starts afresh
-    s = roles.observe("n", heavy_prefill, now=3.4)
+        assert roles.observe("n", mixed, now=t) is None
+    assert roles.observe("n", mixed, now=2.9) is None  # cooled down (2.8): the wish starts afresh
+    s = roles.observe("n", mixed, now=3.4)
     assert s is not None and (s.worker_id, s.to_role) == ("w0", "prefill")  # the least decode work
 
 
@@ -87,7 +102,7 @@ def test_unconfirmed_switch_is_given_up():
 
 @given(st.lists(st.tuples(st.sampled_from("PD"), st.integers(0, 20_000), st.integers(0, 2_000)),
                 min_size=1, max_size=6))
-def test_never_zero_decoders_and_prefill_demand_keeps_a_prefill_capable_worker(ws):
+def test_never_zero_decoders_and_every_switch_moves_towards_a_better_estimate(ws):
     loads = [Load(f"w{i}", {"P": "prefill", "D": "decode"}[r], p, d) for i, (r, p, d) in enumerate(ws)]
     s = wanted(loads, POLICY)
     if s is None:
@@ -95,9 +110,10 @@ def test_never_zero_decoders_and_prefill_demand_keeps_a_prefill_capable_worker(w
     after = [w.role if w.worker_id != s.worker_id else s.to_role for w in loads]
     assert s.from_role != s.to_role and len(loads) >= 2
     assert after.count("decode") >= 1  # decode workers also prefill, so prompts always have a worker
-    if s.to_role == "decode":  # only when the prompts' share of the work is small
-        p, d = sum(w.pending_prefill_tokens for w in loads), sum(w.pending_decode_tokens for w in loads)
-        assert target_prefill_workers(p, d, len(loads), POLICY) < after.count("prefill") + 1 - 0.5
+    p, d, n = sum(w.pending_prefill_tokens for w in loads), sum(w.pending_decode_tokens for w in loads), len(loads)
+    now, target = [w.role for w in loads].count("prefill"), target_prefill_workers(p, d, n, POLICY)
+    assert abs(after.count("prefill") - target) < abs(now - target)
+    assert split_score(p, d, n, now, POLICY) > 1.15 * split_score(p, d, n, target, POLICY)
 
 
 def test_bench_roles_configurations_and_the_traffic_shift_workload():
