@@ -2,8 +2,8 @@
 with int8 weights on a CPU with AVX2: at batch 1 the ~25 small operations of each layer and the
 fork and join of each projection cost more than the layer's arithmetic.
 
-It applies to steps of decodes only (one new token per sequence, up to MAX_ROWS of them) over a
-bf16 or int8 KV arena. It runs the per-operation path's own kernels (int8_linear.h, layer_ops.h,
+It applies to steps of decodes only (one new token per row, up to MAX_ROWS rows; a sequence
+verifying a proposal has one row per token) over a bf16 or int8 KV arena. It runs the per-operation path's own kernels (int8_linear.h, layer_ops.h,
 paged_attention.h) in the same order on the same inputs, so its output is bit for bit that path's:
 LlamaModel's per-operation forward is its oracle, and everything else (prompts, LoRA, fp32, other
 devices, the kernels disabled) runs that path.
@@ -65,5 +65,5 @@ class FusedDecode:
         """x: the embedding rows [n, hidden]; returns the final hidden states, as the model's forward."""
         out = torch.empty_like(x)
         self.plan.forward(out, x, positions, kv_cache, meta.slot_mapping, meta.decode_block_tables,
-                          meta.decode_context_lens, meta.block_size)
+                          meta.decode_context_lens, meta.block_size, meta.verify_rows)
         return out

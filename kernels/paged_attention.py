@@ -69,6 +69,9 @@ class AttentionMetadata:
     # For the compiled decode kernel (decode_slots/decode_mask are then not built):
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64 (padded, valid ids)
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64, context incl. the new token
+    # Some sequence has several decode rows (a proposal verified as consecutive decodes): each row's
+    # K/V must be in the arena before any row attends (the per-operation path writes all first).
+    verify_rows: bool = False
     block_size: int = 0
     prefills: list[PrefillChunk] = field(default_factory=list)
 

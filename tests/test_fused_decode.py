@@ -1,7 +1,8 @@
 """The fused decode step (kernels/cpu/fused_decode.cpp) against its oracle, the model's
 per-operation forward: bit for bit (hidden states and the KV it writes) on the tiny model with int8
 weights in bf16, over bf16 and int8 KV arenas, 1-12 decodes of different contexts, one and two
-threads, with and without a q|k|v bias; and the engine's greedy tokens with it and without it."""
+threads, with and without a q|k|v bias, and with proposals verified as several rows of one sequence;
+and the engine's greedy tokens with it and without it, and with prompt lookup and without it."""
 
 from __future__ import annotations
 
@@ -83,6 +84,57 @@ def test_fused_step_is_the_per_operation_step_bit_for_bit(models, which, kv_dtyp
         torch.set_num_threads(before)
 
 
+def verify_step(cfg, kv_dtype: torch.dtype, seed: int):
+    """Sequences verifying proposals as consecutive decode rows (4 and 3 rows) beside plain decodes:
+    a sequence's rows share its block table, row j at position c + j seeing c + j + 1 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    seqs = [(20, 4), (33, 1), (47, 3), (5, 1)]  # (context before the step, rows)
+    need = [-(-(c + r) // BLOCK) for c, r in seqs]
+    num_blocks = sum(need) + 3
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, used = [], 0
+    for nb in need:
+        tables.append(perm[used:used + nb] + [0] * (max(need) - nb))
+        used += nb
+    rows = [(tables[i], c + j) for i, (c, r) in enumerate(seqs) for j in range(r)]
+    pos = torch.tensor([p for _, p in rows])
+    table = torch.tensor([t for t, _ in rows])
+    slots = table.gather(1, (pos // BLOCK).unsqueeze(1)).squeeze(1) * BLOCK + pos % BLOCK
+    shape = (cfg.num_hidden_layers, 2, num_blocks * BLOCK, cfg.num_key_value_heads, cfg.head_dim)
+    kv = torch.randn(shape, generator=g).bfloat16()
+    if kv_dtype == torch.int8:
+        kv = quantize_kv(kv)
+    n = len(rows)
+    meta = AttentionMetadata(slot_mapping=slots, num_decodes=n, decode_block_tables=table,
+                             decode_context_lens=pos + 1, block_size=BLOCK, verify_rows=True)
+    return torch.randint(0, cfg.vocab_size, (n,), generator=g), pos, meta, kv
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8], ids=["bf16-kv", "int8-kv"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_verification_rows_are_the_per_operation_step_bit_for_bit(models, kv_dtype, threads):
+    """A row reads the K/V the sequence's earlier rows write in the same step: fused, every write
+    comes before any attention (a barrier), as in the per-operation path."""
+    model = models["plain"]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for seed in range(3):
+            ids, pos, meta, kv = verify_step(model.cfg, kv_dtype, seed)
+            assert model.fused.applies(len(ids), meta, kv)
+            kv_fused, kv_ref = kv.clone(), kv.clone()
+            got = model(ids, pos, meta, kv_fused)
+            fused, model.fused = model.fused, None
+            try:
+                want = model(ids, pos, meta, kv_ref)
+            finally:
+                model.fused = fused
+            assert torch.equal(got, want), (seed, (got.float() - want.float()).abs().max())
+            assert torch.equal(kv_fused, kv_ref)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_fused_step_only_where_it_applies(models, tiny_llama):
     model = models["plain"]
     ids, pos, meta, kv = decode_step(model.cfg, fused_decode.MAX_ROWS + 1, torch.bfloat16, seed=0)
@@ -124,6 +176,42 @@ def test_engine_greedy_tokens_same_with_and_without_fused_step(models):
     finally:
         model.fused = fused
     assert with_fused == without
+
+
+def test_prompt_lookup_verifies_in_fused_steps_and_gives_the_tokens_of_plain_decoding(models):
+    """Verification runs as decode rows, so with int8 weights (integer sums: a row's result does not
+    depend on the rows beside it) speculation changes no token, and its steps run fused."""
+    from test_speculative import spec_engine
+
+    from meshserve.shared.engine.speculative import SpeculativeConfig
+
+    model = models["plain"]
+    g = torch.Generator().manual_seed(1)
+    base = [torch.randint(3, model.cfg.vocab_size, (n,), generator=g).tolist() for n in (6, 17, 40)]
+    prompts = [b * 3 for b in base]  # prompts that repeat themselves: lookups match
+    params = SamplingParams(max_tokens=24, temperature=0)
+    plain = LLMEngine(model, EngineConfig(block_size=8, num_kv_blocks=256)).generate(prompts, params)
+
+    class Counting:  # the fused step's C++ object, counting the calls that verified
+        def __init__(self, plan):
+            self.plan, self.verified = plan, 0
+
+        def forward(self, *args):
+            self.verified += bool(args[-1])
+            return self.plan.forward(*args)
+
+    plan = model.fused.plan
+    model.fused.plan = counting = Counting(plan)
+    try:
+        eng = spec_engine(model, SpeculativeConfig("ngram", num_speculative_tokens=3, disable_by_batch_size=64))
+        eng.speculator.payoff.proposes = lambda: True  # this test is about the tokens, not the speed
+        spec = eng.generate(prompts, params)
+    finally:
+        model.fused.plan = plan
+    assert spec == plain
+    st = eng.stats["spec_decode"]
+    assert st["num_verification_steps"] > 0 and st["num_accepted_tokens"] > 0
+    assert counting.verified > 0
 
 
 def test_layered_load_builds_the_fused_step_once_complete(tiny_llama, tmp_path):

@@ -9,7 +9,8 @@
 // per-row steps a thread needs next (adding to the residual, RMSNorm, quantizing a projection's input
 // to int16) each thread computes for itself, which costs less than a barrier. Attention runs one
 // task per (sequence, KV head): that head's RoPE, its new K/V row written into the arena, then the
-// attention itself. gate|up's blocks go to threads in (gate, up) pairs, so SwiGLU is applied as
+// attention itself (with a proposal's rows being verified, all writes first, then a barrier, then
+// the attention). gate|up's blocks go to threads in (gate, up) pairs, so SwiGLU is applied as
 // soon as a pair is done.
 //
 // Every step runs the code of the per-operation path (int8_linear.h, layer_ops.h,
@@ -113,12 +114,14 @@ class FusedDecode {
     sin_ = sin;
   }
 
-  // x: the step's embedding rows [n, hidden] bf16 (one decode token per sequence); out [n, hidden]
+  // x: the step's embedding rows [n, hidden] bf16 (one decode token per row; verify_rows: some
+  // sequence has several consecutive rows, a proposal being verified, so every row's K/V is
+  // written before any row attends: one more barrier per layer); out [n, hidden]
   // gets the final hidden states (the last layer's output through the final norm), as LlamaModel's
   // forward returns them. kv_cache: [layers, 2, slots, kv_heads, head_dim] bf16 or [..., head_dim + 4] int8.
   void forward(at::Tensor out, const at::Tensor& x, const at::Tensor& positions, const at::Tensor& kv_cache,
                      const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& context_lens,
-                     int64_t block_size) {
+                     int64_t block_size, bool verify_rows) {
     TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == hidden_ && x.is_contiguous(),
                 "fused_decode: x must be contiguous bf16 [n, ", hidden_, "]");
     const int64_t n = x.size(0);
@@ -237,7 +240,12 @@ class FusedDecode {
           layer_ops::rope_heads(k, 1, d_, c, sn);
           write_row(kv_layer, 0, slots[b], kh, R, int8_kv, k, num_slots);
           write_row(kv_layer, 1, slots[b], kh, R, int8_kv, v, num_slots);
-          attend(al, b, kh, s.data(), qf.data(), acc.data(), inv.data());
+          if (!verify_rows) attend(al, b, kh, s.data(), qf.data(), acc.data(), inv.data());
+        }
+        if (verify_rows) {  // a row may attend to another's new K/V (a proposal's earlier tokens)
+#pragma omp barrier
+          for (int64_t task = k0; task < k1; ++task)
+            attend(al, task / hkv_, task % hkv_, s.data(), qf.data(), acc.data(), inv.data());
         }
 #pragma omp barrier
         quantize(attn.data(), hq_ * d_, levels_a);
@@ -308,6 +316,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       // the last step's tokens meanwhile.
       .def("forward", &FusedDecode::forward, "the decoder layers of a decode step: out = the final hidden states",
            py::call_guard<py::gil_scoped_release>(), py::arg("out"), py::arg("x"), py::arg("positions"), py::arg("kv_cache"), py::arg("slot_mapping"), py::arg("block_tables"),
-           py::arg("context_lens"), py::arg("block_size"));
+           py::arg("context_lens"), py::arg("block_size"), py::arg("verify_rows") = false);
 #endif
 }

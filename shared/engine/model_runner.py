@@ -2,9 +2,10 @@
 
 Structured-output masks are computed while the model runs (llguidance's pool, without the GIL);
 a prompt chunk whose request wants its prompt's logprobs has logits for every position.
-A decode with a proposal (seq.draft, speculative.py) is a chunk of 1 + k tokens over its cached
-context (the prefill-chunk path), with logits at each position for the verifier
-(rejection_sampler.py), which returns the accepted tokens and the one after them.
+A decode with a proposal (seq.draft, speculative.py) computes 1 + k tokens over its cached
+context, as that many decode rows (row j attends to the context and the first j proposed tokens),
+with logits at each position for the verifier (rejection_sampler.py), which returns the accepted
+tokens and the one after them.
 """
 
 from __future__ import annotations
@@ -59,27 +60,34 @@ class ModelRunner:
         pos: list[int] = []
         slot_mapping: list[int] = []
         sample_rows: list[int] = []  # flattened index of each sequence's last token, if it samples
-        meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decodes=batch.num_decodes)
+        meta = AttentionMetadata(slot_mapping=torch.empty(0))
+        rows: list[tuple[list[int], int]] = []  # decode rows: (block table, context incl. the row's token)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             start, c = len(ids), seq.num_computed_tokens
             ids.extend(seq.token_ids[c:c + n])
-            if c + n > seq.num_tokens:  # a decode verifying its proposal: the proposed tokens follow
+            verifying = c + n > seq.num_tokens
+            if verifying:  # a decode verifying its proposal: the proposed tokens follow
                 ids.extend(seq.draft.tokens)
             pos.extend(range(c, c + n))
             bt = seq.block_table
             slot_mapping.extend(bt[p // bs] * bs + p % bs for p in range(c, c + n))
             sample_rows.append(start + n - 1 if c + n >= seq.num_tokens else -1)
-            if i >= batch.num_decodes:
+            if i < batch.num_decodes or (verifying and not meta.prefills):
+                # A verification is n consecutive decodes of one sequence (row j sees c + 1 + j
+                # tokens): the decode kernels' arithmetic, so its tokens are those decoding one at
+                # a time computes, and a step of decodes and verifications stays one of decodes.
+                rows.extend((bt, c + 1 + j) for j in range(n))
+                meta.verify_rows |= n > 1
+            else:
                 slots = None if c == 0 else _slots(torch.tensor(bt), torch.arange(c + n), bs)
                 meta.prefills.append(PrefillChunk(start, n, c + n, slots))
-        nd = batch.num_decodes
+        nd = meta.num_decodes = len(rows)
         if nd:
-            ctx = [s.num_computed_tokens + 1 for s in batch.seqs[:nd]]
-            t = max(ctx)
-            nblk = -(-t // bs)
+            ctx = [c for _, c in rows]
+            nblk = -(-max(ctx) // bs)
             # Padded with block 0 (any valid id: the kernel reads only the context's blocks); one
             # tensor from nested lists, not one per sequence (a few microseconds each).
-            table = torch.tensor([(s.block_table + [0] * nblk)[:nblk] for s in batch.seqs[:nd]], dtype=torch.long)
+            table = torch.tensor([(bt + [0] * nblk)[:nblk] for bt, _ in rows], dtype=torch.long)
             meta.decode_block_tables, meta.decode_context_lens, meta.block_size = table, torch.tensor(ctx), bs
             if not use_decode_kernel(self.kv_cache):  # the reference path gathers through slot ids
                 meta.decode_slots, meta.decode_mask = decode_slots_and_mask(table, meta.decode_context_lens, bs)

@@ -72,8 +72,9 @@ class SwapOp(NamedTuple):
 
 @dataclass
 class ScheduledBatch:
-    """Sequences of one step, decodes (one new token) first, with how many tokens each computes;
-    and the KV copies to run before it, out to host memory first, then in."""
+    """Sequences of one step, decodes (one new token) first, then decodes verifying a proposal
+    (1 + k tokens), then prompt chunks, with how many tokens each computes; and the KV copies to
+    run before it, out to host memory first, then in."""
 
     seqs: list[Sequence]
     num_tokens: list[int]
@@ -157,9 +158,10 @@ class _Step:
     def batch(self) -> ScheduledBatch:
         items = list(self.scheduled.values())
         decodes = [(s, n) for s, n in items if n == 1]
-        prefills = [(s, n) for s, n in items if n != 1]
-        return ScheduledBatch([s for s, _ in decodes + prefills], [n for _, n in decodes + prefills], len(decodes),
-                              self.swap_out, self.swap_in)
+        verifying = [(s, n) for s, n in items if n != 1 and s.num_computed_tokens + n > s.num_tokens]
+        prompts = [(s, n) for s, n in items if n != 1 and s.num_computed_tokens + n <= s.num_tokens]
+        order = decodes + verifying + prompts
+        return ScheduledBatch([s for s, _ in order], [n for _, n in order], len(decodes), self.swap_out, self.swap_in)
 
 
 class Scheduler:
