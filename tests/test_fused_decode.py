@@ -88,7 +88,9 @@ def verify_step(cfg, kv_dtype: torch.dtype, seed: int):
     """Sequences verifying proposals as consecutive decode rows (4 and 3 rows) beside plain decodes:
     a sequence's rows share its block table, row j at position c + j seeing c + j + 1 tokens."""
     g = torch.Generator().manual_seed(seed)
-    seqs = [(20, 4), (33, 1), (47, 3), (5, 1)]  # (context before the step, rows)
+    # (context before the step, rows). Two threads split the (row, KV head) tasks in half: the second
+    # sequence's last row has one head on each, the other needing rows the first thread writes.
+    seqs = [(33, 1), (20, 4), (47, 3), (5, 1)]
     need = [-(-(c + r) // BLOCK) for c, r in seqs]
     num_blocks = sum(need) + 3
     perm = torch.randperm(num_blocks, generator=g).tolist()
