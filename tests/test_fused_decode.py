@@ -182,14 +182,15 @@ def test_engine_greedy_tokens_same_with_and_without_fused_step(models):
 
 def test_prompt_lookup_verifies_in_fused_steps_and_gives_the_tokens_of_plain_decoding(models):
     """Verification runs as decode rows, so with int8 weights (integer sums: a row's result does not
-    depend on the rows beside it) speculation changes no token, and its steps run fused."""
+    depend on the rows beside it) speculation changes no token; proposals are cut so that every
+    verification step of four streams fits the fused step's rows, and runs fused."""
     from test_speculative import spec_engine
 
     from meshserve.shared.engine.speculative import SpeculativeConfig
 
     model = models["plain"]
     g = torch.Generator().manual_seed(1)
-    base = [torch.randint(3, model.cfg.vocab_size, (n,), generator=g).tolist() for n in (6, 17, 40)]
+    base = [torch.randint(3, model.cfg.vocab_size, (n,), generator=g).tolist() for n in (6, 11, 17, 40)]
     prompts = [b * 3 for b in base]  # prompts that repeat themselves: lookups match
     params = SamplingParams(max_tokens=24, temperature=0)
     plain = LLMEngine(model, EngineConfig(block_size=8, num_kv_blocks=256)).generate(prompts, params)
@@ -205,15 +206,25 @@ def test_prompt_lookup_verifies_in_fused_steps_and_gives_the_tokens_of_plain_dec
     plan = model.fused.plan
     model.fused.plan = counting = Counting(plan)
     try:
-        eng = spec_engine(model, SpeculativeConfig("ngram", num_speculative_tokens=3, disable_by_batch_size=64))
+        eng = spec_engine(model, SpeculativeConfig("ngram", num_speculative_tokens=4, disable_by_batch_size=64))
         eng.speculator.payoff.proposes = lambda: True  # this test is about the tokens, not the speed
+        propose, steps = eng.speculator.propose, []
+
+        def recording(running, live, max_rows=None):
+            out = propose(running, live, max_rows)
+            if out and all(s.num_tokens - s.num_computed_tokens == 1 for s in running):  # decodes only
+                steps.append(len(running) + sum(len(s.draft.tokens) for s in out))
+            return out
+
+        eng.speculator.propose = recording
         spec = eng.generate(prompts, params)
     finally:
         model.fused.plan = plan
     assert spec == plain
     st = eng.stats["spec_decode"]
     assert st["num_verification_steps"] > 0 and st["num_accepted_tokens"] > 0
-    assert counting.verified > 0
+    assert steps and max(steps) <= fused_decode.MAX_ROWS < 4 * (1 + 4)  # cut: 4 streams x 4 would not fit
+    assert counting.verified == len(steps)  # every decode-only step that verified ran fused
 
 
 def test_layered_load_builds_the_fused_step_once_complete(tiny_llama, tmp_path):

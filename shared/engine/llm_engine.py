@@ -272,7 +272,9 @@ class LLMEngine:
         """run(num_tokens, compute): how the batch's model pass is run once it is scheduled (the
         worker's thread tuner picks the thread count by the step's size); by default, directly."""
         t0 = time.perf_counter()
-        proposed = self.speculator.propose(self.scheduler.running, self.requests) if self.speculator else []
+        proposed = (self.speculator.propose(self.scheduler.running, self.requests,
+                                            getattr(self.model, "fused_decode_rows", None))
+                    if self.speculator else [])
         try:
             outputs = self._step(run)
             if self.speculator is not None and self.last_step_decode_only:  # what proposing costs and gives

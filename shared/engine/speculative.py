@@ -17,6 +17,8 @@ rejection_sampler.py), and the engine keeps the accepted tokens and rolls the re
 - Turned down when it does not pay: `Payoff` measures decode-only steps' output tokens per second
   with proposals and without, on this machine and model, and proposes only while verifying is
   the faster (a fused int8 decode step can be faster than any verification on a CPU).
+- Cut to the model's fast path: where the model runs decode-only steps of up to N rows in one
+  fused call (int8 weights on a CPU), proposals are cut so a verification step fits N rows.
 - A structured-output request's proposal is cut where its grammar rejects a token.
 
 Torch-free at import (the launcher reads the flags here); the proposers load on use.
@@ -131,16 +133,20 @@ class Speculator:
         return min(self.config.num_speculative_tokens, p.max_tokens - seq.num_output_tokens - 1,
                    self.max_model_len - seq.num_tokens - 1)
 
-    def propose(self, running: list["Sequence"], live_ids) -> list["Sequence"]:
-        """Sets seq.draft on the running sequences that decode and speculate this step; returns them."""
+    def propose(self, running: list["Sequence"], live_ids, max_rows: int | None = None) -> list["Sequence"]:
+        """Sets seq.draft on the running sequences that decode and speculate this step; returns them.
+        max_rows: the most rows a decode-only step may have and stay on the model's fast path (the
+        fused int8 step); proposals are cut to fit it, since a verification off that path costs
+        more than its tokens give (None: no such path)."""
         self.proposer.retain(live_ids)
         if len(running) > self.config.disable_by_batch_size or not self.payoff.proposes():
             return []
-        seqs, ks = [], []
-        for s in running:
-            if (s.priority in self.levels and s.num_output_tokens and s.num_tokens - s.num_computed_tokens == 1 and self._room(s) > 0):
-                seqs.append(s)
-                ks.append(self._room(s))
+        seqs = [s for s in running if s.priority in self.levels and s.num_output_tokens
+                and s.num_tokens - s.num_computed_tokens == 1 and self._room(s) > 0]
+        ks = [self._room(s) for s in seqs]
+        if max_rows is not None and seqs:
+            per = (max_rows - len(running)) // len(seqs)
+            seqs, ks = [s for s in seqs if per > 0], [min(k, per) for k in ks if per > 0]
         out = []
         for s, d in zip(seqs, self.proposer.propose(seqs, ks) if seqs else []):
             if d is not None and s.params.constraint is not None:

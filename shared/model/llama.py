@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from meshserve.kernels.fused_decode import FusedDecode
+from meshserve.kernels.fused_decode import MAX_ROWS as FUSED_MAX_ROWS, FusedDecode
 from meshserve.kernels.layer_ops import LayerOps
 from meshserve.kernels.int8_linear import quantize_weights
 from meshserve.kernels.linear import block_weights, projection
@@ -127,6 +127,11 @@ class LlamaModel:
         """Layer i's projection `name` of x, plus each row's LoRA adapter when the batch has any."""
         y = self.proj[i][name](x)
         return y if lora is None else lora.apply(y, x, i, name)
+
+    @property
+    def fused_decode_rows(self) -> int | None:
+        """The most rows a decode-only step may have and run fused (None: it never runs fused)."""
+        return FUSED_MAX_ROWS if self.fused is not None else None
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
