@@ -64,6 +64,26 @@ def test_hysteresis_and_light_traffic():
     assert wanted(node("PD", [0, 0], [0, 100]), POLICY) is None
 
 
+def test_interactive_requests_beside_long_prompts_keep_a_prefill_worker():
+    # A batch of long prompts, nothing to decode: shared, unless interactive requests are on the node.
+    assert wanted(node("PD", [5000, 0], [5, 0]), POLICY) is not None
+    assert wanted(node("PD", [5000, 0], [5, 0]), POLICY, interactive=True) is None
+    s = wanted(node("DD", [3000, 2000], [5, 0]), POLICY, interactive=True)
+    assert s is not None and s.to_role == "prefill" and "interactive" in s.reason
+    # Interactive chat with short prompts (under min_work of them): roles follow the demand as before.
+    s = wanted(node("PD", [200, 0], [0, 400]), POLICY, interactive=True)
+    assert s is not None and s.to_role == "decode"
+    # ElasticRoles remembers the node's interactive requests for interactive_window_s.
+    roles = ElasticRoles(POLICY)
+    seen = [Load("w0", "prefill", 5000, 0), Load("w1", "decode", 0, 5, interactive=1)]
+    batch = [Load("w0", "prefill", 5000, 0), Load("w1", "decode", 0, 5)]
+    assert roles.observe("n", seen, now=0.0) is None
+    assert all(roles.observe("n", batch, now=t) is None for t in (0.6, 3.0, 6.0, 9.9))
+    assert roles.observe("n", batch, now=10.1) is None  # the window has passed: a wish, held from here
+    s = roles.observe("n", batch, now=10.7)
+    assert s is not None and (s.worker_id, s.to_role) == ("w0", "decode")
+
+
 def test_hold_and_cooldown_prevent_flapping():
     roles = ElasticRoles(POLICY)
     heavy_decode = node("PDD", [0, 0, 0], [0, 300, 300])

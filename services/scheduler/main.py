@@ -678,7 +678,8 @@ class Scheduler:
                 continue
             nodes.setdefault((w.hb.model, w.hb.node_id), []).append(Load(
                 w.hb.worker_id, w.hb.role, w.hb.pending_prefill_tokens, w.hb.pending_decode_tokens,
-                w.hb.num_running))
+                w.hb.num_running, w.hb.running_by_priority.get("interactive", 0)
+                + w.hb.waiting_by_priority.get("interactive", 0)))
         for (model, node), loads in nodes.items():
             s = self.roles.observe(_role_group(node, model), loads)
             if s is not None:
