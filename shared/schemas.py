@@ -7,7 +7,7 @@ torch-free; the gateway and the scheduler import it). The engine converts at its
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import orjson
 from pydantic import BaseModel, Field
@@ -233,6 +233,7 @@ class Heartbeat(Message):
     compute_claim: bool = False
     # Steps it ended early for an interactive request or a role switch that arrived (LLMEngine.urgent).
     interrupted_steps: int = 0
+    threads: dict[str, Any] = Field(default_factory=dict)  # its thread tuner's stats (threads.py); {}: fixed
     arena: str = ""  # the key of the node's KV arena its model's blocks are in (shared/kv_layout.py)
     time: float
 

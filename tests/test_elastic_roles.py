@@ -89,6 +89,8 @@ def test_role_switches_under_load_lose_nothing(mesh, tiny_llama):
     assert all(s["seconds"] < 1.0 and "pending prefill" in s["reason"] for s in health["recent_role_switches"])
     roles = sorted(w["role"] for w in health["workers"])
     assert "decode" in roles and len(roles) == 2
+    for w in health["workers"]:  # each worker's thread tuner: what it ran and measured
+        assert sum(w["threads"]["steps_by_threads"].values()) > 0 and w["threads"]["ms_per_token"], w
     metrics = httpx.get(mesh.url + "/metrics", timeout=5).text
     m = re.search(r'^meshserve:role_switches_total\{[^}]*\} (\S+)$', metrics, re.M)
     assert m and float(m.group(1)) >= 2

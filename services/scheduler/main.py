@@ -156,7 +156,7 @@ class Scheduler:
                              "tokens_streamed": w.hb.tokens_streamed,
                              "compute_yields": w.hb.compute_yields, "compute_yield_s": round(w.hb.compute_yield_s, 3),
                              "compute_claim": w.hb.compute_claim,
-                             "interrupted_steps": w.hb.interrupted_steps} for w in ws],
+                             "interrupted_steps": w.hb.interrupted_steps, "threads": w.hb.threads} for w in ws],
                 "scheduling": "fcfs" if self.fcfs else "priority",
                 "queue_wait": dict(self.queue_wait),
                 "queued_by_priority": {"interactive": 0, "normal": 0, "background": 0}

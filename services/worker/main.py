@@ -635,7 +635,8 @@ class Worker:
             spec_decode=stats["spec_decode"], io_cpu_s=time.thread_time(), step_s=round(self.step_s, 4), tokens_streamed=self.tokens_streamed,
             pending_prefill_tokens=pending_prefill, pending_decode_tokens=pending_decode, draining=self.draining,
             compute_yields=self.compute.yields, compute_yield_s=self.compute.yield_s,
-            compute_claim=self.compute.claiming, interrupted_steps=stats["interrupted_steps"], arena=self.pool.arena or "", time=time.time()))
+            compute_claim=self.compute.claiming, interrupted_steps=stats["interrupted_steps"],
+            threads=self.tuner.stats() if self.tuner is not None else {}, arena=self.pool.arena or "", time=time.time()))
 
 
 def add_arguments(p) -> None:

@@ -117,4 +117,10 @@ class ThreadTuner:
         return out
 
     def stats(self) -> dict:
-        return {"threads_now": self.current, "steps_by_threads": {str(k): v for k, v in self.chosen.items()}}
+        """For the heartbeat (/health): the count now, steps run per count, and the measured seconds
+        per token by step size ("tokens>=N" buckets) and count."""
+        per = {}
+        for (b, n), v in sorted(self.avg.items()):
+            per.setdefault(f"tokens>={1 << b}", {})[str(n)] = round(v * 1000, 4)
+        return {"threads_now": self.current, "steps_by_threads": {str(k): v for k, v in self.chosen.items()},
+                "ms_per_token": per}
