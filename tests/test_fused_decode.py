@@ -58,6 +58,19 @@ def decode_step(cfg, n: int, kv_dtype: torch.dtype, seed: int):
     return ids, pos, meta, kv
 
 
+def fused_and_per_operation(model, ids, pos, meta, kv):
+    """The step fused and through the per-operation forward, each on its own copy of the arena:
+    (fused hidden states, per-operation ones, fused arena, per-operation arena)."""
+    kv_fused, kv_ref = kv.clone(), kv.clone()
+    got = model(ids, pos, meta, kv_fused)
+    fused, model.fused = model.fused, None
+    try:
+        want = model(ids, pos, meta, kv_ref)
+    finally:
+        model.fused = fused
+    return got, want, kv_fused, kv_ref
+
+
 @pytest.mark.parametrize("which", ["plain", "bias"])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8], ids=["bf16-kv", "int8-kv"])
 @pytest.mark.parametrize("threads", [1, 2])
@@ -70,13 +83,7 @@ def test_fused_step_is_the_per_operation_step_bit_for_bit(models, which, kv_dtyp
         for n in (1, 3, fused_decode.MAX_ROWS):
             ids, pos, meta, kv = decode_step(model.cfg, n, kv_dtype, seed=n)
             assert model.fused.applies(n, meta, kv)
-            kv_fused, kv_ref = kv.clone(), kv.clone()
-            got = model(ids, pos, meta, kv_fused)
-            fused, model.fused = model.fused, None
-            try:
-                want = model(ids, pos, meta, kv_ref)
-            finally:
-                model.fused = fused
+            got, want, kv_fused, kv_ref = fused_and_per_operation(model, ids, pos, meta, kv)
             assert torch.equal(got, want), (n, (got.float() - want.float()).abs().max())
             assert torch.equal(kv_fused, kv_ref)
             assert not torch.equal(kv_fused, kv)  # the step's K/V were written
@@ -124,13 +131,7 @@ def test_fused_verification_rows_are_the_per_operation_step_bit_for_bit(models, 
         for seed in range(3):
             ids, pos, meta, kv = verify_step(model.cfg, kv_dtype, seed)
             assert model.fused.applies(len(ids), meta, kv)
-            kv_fused, kv_ref = kv.clone(), kv.clone()
-            got = model(ids, pos, meta, kv_fused)
-            fused, model.fused = model.fused, None
-            try:
-                want = model(ids, pos, meta, kv_ref)
-            finally:
-                model.fused = fused
+            got, want, kv_fused, kv_ref = fused_and_per_operation(model, ids, pos, meta, kv)
             assert torch.equal(got, want), (seed, (got.float() - want.float()).abs().max())
             assert torch.equal(kv_fused, kv_ref)
     finally:
