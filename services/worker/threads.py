@@ -117,7 +117,7 @@ class ThreadTuner:
         return out
 
     def stats(self) -> dict:
-        """For the heartbeat (/health): the count now, steps run per count, and the measured seconds
+        """For the heartbeat (/health): the count now, steps run per count, and the measured milliseconds
         per token by step size ("tokens>=N" buckets) and count."""
         per = {}
         for (b, n), v in sorted(self.avg.items()):
