@@ -165,20 +165,30 @@ def test_normal_gets_its_share_and_a_bounded_wait_under_a_steady_interactive_str
 
 def test_shorter_prompts_first_within_a_class_and_overtaking_is_bounded(tiny):
     """A long background prompt waiting behind nothing but a stream of short ones: the short ones
-    go first, but it starts once overtaken max_overtakes times."""
+    go first, but it starts once later short prompts of overtake_factor times its own tokens (plus
+    64) went ahead of it: a bound in work, not in a count of requests."""
     model, prompts = tiny
     long_prompt = (prompts[3] * 6)[:200]  # 200 tokens: two buckets above the short ones
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
-    eng = engine(model, max_seqs=1, max_overtakes=3)
-    eng.add_request("s0", prompts[0], params, priority="background")
+    factor = 0.5
+    eng = engine(model, max_seqs=1, overtake_factor=factor)
+    g = torch.Generator().manual_seed(11)
+    shorts = [torch.randint(3, 200, (len(prompts[i % 8]),), generator=g).tolist() for i in range(41)]
+    eng.add_request("s0", shorts[0], params, priority="background")
     eng.add_request("long", long_prompt, params, priority="background")
     order = []
     for i in range(40):
-        eng.add_request(f"s{i + 1}", prompts[(i + 1) % 8], params, priority="background")
+        eng.add_request(f"s{i + 1}", shorts[i + 1], params, priority="background")
         for out in eng.step():
             if out.request_id not in order:
                 order.append(out.request_id)
-    assert order.index("long") == 4, order  # s0 (there first), then three later short ones, then it
+    # s0 was there first; then later short ones until their prompts add up to the bound, then it.
+    done, k = 0, 0
+    while done < factor * (200 + 64):
+        k += 1
+        done += len(shorts[k])
+    assert order.index("long") == k + 1, (order, k)
+    assert k >= 4  # more than the old bound of 3 overtakes would have allowed: short prompts weigh little
     fcfs = engine(model, max_seqs=1, policy="fcfs")
     for rid, p in (("s0", prompts[0]), ("long", long_prompt), ("s1", prompts[1])):
         fcfs.add_request(rid, p, params, priority="background")

@@ -1,37 +1,39 @@
 """The scheduler's own queues: requests accepted but not yet sent to a worker, one queue per class
 per model, in the engine's order (meshserve.shared.engine.policy): arrival order within a size
-bucket, shorter prompts first, a request overtaken `max_overtakes` times by later ones of its
-class ranked as the shortest. With fcfs, one first-come-first-served queue per model.
+bucket, shorter prompts first, a request overtaken by later ones of its class whose prompts add
+up to OVERTAKE_FACTOR times its own ranked as the shortest (`overtaken_enough`). With fcfs, one first-come-first-served queue per model.
 
 Pure bookkeeping: the scheduler decides what leaves (routing.py says where it may go).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
-from meshserve.shared.engine.policy import PRIORITIES, size_bucket
+from meshserve.shared.engine.policy import PRIORITIES, overtaken_enough, size_bucket
 from meshserve.shared.schemas import GenerateRequest
-
-MAX_OVERTAKES = 16
-
 
 @dataclass
 class Queued:
     req: GenerateRequest
     order: int
     since: float = field(default_factory=time.monotonic)
-    overtaken: int = 0
+    overtaken_tokens: float = 0.0  # prompt tokens of later requests of its class that left before it
 
     @property
     def priority(self) -> str:
         return self.req.priority
 
+    @property
+    def tokens(self) -> int:
+        return len(self.req.prompt_token_ids) + len(self.req.output_token_ids)
+
     def key(self, short_first: bool) -> tuple[int, int]:
-        if not short_first or self.overtaken >= MAX_OVERTAKES:
+        if not short_first or overtaken_enough(self.overtaken_tokens, self.tokens):
             return 0, self.order
-        return size_bucket(len(self.req.prompt_token_ids) + len(self.req.output_token_ids)), self.order
+        return size_bucket(self.tokens), self.order
 
 
 class ClassQueues:
@@ -60,7 +62,7 @@ class ClassQueues:
     def push(self, req: GenerateRequest, first: bool = False) -> None:
         """first: ahead of every request of its class (one that a worker did not take)."""
         q = self.queues["normal" if self.fcfs else req.priority]
-        q.append(Queued(req, -self._next if first else self._next, overtaken=MAX_OVERTAKES if first else 0))
+        q.append(Queued(req, -self._next if first else self._next, overtaken_tokens=math.inf if first else 0.0))
         self._next += 1
 
     def heads(self) -> list[Queued]:
@@ -72,7 +74,7 @@ class ClassQueues:
         q.remove(item)
         for x in q:
             if x.order < item.order:
-                x.overtaken += 1
+                x.overtaken_tokens += item.tokens
 
     def remove(self, request_id: str) -> bool:
         for q in self.queues.values():

@@ -16,8 +16,12 @@ new interactive request).
 
 Within a class, shorter remaining prompts go first (FIFO within a size bucket, one bucket per
 doubling above 64 tokens): a long prompt does not hold up the short ones behind it. A request
-overtaken `max_overtakes` times by later arrivals of its class ranks as the shortest, so its wait
-is bounded too. A preempted sequence goes back to the head of its class.
+overtaken by later arrivals of its class whose prompts add up to `overtake_factor` times its own
+(`overtaken_enough`) ranks as the shortest, so the wait that overtaking adds to it is bounded by
+about that many times its own prefill: a stretch bound, not a count. (A count of 16 overtakes
+promoted every long prompt within seconds under a steady stream of short ones, and the promoted
+ones, FIFO at the head, put the short ones back behind them: first come, first served again.) A
+preempted sequence goes back to the head of its class.
 
 Victims: only sequences of a strictly lower rank, never one that resumed from a preemption less
 than `min_run_s` ago; among them the highest `victim_score` (class first, then the least progress
@@ -39,6 +43,15 @@ PREEMPTION_MODES = ("auto", "swap", "recompute")
 def size_bucket(tokens: int) -> int:
     """0 up to 64 tokens, then one more per doubling: prompts of about the same size stay FIFO."""
     return ((max(1, tokens) - 1) // 64).bit_length()
+
+
+OVERTAKE_FACTOR = 16.0  # the default of SchedulerConfig.overtake_factor and the mesh scheduler's queues
+
+
+def overtaken_enough(overtaken_tokens: float, tokens: int, factor: float = OVERTAKE_FACTOR) -> bool:
+    """Overtaken by `factor` times its own prompt tokens (plus one bucket, so a tiny prompt is not
+    promoted by the first overtake): from now on it ranks as the shortest of its class."""
+    return overtaken_tokens >= factor * (max(1, tokens) + 64)
 
 
 class ClassShares:
@@ -70,7 +83,7 @@ class Policy:
     """The ranks the scheduler compares. A rank is (class rank, size rank); lower goes first.
 
     Sequences are read through their fields: priority, num_tokens, num_computed_tokens,
-    num_prompt_tokens, params.max_tokens, block_table, num_preemptions, resumed_at, overtaken,
+    num_prompt_tokens, params.max_tokens, block_table, num_preemptions, resumed_at, overtaken_tokens,
     queue_order, swapped_tokens and waiting (bool)."""
 
     def __init__(self, config, clock):
@@ -96,9 +109,10 @@ class Policy:
             return 0
         if seq.waiting and seq.num_preemptions:
             return -1  # preempted: the head of its class
-        if seq.overtaken >= self.cfg.max_overtakes:
+        remaining = seq.num_tokens - max(seq.num_computed_tokens, seq.swapped_tokens)
+        if overtaken_enough(seq.overtaken_tokens, remaining, self.cfg.overtake_factor):
             return 0
-        return size_bucket(seq.num_tokens - max(seq.num_computed_tokens, seq.swapped_tokens))
+        return size_bucket(remaining)
 
     def rank(self, seq) -> tuple[int, int]:
         return self.class_rank(seq), self.size_rank(seq)
@@ -112,12 +126,14 @@ class Policy:
         return self.rank(waiting_seq) < self.rank(running_seq)
 
     def overtook(self, admitted, others) -> None:
-        """`admitted` went ahead of `others` (of any class): count it for those of its class that came first."""
+        """`admitted` went ahead of `others` (of any class): those of its class that came first count
+        its prompt tokens as overtaking them."""
         if self.fcfs:
             return
+        work = max(1, admitted.num_tokens - admitted.num_computed_tokens)
         for s in others:
             if s is not admitted and s.priority == admitted.priority and s.queue_order < admitted.queue_order:
-                s.overtaken += 1
+                s.overtaken_tokens += work
 
     # -- victims
 

@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 from ..prefix_hash import namespace
 from .kv_cache_manager import KVCacheManager
-from .policy import INTERACTIVE, NORMAL, PRIORITIES, Policy, PreemptionCosts
+from .policy import INTERACTIVE, NORMAL, OVERTAKE_FACTOR, PRIORITIES, Policy, PreemptionCosts
 from .sequence import Sequence, SequenceStatus
 from .swap import swap_keys
 
@@ -52,7 +52,8 @@ class SchedulerConfig:
     share_window_tokens: int = 1024  # the shares are over about this many recent output tokens
     min_run_s: float = 0.5  # a sequence resumed from a preemption is not preempted again sooner
     short_first: bool = True  # within a class, shorter remaining prompts first
-    max_overtakes: int = 16  # ... until a request was overtaken this many times
+    # ... until later arrivals whose prompts add up to this many times its own went first (policy.py)
+    overtake_factor: float = OVERTAKE_FACTOR
     preemption_mode: str = "auto"  # "swap", "recompute", or "auto": the cheaper by measured costs
     # While an interactive request is here or came less than interactive_guard_s ago, the other
     # prompts get at most this many tokens of a step between them: the next interactive prompt

@@ -90,11 +90,11 @@ class Sequence:
         self.num_preemptions = 0
         self.priority = priority  # its class: 0 interactive, 1 normal, 2 background
         self.num_priority_preemptions = 0  # preempted to make room for a higher priority
-        # The scheduler's bookkeeping (policy.py): its place in the waiting queue, how often later
-        # arrivals of its class went first, when it last resumed from a preemption, and, while
+        # The scheduler's bookkeeping (policy.py): its place in the waiting queue, the prompt tokens
+        # of later arrivals of its class that went first, when it last resumed from a preemption, and, while
         # swapped out, how many computed tokens wait in host memory under which block keys.
         self.queue_order = 0
-        self.overtaken = 0
+        self.overtaken_tokens = 0
         self.resumed_at: float | None = None
         self.swapped_tokens = 0
         self.swap_keys: list[int] = []

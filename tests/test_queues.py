@@ -1,0 +1,68 @@
+"""The mesh scheduler's own queues (services/scheduler/queues.py): class order, shorter prompts
+first, and the stretch bound on overtaking, as pure bookkeeping."""
+
+from __future__ import annotations
+
+from meshserve.services.scheduler.queues import ClassQueues
+from meshserve.shared.engine.policy import OVERTAKE_FACTOR
+from meshserve.shared.schemas import GenerateRequest, Sampling
+
+
+def req(rid: str, n: int, priority: str = "normal") -> GenerateRequest:
+    return GenerateRequest(request_id=rid, model="m", prompt_token_ids=[5] * n, sampling=Sampling(max_tokens=4),
+                           priority=priority, stream_subject="s", arrival_time=0.0)
+
+
+def drain(q: ClassQueues, arrivals: list[GenerateRequest], per_pop: int = 1, backlog: int = 0) -> list[str]:
+    """Pops the head after every `per_pop` arrivals beyond the first `backlog` (then the rest): the
+    order requests leave."""
+    out = []
+    for r in arrivals[:backlog]:
+        q.push(r)
+    arrivals = arrivals[backlog:]
+    for i, r in enumerate(arrivals):
+        q.push(r)
+        if (i + 1) % per_pop == 0:
+            head = q.heads()[0]
+            q.pop(head)
+            out.append(head.req.request_id)
+    while q:
+        head = q.heads()[0]
+        q.pop(head)
+        out.append(head.req.request_id)
+    return out
+
+
+def test_classes_first_then_shorter_prompts():
+    q = ClassQueues()
+    for r in (req("bg", 10, "background"), req("long", 3000), req("short", 20), req("i", 500, "interactive")):
+        q.push(r)
+    order = []
+    while q:
+        head = q.heads()[0]
+        q.pop(head)
+        order.append(head.req.request_id)
+    assert order == ["i", "short", "long", "bg"]
+
+
+def test_a_long_prompt_leaves_once_overtaken_by_its_bound_in_tokens():
+    """Behind a steady stream of short prompts (one leaves per arrival), a 2000-token prompt leaves
+    when the short ones that went first add up to OVERTAKE_FACTOR x (2000 + 64) tokens; a count of
+    16 overtakes would have let it go after 16 of them and, with many such, back to FIFO."""
+    q = ClassQueues()
+    arrivals = [req("s0", 50), req("long", 2000)] + [req(f"s{i}", 50) for i in range(1, 1200)]
+    order = drain(q, arrivals, backlog=2)
+    bound = OVERTAKE_FACTOR * (2000 + 64)
+    shorts_before = order.index("long") - 1  # s0 was there first
+    assert (shorts_before - 1) * 50 < bound <= shorts_before * 50, shorts_before
+    assert shorts_before > 16
+
+
+def test_fcfs_and_a_request_put_back_first():
+    q = ClassQueues(fcfs=True)
+    assert drain(q, [req("long", 3000), req("short", 10), req("i", 5, "interactive")], per_pop=10) == \
+        ["long", "short", "i"]
+    q = ClassQueues()
+    q.push(req("a", 10))
+    q.push(req("back", 4000), first=True)  # a worker did not take it: ahead of its class
+    assert q.heads()[0].req.request_id == "back"
