@@ -252,6 +252,14 @@ def test_layer_ops_match_reference(rows):
 
     gu = torch.randn(rows, 2 * 1536).bfloat16()
     close_bf16(ops.silu_mul(gu), ref.silu_mul(gu))
+    # The vectorized exponential's clamps: silu's limits, and NaN stays NaN (odd counts reach
+    # the scalar tail too).
+    for n in (16, 19):
+        g = torch.tensor([-100., -89., -88.5, 88.5, 89., 100., 0., float("nan")] * 3)[:n]
+        gu = torch.cat([g, torch.full((n,), 1.5)]).bfloat16().unsqueeze(0)
+        got, want = ops.silu_mul(gu).float(), ref.silu_mul(gu).float()
+        assert torch.equal(got.isnan(), want.isnan())
+        torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), rtol=2 ** -7, atol=1e-30)
 
 
 def test_layer_ops_reject_bad_input():
