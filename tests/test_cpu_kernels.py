@@ -262,6 +262,21 @@ def test_layer_ops_match_reference(rows):
         torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), rtol=2 ** -7, atol=1e-30)
 
 
+def test_layer_ops_bench_reports_every_step(tmp_path):
+    """bench/layer_ops_bench.py times each step at each row count, the kernel against torch."""
+    import json
+
+    from meshserve.bench.layer_ops_bench import main
+    layer_ops_or_skip()
+    out = tmp_path / "ops.json"
+    assert main(["--rows", "1,19", "--reps", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert {(r["step"], r["rows"]) for r in rows} == {
+        (s, m) for s in ("rms_norm", "add_rms_norm", "rope", "silu_mul") for m in (1, 19)}
+    assert all(r["kernel_us"] > 0 and r["torch_us"] > 0 for r in rows)
+    assert all(r["max_rel_diff"] < 0.02 for r in rows), rows
+
+
 def test_layer_ops_reject_bad_input():
     ops, _ = layer_ops_or_skip()
     with pytest.raises(RuntimeError, match="position out of range"):
