@@ -12,27 +12,18 @@ the last place or two, 0.004-0.008, is expected).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import torch
 
-from meshserve.bench.report import emit_json
+from meshserve.bench.report import emit_json, median_seconds
 from meshserve.kernels.layer_ops import LayerOps
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 9, 3, 64
 
 
 def _us(f, reps: int) -> float:
-    for _ in range(3):
-        f()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t0)
-    return 1e6 * statistics.median(times)
+    return 1e6 * median_seconds(f, reps)
 
 
 def _cases(rows: int, g: torch.Generator) -> dict:

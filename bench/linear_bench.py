@@ -13,29 +13,20 @@ difference from the fp32 product rounded to bf16.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 from meshserve.kernels import cpu_build, int8_linear
 from meshserve.kernels.linear import Linear, block_weights, from_blocked, kernel
-from meshserve.bench.report import emit_json
+from meshserve.bench.report import emit_json, median_seconds
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 
 
 def _ms(f, reps: int) -> float:
-    for _ in range(3):
-        f()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
+    return 1000 * median_seconds(f, reps)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,6 +87,18 @@ class RequestResult:
                 "requested_output_tokens": self.requested_output_tokens, "cached_tokens": self.cached_tokens,
                 "arrival": self.arrival, "start": self.start, "end": self.end, "ttft": self.ttft,
                 "tpot": self.tpot, "e2e": self.e2e, "chunks": len(self.chunk_times), "error": self.error}
+
+
+def median_seconds(f, reps: int, warmup: int = 3) -> float:
+    """The median wall time of `reps` calls of f, after `warmup` untimed ones (microbenchmarks)."""
+    for _ in range(warmup):
+        f()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def emit_json(res: dict, path: str | None) -> None:
