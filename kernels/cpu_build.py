@@ -51,12 +51,13 @@ def disabled() -> bool:
 # From this many rows on, torch's GEMM on AMX tiles (oneDNN) computes a bf16 projection faster than
 # the AVX-512 kernels here: a prefill chunk or a decode step of 16+ sequences, not batch-1 decode
 # (measured with `python -m meshserve.bench.linear_bench`: at 4 rows the kernel is 1.4-2.3x faster,
-# at 16 the GEMM 1.3-2.1x). int8 weights are dequantized for it on every call (no second copy),
-# which only 256 rows and more amortize (at 128 the kernel is as fast). docs/quantization.md,
-# "AMX". MESHSERVE_AMX_GEMM_MIN_ROWS overrides the first (the second stays 16x it); 0 never hands
-# a projection to the GEMM.
+# at 16 the GEMM 1.3-2.1x). int8 weights are dequantized for it on every call (no second copy), by
+# the int8 kernel in one pass (about 0.3 ms per million weights): from 32 rows that pays (it took four
+# torch operations, 14x slower, and 256 rows before). docs/quantization.md, "AMX".
+# MESHSERVE_AMX_GEMM_MIN_ROWS overrides the first (the second stays twice it); 0 never hands a
+# projection to the GEMM.
 AMX_GEMM_MIN_ROWS = 16
-AMX_DEQUANTIZE_FACTOR = 16
+AMX_DEQUANTIZE_FACTOR = 2
 
 
 @functools.cache

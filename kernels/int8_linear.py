@@ -100,7 +100,12 @@ class Int8Linear:
                    weights.get(bias) if bias else None)
 
     def weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The dequantized weight [N, K] (the reference computes with it)."""
+        """The dequantized weight [N, K] (the reference computes with it; a many-row bf16 step on
+        AMX tiles takes it from the kernel, one pass, the same bits)."""
+        if self.blocked is not None and dtype == torch.bfloat16 and self.kernel is not None:
+            out = torch.empty(self.out_features, 2 * self.blocked.shape[1], dtype=dtype)
+            self.kernel.dequantize_bf16(out, self.blocked, self.scale)
+            return out
         return dequantize(self.q if self.q is not None else from_blocked(self.blocked), self.scale, dtype)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -113,7 +118,7 @@ class Int8Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocked is not None and x.dtype == torch.bfloat16:
-            if cpu_build.amx_gemm(x.shape[0], dequantize=True):  # a prefill chunk on AMX tiles
+            if cpu_build.amx_gemm(x.shape[0], dequantize=True):  # a prefill chunk or a big decode step, on AMX tiles
                 return F.linear(x, self.weight(x.dtype), self.bias)
             x = x.contiguous()
             out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)

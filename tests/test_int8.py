@@ -60,6 +60,21 @@ def test_kernel_matches_dequantized_reference(n, k, bias, projection_path):
         assert ((got - want).abs() <= bound).all(), (m, (got - want).abs().max())
 
 
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(960, 576), (48, 34), (32, 2), (16, 46)])
+def test_kernel_dequantizes_the_blocked_weight_bit_for_bit(n, k):
+    """What a many-row step hands torch's GEMM (Int8Linear.weight in bf16, from the kernel) is the
+    reference's dequantize(q, scale) rounded to bf16, exactly; K/2 not a multiple of 8 reaches the
+    kernel's scalar tail."""
+    g = torch.Generator().manual_seed(n * k)
+    q, s = il.quantize(torch.randn(n, k, generator=g) * 0.05)
+    q[0, :2] = torch.tensor([-127, 127], dtype=torch.int8)
+    fast = il.Int8Linear(s, blocked=il.to_blocked(q))
+    assert fast.kernel is not None
+    assert torch.equal(fast.weight(torch.bfloat16), il.dequantize(q, s, torch.bfloat16))
+    assert torch.equal(fast.weight(), il.dequantize(q, s))  # fp32: the reference's own path
+
+
 def test_tied_embedding_rows_from_either_layout():
     q, s = il.quantize(torch.randn(64, 24))
     ids = torch.tensor([0, 17, 63, 17, 5])

@@ -19,6 +19,7 @@
 // bandwidth). Oracle: F.linear on the dequantized weight (tests/test_int8.py).
 
 #include "int8_linear.h"
+#include "vec_math.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -102,9 +103,70 @@ void linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& wb, cons
 #endif
 }
 
+// out [N, K] bf16 = q * scale, q in the n16k2 blocked layout: the plain bf16 weight torch's GEMM
+// takes (a step of many rows on AMX tiles), in one pass. Bit for bit dequantize(from_blocked(q),
+// scale, bf16) of kernels/int8_linear.py, which took four passes (a re-layout, a widening to
+// fp32, the product, the rounding) and a tenth of a second per step of SmolLM2's layers.
+void dequantize_bf16(at::Tensor out, const at::Tensor& wb, const at::Tensor& scale) {
+  TORCH_CHECK(wb.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat && out.scalar_type() == at::kBFloat16,
+              "dequantize_bf16: int8 w, fp32 scale, bf16 out");
+  TORCH_CHECK(wb.dim() == 4 && wb.size(2) == kBlockN && wb.size(3) == 2 && wb.is_contiguous() && scale.is_contiguous() &&
+              out.is_contiguous(), "dequantize_bf16: w [N/16, K/2, 16, 2], contiguous tensors");
+  const int64_t NB = wb.size(0), K2 = wb.size(1), K = 2 * K2, N = NB * kBlockN;
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == N && out.size(1) == K && scale.numel() == N, "dequantize_bf16: shapes");
+  const int8_t* wp = wb.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  bf16* op = out.data_ptr<bf16>();
+  at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
+    for (int64_t nb = nb0; nb < nb1; ++nb) {
+      const int8_t* block = wp + nb * K2 * kBlockN * 2;  // [K2][16][2]
+      const int64_t n0 = nb * kBlockN;
+      int64_t k2 = 0;
+#if MESHSERVE_AVX2
+      // Eight k2 steps at a time: the 8 x 16 matrix of int16 pairs (k2, row) transposed to rows, both
+      // 128-bit halves at once (rows 0-7 and 8-15): each result holds 16 int8 of one row.
+      for (; k2 + 8 <= K2; k2 += 8) {
+        __m256i r[8];
+        for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + (k2 + i) * 32));
+        __m256i a[8], b[8], c[8];
+        for (int i = 0; i < 4; ++i) {
+          a[2 * i] = _mm256_unpacklo_epi16(r[2 * i], r[2 * i + 1]);
+          a[2 * i + 1] = _mm256_unpackhi_epi16(r[2 * i], r[2 * i + 1]);
+        }
+        for (int h = 0; h < 2; ++h) {  // h: k2 steps 0-3 or 4-7
+          b[4 * h + 0] = _mm256_unpacklo_epi32(a[4 * h], a[4 * h + 2]);
+          b[4 * h + 1] = _mm256_unpackhi_epi32(a[4 * h], a[4 * h + 2]);
+          b[4 * h + 2] = _mm256_unpacklo_epi32(a[4 * h + 1], a[4 * h + 3]);
+          b[4 * h + 3] = _mm256_unpackhi_epi32(a[4 * h + 1], a[4 * h + 3]);
+        }
+        for (int i = 0; i < 4; ++i) {
+          c[2 * i] = _mm256_unpacklo_epi64(b[i], b[i + 4]);
+          c[2 * i + 1] = _mm256_unpackhi_epi64(b[i], b[i + 4]);
+        }
+        for (int j = 0; j < 8; ++j) {  // c[j]: row j (low half) and row j + 8 (high half)
+          for (int half = 0; half < 2; ++half) {
+            const int64_t n = n0 + j + 8 * half;
+            const __m128i q = half ? _mm256_extracti128_si256(c[j], 1) : _mm256_castsi256_si128(c[j]);
+            const __m256 s = _mm256_set1_ps(sp[n]);
+            bf16* o = op + n * K + 2 * k2;
+            vec_math::store8(o, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), s));
+            vec_math::store8(o + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))), s));
+          }
+        }
+      }
+#endif
+      for (; k2 < K2; ++k2)
+        for (int64_t j = 0; j < kBlockN; ++j)
+          for (int64_t t = 0; t < 2; ++t)
+            op[(n0 + j) * K + 2 * k2 + t] = bf16(float(block[(k2 * kBlockN + j) * 2 + t]) * sp[n0 + j]);
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether the AVX2 path was compiled in");
   m.def("levels_for", &levels_for, "the int16 levels an input row of K elements is quantized to");
   m.def("linear_int8", &linear_int8, "out = x @ (q * scale).T (+ bias), q in the int8 n16k2 blocked layout",
         py::arg("out"), py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias") = py::none());
+  m.def("dequantize_bf16", &dequantize_bf16, "out [N, K] bf16 = q * scale from the blocked int8 weight");
 }
