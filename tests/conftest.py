@@ -82,3 +82,17 @@ def projection_path(request, monkeypatch):
     yield request.param
     monkeypatch.undo()
     cpu_build.amx_gemm_min_rows.cache_clear()
+
+
+@pytest.fixture
+def kernel_projections(monkeypatch):
+    """Every projection on the CPU kernels, whatever the step's size: int8's integer sums make a
+    row's result independent of its batch, which the GEMM a CPU with AMX takes for many rows is
+    not (a test comparing two schedules token for token on a bf16 model needs that)."""
+    from meshserve.kernels import cpu_build
+
+    monkeypatch.setenv("MESHSERVE_AMX_GEMM_MIN_ROWS", "0")
+    cpu_build.amx_gemm_min_rows.cache_clear()
+    yield
+    monkeypatch.undo()
+    cpu_build.amx_gemm_min_rows.cache_clear()

@@ -181,7 +181,7 @@ def test_engine_greedy_tokens_same_with_and_without_fused_step(models):
     assert with_fused == without
 
 
-def test_prompt_lookup_verifies_in_fused_steps_and_gives_the_tokens_of_plain_decoding(models):
+def test_prompt_lookup_verifies_in_fused_steps_and_gives_the_tokens_of_plain_decoding(models, kernel_projections):
     """Verification runs as decode rows, so with int8 weights (integer sums: a row's result does not
     depend on the rows beside it) speculation changes no token; proposals are cut so that every
     verification step of four streams fits the fused step's rows, and runs fused."""
