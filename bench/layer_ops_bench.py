@@ -27,7 +27,7 @@ def _us(f, reps: int) -> float:
 
 
 def _cases(rows: int, g: torch.Generator) -> dict:
-    """step -> (its inputs' maker, a call on LayerOps): fresh inputs per call where it works in place."""
+    """step -> its call on a LayerOps (a copy of the inputs it works on in place, each call)."""
     x = torch.randn(rows, HIDDEN, generator=g).bfloat16()
     w = (torch.rand(HIDDEN, generator=g) + 0.5).bfloat16()
     res = torch.randn(rows, HIDDEN, generator=g).bfloat16()

@@ -75,12 +75,19 @@ def projection_path(request, monkeypatch):
     AMX, also the GEMM that takes many rows (cpu_build.amx_gemm; from 2 rows on here)."""
     from meshserve.kernels import cpu_build
 
-    monkeypatch.setenv("MESHSERVE_AMX_GEMM_MIN_ROWS", "0" if request.param == "kernel" else "2")
-    cpu_build.amx_gemm_min_rows.cache_clear()
+    _amx_gemm_from(monkeypatch, 0 if request.param == "kernel" else 2)
     if request.param == "amx-gemm" and not cpu_build.amx_gemm(2):
         pytest.skip("no AMX on this CPU")
     yield request.param
     monkeypatch.undo()
+    cpu_build.amx_gemm_min_rows.cache_clear()
+
+
+def _amx_gemm_from(monkeypatch, rows: int) -> None:
+    """Projections of `rows` rows or more go to torch's AMX GEMM from now on (0: never)."""
+    from meshserve.kernels import cpu_build
+
+    monkeypatch.setenv("MESHSERVE_AMX_GEMM_MIN_ROWS", str(rows))
     cpu_build.amx_gemm_min_rows.cache_clear()
 
 
@@ -91,8 +98,7 @@ def kernel_projections(monkeypatch):
     not (a test comparing two schedules token for token on a bf16 model needs that)."""
     from meshserve.kernels import cpu_build
 
-    monkeypatch.setenv("MESHSERVE_AMX_GEMM_MIN_ROWS", "0")
-    cpu_build.amx_gemm_min_rows.cache_clear()
+    _amx_gemm_from(monkeypatch, 0)
     yield
     monkeypatch.undo()
     cpu_build.amx_gemm_min_rows.cache_clear()

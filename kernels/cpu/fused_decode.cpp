@@ -49,14 +49,14 @@ inline std::pair<int64_t, int64_t> share(int64_t n, int t, int threads) {
 }
 
 bool available() {
-#if defined(MESHSERVE_INT8_AVX2)
+#if MESHSERVE_AVX2
   return true;
 #else
   return false;
 #endif
 }
 
-#if defined(MESHSERVE_INT8_AVX2)
+#if MESHSERVE_AVX2
 class FusedDecode {
  public:
   // weights, scales: per layer qkv, o, gate_up, down (4 x layers, blocked int8 and fp32 scales);
@@ -306,7 +306,7 @@ class FusedDecode {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether the AVX2 path was compiled in");
-#if defined(MESHSERVE_INT8_AVX2)
+#if MESHSERVE_AVX2
   py::class_<FusedDecode>(m, "FusedDecode")
       .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                     at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double, double>(),

@@ -11,10 +11,7 @@
 #include <cstring>
 #include <utility>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define MESHSERVE_INT8_AVX2 1
-#endif
+#include "vec_math.h"  // MESHSERVE_AVX2: the int8 tiles need AVX2 and FMA
 
 namespace int8_linear {
 
@@ -27,7 +24,7 @@ constexpr int64_t kWidenRows = 2 * kMaxMR + 1;
 constexpr int kWideMR = 4;
 constexpr int kPrefetchBytes = 2048;
 
-#ifdef MESHSERVE_INT8_AVX2
+#if MESHSERVE_AVX2
 // fp32 -> bf16, round to nearest even as torch does; NaN stays NaN.
 inline __m128i to_bf16(__m256 v) {
   __m256i b = _mm256_castps_si256(v);
