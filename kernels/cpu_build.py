@@ -52,8 +52,8 @@ def disabled() -> bool:
 # the AVX-512 kernels here: a prefill chunk or a decode step of 16+ sequences, not batch-1 decode
 # (measured with `python -m meshserve.bench.linear_bench`: at 4 rows the kernel is 1.4-2.3x faster,
 # at 16 the GEMM 1.3-2.1x). int8 weights are dequantized for it on every call (no second copy), by
-# the int8 kernel in one pass (about 0.3 ms per million weights): from 32 rows that pays (it took four
-# torch operations, 14x slower, and 256 rows before). docs/quantization.md, "AMX".
+# the int8 kernel in one pass: from 32 rows that pays (dequantize + GEMM 1.4 ms a SmolLM2 layer
+# there; with four torch operations it was 13.8, and 256 rows before). docs/quantization.md, "AMX".
 # MESHSERVE_AMX_GEMM_MIN_ROWS overrides the first (the second stays twice it); 0 never hands a
 # projection to the GEMM.
 AMX_GEMM_MIN_ROWS = 16

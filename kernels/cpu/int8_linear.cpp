@@ -105,7 +105,7 @@ void linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& wb, cons
 // out [N, K] bf16 = q * scale, q in the n16k2 blocked layout: the plain bf16 weight torch's GEMM
 // takes (a step of many rows on AMX tiles), in one pass. Bit for bit dequantize(from_blocked(q),
 // scale, bf16) of kernels/int8_linear.py, which took four passes (a re-layout, a widening to
-// fp32, the product, the rounding): 14x slower, 14.6 ms per SmolLM2 layer on the eighth session's machine.
+// fp32, the product, the rounding): about 10x slower with the GEMM after it (linear_bench).
 void dequantize_bf16(at::Tensor out, const at::Tensor& wb, const at::Tensor& scale) {
   TORCH_CHECK(wb.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat && out.scalar_type() == at::kBFloat16,
               "dequantize_bf16: int8 w, fp32 scale, bf16 out");
