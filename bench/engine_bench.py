@@ -131,6 +131,8 @@ def add_workload_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                     help="meshserve's weights (Transformers always runs the source weights)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                    help="meshserve's KV cache (auto: the model's dtype)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-requests", type=int, default=64)
 
@@ -156,12 +158,14 @@ def main(argv: list[str] | None = None) -> int:
         sched.max_num_batched_tokens = sched.prefill_chunk_size = a.max_num_batched_tokens
     if a.max_prefill_tokens_with_decodes:
         sched.max_prefill_tokens_with_decodes = a.max_prefill_tokens_with_decodes
-    llm = LLM(a.model, a.dtype, EngineConfig(scheduler=sched), quantization=a.quantization)
+    llm = LLM(a.model, a.dtype, EngineConfig(scheduler=sched), quantization=a.quantization,
+              kv_cache_dtype=a.kv_cache_dtype)
     special = set(llm.tokenizer.eos_token_ids) | {llm.tokenizer.bos_token_id or 0}
     work = mixed_workload(a.num_requests, a.seed, llm.engine.model.cfg.vocab_size, special)
     prompt1 = work[0][0][:100]
     res: dict = {"command": "meshserve bench-engine " + " ".join(argv or sys.argv[1:]),
-                 "model": a.model, "dtype": a.dtype, "quantization": a.quantization, "machine": {"cpus": torch.get_num_threads(),
+                 "model": a.model, "dtype": a.dtype, "quantization": a.quantization,
+                 "kv_cache_dtype": a.kv_cache_dtype, "machine": {"cpus": torch.get_num_threads(),
                                                                  "processor": platform.processor()},
                  "workload": {"requests": len(work), "prompt_tokens": sum(len(p) for p, _ in work),
                               "output_tokens": sum(o for _, o in work), "seed": a.seed}}

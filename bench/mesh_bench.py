@@ -123,10 +123,11 @@ def main(argv: list[str] | None = None) -> int:
 
     res: dict = {"command": "meshserve bench-mesh " + " ".join(argv if argv is not None else sys.argv[1:]),
                  "model": a.model, "dtype": a.dtype, "quantization": a.quantization,
-                 "mesh": {"prefill": a.prefill, "decode": a.decode}}
+                 "kv_cache_dtype": a.kv_cache_dtype, "mesh": {"prefill": a.prefill, "decode": a.decode}}
     port, nats_port = _port(), _port()
     cmd = [sys.executable, "-m", "meshserve.cli.main", "up", "--model", a.model, "--dtype", a.dtype,
-           "--port", str(port), "--nats-port", str(nats_port), "--prefill", str(a.prefill), "--decode", str(a.decode)] + a.up_args.split()
+           "--port", str(port), "--nats-port", str(nats_port), "--prefill", str(a.prefill), "--decode", str(a.decode),
+           "--kv-cache-dtype", a.kv_cache_dtype] + a.up_args.split()  # the engine half: the same KV dtype
     credentials = Path(tempfile.mkdtemp(prefix="meshserve-bench-creds-"))  # the admin user asks for worker stats
     cmd += ["--nats-credentials", str(credentials)]
     if a.quantization:
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         except subprocess.TimeoutExpired:  # never hide the error that brought us here
             up.kill()
     if not a.skip_engine:
-        llm = LLM(a.model, a.dtype, quantization=a.quantization)
+        llm = LLM(a.model, a.dtype, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype)
         t_cpu = time.process_time()
         res["meshserve_engine"] = engine_mixed(llm, work)
         res["meshserve_engine"]["cpu_ms_per_token"] = (1000 * (time.process_time() - t_cpu)

@@ -20,7 +20,8 @@ torch path is again the fallback (no CuPy, MESHSERVE_DISABLE_CUDA_KERNELS=1).
 An int8 arena (`--kv-cache-dtype int8`, shared/kv_layout.py) holds each (slot, KV head) row as
 head_dim int8 values and their float32 scale in the row's last 4 bytes: `write_kv` quantizes
 (`quantize_kv`: symmetric, scale = max|row| / 127, per token and head), and every read
-dequantizes (`dequantize_kv` here; the CPU kernel in its registers). Per token rather than per
+dequantizes (`dequantize_kv` here; the CPU decode kernel in its registers, and for a prefill
+chunk's SDPA the CPU kernel's `dequantize_slots`, in one pass over the gathered rows). Per token rather than per
 block: a block fills one token at a time, and a block-wide scale would have to be fixed before
 its later tokens are known (or the block requantized as they come); a token's own scale costs 4
 bytes per head (6% at head_dim 64) and makes a row's bytes depend on that row alone, so prefill
@@ -134,8 +135,14 @@ def write_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: t
 
 def _read(kv: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """K and V of `slots` [T], [2, T, kv_heads, head_dim] in `dtype`."""
-    rows = kv.index_select(1, slots)
-    return dequantize_kv(rows, dtype) if kv.dtype == torch.int8 else rows
+    if kv.dtype != torch.int8:
+        return kv.index_select(1, slots)
+    kernel = decode_kernel(kv)
+    if kernel is not None and dtype in (torch.float32, torch.bfloat16):
+        out = torch.empty(2, slots.shape[0], kv.shape[2], kv.shape[3] - SCALE_BYTES, dtype=dtype)
+        kernel.dequantize_slots(out, kv, slots)  # dequantize_kv of the gathered rows, in one pass
+        return out
+    return dequantize_kv(kv.index_select(1, slots), dtype)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,

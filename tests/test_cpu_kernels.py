@@ -62,7 +62,7 @@ def run_kernel(kernel, q, kv, table, ctx, block_size, scale):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("group", [1, 3, 4])
-@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("block_size", [8, 16, 24])  # 24: 16 key rows per reduction, then 8
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_kernel_matches_reference(kernel, dtype, group, block_size, batch):
     hkv, d = (3, 64) if group == 3 else (2, 64)

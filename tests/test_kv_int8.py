@@ -45,15 +45,33 @@ def test_rows_hold_values_and_their_scale():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("d,group", [(64, 3), (64, 1), (16, 4), (128, 2), (40, 2)])  # 40: the plain loops
-def test_kernel_reads_int8_as_the_reference_does(kernel, dtype, d, group):  # noqa: F811
+@pytest.mark.parametrize("d,group,bs", [(64, 3, 16), (64, 1, 16), (16, 4, 16), (128, 2, 16), (40, 2, 16),
+                                        (64, 3, 8), (64, 3, 24), (32, 2, 48)])  # 40: the plain loops
+def test_kernel_reads_int8_as_the_reference_does(kernel, dtype, d, group, bs):  # noqa: F811
+    """Block sizes other than the kernel's 16 key rows per reduction: 8 (part of one), 24 and 48
+    (a block in two or three, the last part short)."""
     lens = [1, 15, 16, 17, 1000, 33]
-    q, kvf, table, ctx = make_case(lens, 2 if group != 3 else 3, group, d, 16, torch.float32, seed=d + group)
+    q, kvf, table, ctx = make_case(lens, 2 if group != 3 else 3, group, d, bs, torch.float32, seed=d + group + bs)
     kv, q = quantize_kv(kvf), q.to(dtype)
-    want = reference(q, kv, table, ctx, 16, d ** -0.5)
-    got = run_kernel(kernel, q, kv, table, ctx, 16, d ** -0.5)
+    want = reference(q, kv, table, ctx, bs, d ** -0.5)
+    got = run_kernel(kernel, q, kv, table, ctx, bs, d ** -0.5)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("d", [64, 40])  # 40: 16 at a time, then the plain loop's 8
+def test_kernel_dequantizes_slots_as_the_reference_does(kernel, dtype, d):  # noqa: F811
+    """What prefill chunks attend over: the gathered rows, dequantized, bit for bit."""
+    g = torch.Generator().manual_seed(d)
+    kv = quantize_kv(torch.randn(2, 300, 3, d, generator=g) * torch.rand(2, 300, 3, 1, generator=g))
+    for n in (5, 290):  # one thread, then several
+        slots = torch.randint(0, 300, (n,), generator=g)
+        out = torch.empty(2, n, 3, d, dtype=dtype)
+        kernel.dequantize_slots(out, kv, slots)
+        assert torch.equal(out, dequantize_kv(kv.index_select(1, slots), dtype))
+    with pytest.raises(RuntimeError, match="outside the arena"):
+        kernel.dequantize_slots(torch.empty(2, 1, 3, d, dtype=dtype), kv, torch.tensor([300]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

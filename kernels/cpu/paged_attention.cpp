@@ -15,13 +15,17 @@
 // Work is split over (sequence, KV head); each task handles the G = Hq / Hkv query heads of its KV
 // head together, so every key row is read once, and every value row once per sweep of up to 8/4/2
 // query heads (head_dim 16-32/64/128, their accumulators held in registers; G <= 4 at head_dim 64,
-// e.g. SmolLM2's G = 3, is a single sweep). Scores go to a per-thread buffer
+// e.g. SmolLM2's G = 3, is a single sweep). On AVX-512 the scores are taken 16 key rows at a time:
+// the rows widened once into an L1 buffer, then each query head's 16 dot products summed by one
+// transposing tree (sum_rows16) rather than 16 horizontal sums. Scores go to a per-thread buffer
 // (G x context_len floats), then a max-subtracted softmax, then the weighted sum of the values;
 // everything accumulates in float32. With head_dim in {16, 32, 64, 128} the inner loops are
 // explicit intrinsics (AVX-512, else AVX2); any other shape or machine takes the plain
 // (auto-vectorized) loops.
 // An int8 arena is read as int8 and widened in registers; a row's scale multiplies its score (keys)
 // or its softmax weight (values), never the D elements: dequantizing costs one multiply per row.
+// (The int8 path ran on the AVX2 loops before; the AVX-512 one is 1.5-2.2x faster on SmolLM2's
+// shapes, while bf16 and fp32 rows, bound by memory, stay within a few percent of what they were.)
 
 #include "paged_attention.h"
 
@@ -163,6 +167,54 @@ void write_kv_int8(at::Tensor kv, at::Tensor k, at::Tensor v, at::Tensor slot_ma
   }
 }
 
+// Keys and values of `slots` out of an int8 arena, dequantized: out[p][t] = kv[p][slots[t]]'s
+// values times their row's scale, computed in float32 and rounded once into out's dtype (bit for
+// bit kernels/paged_attention.py dequantize_kv). A prefill chunk's attention (torch's SDPA) reads
+// these; one pass instead of a gather and four torch operations over the rows.
+void dequantize_slots(at::Tensor out, at::Tensor kv, at::Tensor slots) {
+  TORCH_CHECK(out.device().is_cpu() && kv.device().is_cpu() && slots.device().is_cpu(),
+              "dequantize_slots: all tensors must be on the CPU");
+  TORCH_CHECK(kv.scalar_type() == at::kChar && kv.dim() == 4 && kv.size(0) == 2 && kv.is_contiguous(),
+              "kv must be a contiguous int8 [2, num_slots, Hkv, D + 4]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
+              "slots must be a contiguous int64 [T]");
+  const int64_t T = slots.size(0), S = kv.size(1), H = kv.size(2), R = kv.size(3), D = R - kScaleBytes;
+  TORCH_CHECK(D > 0 && out.is_contiguous() && out.dim() == 4 && out.size(0) == 2 && out.size(1) == T &&
+                  out.size(2) == H && out.size(3) == D,
+              "out must be a contiguous [2, ", T, ", ", H, ", ", D, "]");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sl[t] >= 0 && sl[t] < S, "slots[", t, "] = ", sl[t], " is outside the arena");
+  const int8_t* base = kv.data_ptr<int8_t>();
+  auto run = [&](auto* dst) {
+    using T_ = std::remove_pointer_t<decltype(dst)>;
+    const int64_t rows = 2 * T * H;  // (plane, token, head), in out's order
+    const int threads = rows * D < (int64_t(1) << 16) ? 1 : at::get_num_threads();
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t p = r / (T * H), t = (r / H) % T, h = r % H;
+      const int8_t* row = base + ((p * S + sl[t]) * H + h) * R;
+      const float sc = row_scale(row, D);
+      T_* o = dst + r * D;
+      int64_t i = 0;
+#if MESHSERVE_AVX512
+      const __m512 vs = _mm512_set1_ps(sc);
+      for (; i + 16 <= D; i += 16) {
+        const __m512 x = _mm512_mul_ps(load16(row + i), vs);
+        if constexpr (std::is_same<T_, float>::value) _mm512_storeu_ps(o + i, x);
+        else vec_math::store16(o + i, x);
+      }
+#endif
+      for (; i < D; ++i) from_float(static_cast<float>(row[i]) * sc, o + i);
+    }
+  };
+  switch (out.scalar_type()) {
+    case at::kFloat: run(out.data_ptr<float>()); break;
+    case at::kBFloat16: run(reinterpret_cast<bf16*>(out.data_ptr())); break;
+    default: TORCH_CHECK(false, "dequantize_slots: unsupported dtype ", out.scalar_type());
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_int8", &write_kv_int8, "Quantizes new K/V rows into an int8 paged arena (CPU)", py::arg("kv"),
         py::arg("k"), py::arg("v"), py::arg("slot_mapping"));
@@ -170,4 +222,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Decode attention over a paged KV cache, reading K/V through the block tables (CPU)",
         py::arg("out"), py::arg("q"), py::arg("kv"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("block_size"), py::arg("scale"));
+  m.def("dequantize_slots", &dequantize_slots, "K/V rows of the given slots out of an int8 arena, dequantized (CPU)",
+        py::arg("out"), py::arg("kv"), py::arg("slots"));
 }

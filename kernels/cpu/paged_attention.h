@@ -129,6 +129,10 @@ void attend_generic(const Args& a, int64_t b, int64_t kh, float* s, float* qf, f
 #if MESHSERVE_AVX512
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+// 16 int8 values widened to float32 (the row's scale is applied per row, not per value).
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 using vec_math::exp16;
 using vec_math::load16;
 
@@ -157,22 +161,45 @@ inline float softmax_numerators(float* s, int64_t n) {
   return _mm512_reduce_add_ps(vs);
 }
 
-template <typename T, int64_t D>
-inline void prefetch_row(const T* p) {
+// Lane o of the result is the sum of r[o]'s 16 lanes. A transposing tree (pairs of rows share
+// each shuffle and add): 46 instructions for 16 rows, where a horizontal sum per row costs about 8
+// each, all on the shuffle port, in a serial chain.
+inline __m512 sum_rows16(const __m512* r) {
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i)  // 128-bit lanes: row 2i's 8 partial sums in lanes 0-1, row 2i+1's in 2-3
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int j = 0; j < 4; ++j)  // lane L: row 4j + L's 4 partial sums
+    u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int k = 0; k < 2; ++k)  // lane L: two partial sums each of rows 8k + L and 8k + 4 + L
+    w[k] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // element 4L + m: row 4m + L; then put row o at element o.
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, z);
+}
+
+template <typename KV>
+inline void prefetch_row(const KV* p, int64_t elems) {
   const char* c = reinterpret_cast<const char*>(p);
-#pragma GCC unroll 8
-  for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+  for (int64_t off = 0; off < elems * static_cast<int64_t>(sizeof(KV)); off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 }
 
 // Query heads handled per sweep over the values: accumulators stay in registers.
 template <int DV>
 constexpr int heads_per_sweep() { return DV >= 8 ? 2 : (DV >= 4 ? 4 : 8); }
 
-template <typename T, int DV>
+// T: q/out dtype; KV: the arena's (T, or int8 rows whose scale multiplies the row's score or
+// softmax weight).
+template <typename T, typename KV, int DV>
 void attend_avx512(const Args& a, int64_t b, int64_t kh, float* s, float* qf, float* /*acc*/, float* inv) {
   constexpr int64_t D = 16 * DV;
+  constexpr bool kScaled = std::is_same<KV, int8_t>::value;
   constexpr int GC = heads_per_sweep<DV>();
-  const int64_t G = a.G, bs = a.block_size;
+  const int64_t G = a.G, bs = a.block_size, R = a.R;
   const int64_t ctx = a.context_lens[b];
   const T* qb = static_cast<const T*>(a.q) + b * a.q_stride_b + kh * G * a.q_stride_h;
   T* ob = static_cast<T*>(a.out) + b * a.o_stride_b + kh * G * a.o_stride_h;
@@ -186,30 +213,50 @@ void attend_avx512(const Args& a, int64_t b, int64_t kh, float* s, float* qf, fl
     for (int j = 0; j < DV; ++j)
       _mm512_storeu_ps(qf + g * D + 16 * j, _mm512_mul_ps(load16(qb + g * a.q_stride_h + 16 * j), vscale));
 
-  const int64_t ts = a.Hkv * D;
-  const T* kbase = static_cast<const T*>(a.kv) + kh * D;
-  const T* vbase = kbase + a.num_slots * ts;
+  const int64_t ts = a.Hkv * R;
+  const KV* kbase = static_cast<const KV*>(a.kv) + kh * R;
+  const KV* vbase = kbase + a.num_slots * ts;
   const int64_t* table = a.block_tables + b * a.max_blocks;
   const int64_t nblocks = (ctx + bs - 1) / bs;
 
-  // Pass 1: scores, one key row in registers against the G query heads.
+  // Pass 1: scores, 16 key rows at a time: widened once into kf (L1), then each query head's 16
+  // dot products reduced together.
+  alignas(64) float kf[16 * D];
+  alignas(64) float ks[16];
   for (int64_t blk = 0; blk < nblocks; ++blk) {
     const int64_t t0 = blk * bs;
     const int64_t n = std::min(bs, ctx - t0);
-    const T* kp = kbase + table[blk] * bs * ts;
-    const T* kn = blk + 1 < nblocks ? kbase + table[blk + 1] * bs * ts : nullptr;
-    for (int64_t o = 0; o < n; ++o) {
-      const T* kr = kp + o * ts;
-      if (kn) prefetch_row<T, D>(kn + o * ts);  // one block ahead: the next block is elsewhere
-      __m512 k[DV];
+    const KV* kp = kbase + table[blk] * bs * ts;
+    const KV* kn = blk + 1 < nblocks ? kbase + table[blk + 1] * bs * ts : nullptr;
+    for (int64_t o0 = 0; o0 < n; o0 += 16) {
+      const int m = static_cast<int>(std::min<int64_t>(16, n - o0));
+      for (int i = 0; i < m; ++i) {
+        const KV* kr = kp + (o0 + i) * ts;
+        if (kn) prefetch_row(kn + (o0 + i) * ts, R);  // one block ahead: the next block is elsewhere
 #pragma GCC unroll 8
-      for (int j = 0; j < DV; ++j) k[j] = load16(kr + 16 * j);
+        for (int j = 0; j < DV; ++j) _mm512_store_ps(kf + i * D + 16 * j, load16(kr + 16 * j));
+        if (kScaled) ks[i] = row_scale(kr, D);
+      }
+      const __mmask16 valid = static_cast<__mmask16>((1u << m) - 1);
       for (int64_t g = 0; g < G; ++g) {
-        const float* qg = qf + g * D;
-        __m512 d0 = _mm512_mul_ps(_mm512_loadu_ps(qg), k[0]);
+        __m512 q[DV];
 #pragma GCC unroll 8
-        for (int j = 1; j < DV; ++j) d0 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * j), k[j], d0);
-        s[g * ctx + t0 + o] = _mm512_reduce_add_ps(d0);
+        for (int j = 0; j < DV; ++j) q[j] = _mm512_loadu_ps(qf + g * D + 16 * j);
+        __m512 r[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) {
+          if (i < m) {
+            __m512 d0 = _mm512_mul_ps(q[0], _mm512_load_ps(kf + i * D));
+#pragma GCC unroll 8
+            for (int j = 1; j < DV; ++j) d0 = _mm512_fmadd_ps(q[j], _mm512_load_ps(kf + i * D + 16 * j), d0);
+            r[i] = d0;
+          } else {
+            r[i] = _mm512_setzero_ps();
+          }
+        }
+        __m512 sc = sum_rows16(r);
+        if (kScaled) sc = _mm512_mul_ps(sc, _mm512_maskz_load_ps(valid, ks));
+        _mm512_mask_storeu_ps(s + g * ctx + t0 + o0, valid, sc);
       }
     }
   }
@@ -226,19 +273,20 @@ void attend_avx512(const Args& a, int64_t b, int64_t kh, float* s, float* qf, fl
     for (int64_t blk = 0; blk < nblocks; ++blk) {
       const int64_t t0 = blk * bs;
       const int64_t n = std::min(bs, ctx - t0);
-      const T* vp = vbase + table[blk] * bs * ts;
-      const T* vn = blk + 1 < nblocks ? vbase + table[blk + 1] * bs * ts : nullptr;
+      const KV* vp = vbase + table[blk] * bs * ts;
+      const KV* vn = blk + 1 < nblocks ? vbase + table[blk + 1] * bs * ts : nullptr;
       const float* sp = s + g0 * ctx + t0;
       for (int64_t o = 0; o < n; ++o) {
-        const T* vr = vp + o * ts;
-        if (vn) prefetch_row<T, D>(vn + o * ts);
+        const KV* vr = vp + o * ts;
+        if (vn && g0 == 0) prefetch_row(vn + o * ts, R);
+        const float vs = kScaled ? row_scale(vr, D) : 1.f;
         __m512 v[DV];
 #pragma GCC unroll 8
         for (int j = 0; j < DV; ++j) v[j] = load16(vr + 16 * j);
 #pragma GCC unroll 8
         for (int gi = 0; gi < GC; ++gi) {
           if (gi < gn) {
-            const __m512 p = _mm512_set1_ps(sp[gi * ctx + o]);
+            const __m512 p = _mm512_set1_ps(kScaled ? sp[gi * ctx + o] * vs : sp[gi * ctx + o]);
 #pragma GCC unroll 8
             for (int j = 0; j < DV; ++j) ac[gi][j] = _mm512_fmadd_ps(p, v[j], ac[gi][j]);
           }
@@ -263,8 +311,7 @@ void attend_avx512(const Args& a, int64_t b, int64_t kh, float* s, float* qf, fl
 #endif  // MESHSERVE_AVX512
 
 // ------------------------------------------------------------------------------------------------
-// AVX2 (head_dim = 8 * DV): int8 rows (also taken on AVX-512 machines), and bf16 / fp32 rows on
-// machines without AVX-512. Each row is widened to float32 in registers (int8: 8 values per
+// AVX2 (head_dim = 8 * DV): machines without AVX-512 (bf16, fp32 or int8 rows). Each row is widened to float32 in registers (int8: 8 values per
 // vpmovsxbd + vcvtdq2ps, its scale applied once per row; bf16: a 16-bit shift), the softmax's
 // exponentials 8 at a time.
 // ------------------------------------------------------------------------------------------------
@@ -432,17 +479,16 @@ AttendFn pick_avx2(int64_t D) {
 
 template <typename T, typename KV>
 AttendFn pick(int64_t D) {
-  if (!std::is_same<T, KV>::value) return pick_avx2<T, KV>(D);  // int8 rows
 #if MESHSERVE_AVX512
   switch (D) {
-    case 16: return attend_avx512<T, 1>;
-    case 32: return attend_avx512<T, 2>;
-    case 64: return attend_avx512<T, 4>;
-    case 128: return attend_avx512<T, 8>;
+    case 16: return attend_avx512<T, KV, 1>;
+    case 32: return attend_avx512<T, KV, 2>;
+    case 64: return attend_avx512<T, KV, 4>;
+    case 128: return attend_avx512<T, KV, 8>;
     default: break;
   }
 #endif
-  return pick_avx2<T, T>(D);  // AVX2 without AVX-512, else the plain loops
+  return pick_avx2<T, KV>(D);  // AVX2 without AVX-512, else the plain loops
 }
 
 // Writes this step's keys and values into an int8 arena, quantizing each (token, head) row as
