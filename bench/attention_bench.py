@@ -2,7 +2,8 @@
 CPU kernel, on the same arena and block tables.
 
     python -m meshserve.bench.attention_bench [--batch 48] [--context 1000] [--kv-heads 3]
-        [--q-heads 9] [--head-dim 64] [--block-size 16] [--dtype bfloat16] [--repeat 20]
+        [--q-heads 9] [--head-dim 64] [--block-size 16] [--dtype bfloat16] [--kv-cache-dtype int8]
+        [--repeat 20]
 
 Defaults are SmolLM2-135M at 48 sequences of ~1000 tokens (lengths spread +-5%, blocks shuffled
 through the arena). Prints JSON: median milliseconds per layer of each path, the per-step cost of
@@ -19,7 +20,7 @@ import time
 import torch
 
 from meshserve.kernels import cpu_build
-from meshserve.kernels.paged_attention import AttentionMetadata, decode_slots_and_mask, paged_attention
+from meshserve.kernels.paged_attention import AttentionMetadata, decode_slots_and_mask, paged_attention, quantize_kv
 
 
 def median_ms(fn, repeat: int) -> float:
@@ -62,6 +63,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                    help="int8: the arena quantized as --kv-cache-dtype int8 stores it")
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     args = ap.parse_args(argv)
@@ -71,6 +74,8 @@ def main(argv: list[str] | None = None) -> dict:
     b, hkv, hq, d, bs = args.batch, args.kv_heads, args.q_heads, args.head_dim, args.block_size
 
     q, kv, table, ctx, bs = attention_case("cpu", b, args.context, dtype, hkv, hq, d, bs)
+    if args.kv_cache_dtype == "int8":
+        kv = quantize_kv(kv)
     scale = d ** -0.5
     empty = torch.empty(0, dtype=torch.long)
 
@@ -79,9 +84,10 @@ def main(argv: list[str] | None = None) -> dict:
     with torch.inference_mode():
         result = {
             "shape": {"batch": b, "context_mean": float(ctx.float().mean()), "kv_heads": hkv, "q_heads": hq,
-                      "head_dim": d, "block_size": bs, "dtype": args.dtype},
+                      "head_dim": d, "block_size": bs, "dtype": args.dtype,
+                      "kv_cache_dtype": args.kv_cache_dtype},
             "threads": torch.get_num_threads(),
-            "kv_bytes_read_MB": round(int(ctx.sum()) * 2 * hkv * d * kv.element_size() / 1e6, 1),
+            "kv_bytes_read_MB": round(int(ctx.sum()) * 2 * hkv * kv.shape[-1] * kv.element_size() / 1e6, 1),
             "reference_ms": median_ms(lambda: paged_attention(q, None, None, kv, ref_meta, scale), args.repeat),
             "reference_min_ms": round(median_ms.last_min, 3),
             "reference_slots_mask_per_step_ms": median_ms(lambda: decode_slots_and_mask(table, ctx, bs),
@@ -98,6 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
                                      decode_context_lens=ctx, block_size=bs)
             result["kernel_ms"] = median_ms(lambda: paged_attention(q, None, None, kv, meta, scale), args.repeat)
             result["kernel_min_ms"] = round(median_ms.last_min, 3)
+            result["kernel_GB_per_s"] = round(result["kv_bytes_read_MB"] / result["kernel_ms"], 2)
             got = paged_attention(q, None, None, kv, meta, scale)
             result["max_abs_diff"] = float((got.float() - want.float()).abs().max())
             result["speedup_median"] = round(result["reference_ms"] / result["kernel_ms"], 1)
