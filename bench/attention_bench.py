@@ -21,6 +21,7 @@ import torch
 
 from meshserve.kernels import cpu_build
 from meshserve.kernels.paged_attention import AttentionMetadata, decode_slots_and_mask, paged_attention, quantize_kv
+from meshserve.shared.kv_layout import KV_CACHE_DTYPES
 
 
 def median_ms(fn, repeat: int) -> float:
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                     help="int8: the arena quantized as --kv-cache-dtype int8 stores it")
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")

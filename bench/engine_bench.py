@@ -25,6 +25,7 @@ from meshserve.bench.report import emit_json
 from meshserve.cli.errors import ArgumentParser
 from meshserve.shared.engine.llm import DTYPES, LLM
 from meshserve.shared.engine.sequence import SamplingParams
+from meshserve.shared.kv_layout import KV_CACHE_DTYPES
 from meshserve.shared.model.config import QUANTIZATIONS
 from meshserve.shared.models_repo import DEFAULT_MODEL, resolve
 
@@ -131,7 +132,7 @@ def add_workload_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                     help="meshserve's weights (Transformers always runs the source weights)")
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                     help="meshserve's KV cache (auto: the model's dtype)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-requests", type=int, default=64)

@@ -126,6 +126,15 @@ void attend_generic(const Args& a, int64_t b, int64_t kh, float* s, float* qf, f
 // AVX-512: head_dim = 16 * DV, rows held in registers.
 // ------------------------------------------------------------------------------------------------
 
+#if MESHSERVE_AVX512 || MESHSERVE_AVX2
+// Asks for a kv row of `elems` elements one block ahead (the next block lies elsewhere in the arena).
+template <typename KV>
+inline void prefetch_row(const KV* p, int64_t elems) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < elems * static_cast<int64_t>(sizeof(KV)); off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+}
+#endif
+
 #if MESHSERVE_AVX512
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -180,12 +189,6 @@ inline __m512 sum_rows16(const __m512* r) {
                                  _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return _mm512_permutexvar_ps(order, z);
-}
-
-template <typename KV>
-inline void prefetch_row(const KV* p, int64_t elems) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < elems * static_cast<int64_t>(sizeof(KV)); off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 }
 
 // Query heads handled per sweep over the values: accumulators stay in registers.
@@ -362,12 +365,6 @@ inline float softmax_numerators8(float* s, int64_t n) {
   return sum;
 }
 
-template <typename KV>
-inline void prefetch_kv_row(const KV* p, int64_t elems) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < elems * static_cast<int64_t>(sizeof(KV)); off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
-}
-
 template <typename T, typename KV, int DV>
 void attend_avx2(const Args& a, int64_t b, int64_t kh, float* s, float* qf, float* /*acc*/, float* inv) {
   constexpr int64_t D = 8 * DV;
@@ -399,7 +396,7 @@ void attend_avx2(const Args& a, int64_t b, int64_t kh, float* s, float* qf, floa
     const KV* kn = blk + 1 < nblocks ? kbase + table[blk + 1] * bs * ts : nullptr;
     for (int64_t o = 0; o < n; ++o) {
       const KV* kr = kp + o * ts;
-      if (kn) prefetch_kv_row(kn + o * ts, R);  // one block ahead: the next block is elsewhere
+      if (kn) prefetch_row(kn + o * ts, R);  // one block ahead: the next block is elsewhere
       __m256 k[DV];
 #pragma GCC unroll 16
       for (int j = 0; j < DV; ++j) k[j] = load8(kr + 8 * j);
@@ -431,7 +428,7 @@ void attend_avx2(const Args& a, int64_t b, int64_t kh, float* s, float* qf, floa
       const float* sp = s + g0 * ctx + t0;
       for (int64_t o = 0; o < n; ++o) {
         const KV* vr = vp + o * ts;
-        if (vn && g0 == 0) prefetch_kv_row(vn + o * ts, R);
+        if (vn && g0 == 0) prefetch_row(vn + o * ts, R);
         const float vs = row_scale(vr, D);
         __m256 p[GC];
 #pragma GCC unroll 16
