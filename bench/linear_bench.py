@@ -2,7 +2,8 @@
 plain weight and oneDNN's packed GEMM (a private re-laid-out copy), on SmolLM2-135M's shapes; and
 what a bf16 model on this machine picks by row count (kernels/cpu_build.amx_gemm): the kernel, or
 the GEMM with the weight copied back to plain (`gemm_relayout_ms`) on a CPU with AMX. The same for
-int8 weights: kernels/cpu/int8_linear.cpp against the GEMM on the weight dequantized per call.
+int8 weights: kernels/cpu/int8_linear.cpp against the GEMM on the weight dequantized per call
+(and, on a CPU with AVX-512 VNNI, against its own AVX2 tiles).
 
     python -m meshserve.bench.linear_bench [--rows 1,4,16,64,192,512] [--json OUT]
 
@@ -59,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
                    "path": "amx-gemm" if cpu_build.amx_gemm(m) else "kernel"}
             if q8.kernel is not None:
                 row["int8_kernel_ms"] = _ms(lambda: q8.kernel.linear_int8(out, x, q8.blocked, q8.scale, None), reps)
+                if q8.kernel.uses_vnni():  # the AVX2 tiles it would run without VNNI, beside
+                    q8.kernel.set_vnni(False)
+                    row["int8_avx2_ms"] = _ms(lambda: q8.kernel.linear_int8(out, x, q8.blocked, q8.scale, None), reps)
+                    q8.kernel.set_vnni(True)
                 row["int8_gemm_ms"] = _ms(lambda: F.linear(x, q8.weight(torch.bfloat16)), reps)
             row["blocked_vs_packed"] = row["blocked_ms"] / row["onednn_packed_ms"]
             lin.kernel.linear_bf16(out, x, lin.blocked, None)
@@ -67,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:8s} {m:4d} rows: blocked {row['blocked_ms']:8.3f} ms  GEMM+relayout {row['gemm_relayout_ms']:8.3f}"
                   f"  F.linear {row['f_linear_ms']:8.3f}  oneDNN packed {row['onednn_packed_ms']:8.3f}"
                   + (f"  int8 kernel {row['int8_kernel_ms']:8.3f}  int8 GEMM {row['int8_gemm_ms']:8.3f}"
-                     if "int8_kernel_ms" in row else "") + f"  [{row['path']}]", file=sys.stderr)
+                     if "int8_kernel_ms" in row else "")
+                  + (f"  int8 AVX2 {row['int8_avx2_ms']:8.3f}" if "int8_avx2_ms" in row else "")
+                  + f"  [{row['path']}]", file=sys.stderr)
     res = {"command": "python -m meshserve.bench.linear_bench " + " ".join(argv or sys.argv[1:]),
            "threads": torch.get_num_threads(), "amx_gemm_min_rows": cpu_build.amx_gemm_min_rows(), "results": rows}
     emit_json(res, a.json)

@@ -51,13 +51,11 @@ def disabled() -> bool:
 # From this many rows on, torch's GEMM on AMX tiles (oneDNN) computes a bf16 projection faster than
 # the AVX-512 kernels here: a prefill chunk or a decode step of 16+ sequences, not batch-1 decode
 # (measured with `python -m meshserve.bench.linear_bench`: at 4 rows the kernel is 1.4-2.3x faster,
-# at 16 the GEMM 1.3-2.1x). int8 weights are dequantized for it on every call (no second copy), by
-# the int8 kernel in one pass: from 32 rows that pays (dequantize + GEMM 1.4 ms a SmolLM2 layer
-# there; with four torch operations it was 13.8, and 256 rows before). docs/quantization.md, "AMX".
-# MESHSERVE_AMX_GEMM_MIN_ROWS overrides the first (the second stays twice it); 0 never hands a
+# at 16 the GEMM 1.3-2.1x). int8 weights are dequantized for it on every call (no second copy), so
+# they go to it from a multiple of this (kernels/int8_linear.py says which).
+# MESHSERVE_AMX_GEMM_MIN_ROWS overrides it (the int8 threshold keeps its multiple); 0 never hands a
 # projection to the GEMM.
 AMX_GEMM_MIN_ROWS = 16
-AMX_DEQUANTIZE_FACTOR = 2
 
 
 @functools.cache
@@ -71,10 +69,10 @@ def amx_gemm_min_rows() -> int:
     return n if n > 0 and amx() else 0
 
 
-def amx_gemm(rows: int, dequantize: bool = False) -> bool:
-    """Whether a bf16 projection of `rows` input rows goes to torch's GEMM on AMX tiles (int8
-    weights, dequantized per call: `dequantize`)."""
-    n = amx_gemm_min_rows() * (AMX_DEQUANTIZE_FACTOR if dequantize else 1)
+def amx_gemm(rows: int, factor: float = 1) -> bool:
+    """Whether a bf16 projection of `rows` input rows goes to torch's GEMM on AMX tiles (from
+    `factor` times the threshold: int8 weights, dequantized per call)."""
+    n = amx_gemm_min_rows() * factor
     return 0 < n <= rows
 
 

@@ -3,8 +3,9 @@ per output channel (symmetric, round to nearest, |q| <= 127).
 
 Quantized once at load (`quantize_weights`, from the source's own precision: bf16, fp32 or a
 dequantized GGUF), half the bytes of bf16 per token. bf16 on a CPU with AVX2: kernels/cpu/
-int8_linear.cpp, from the weight in its blocked layout (`to_blocked`) that the model loader writes
-into the node's shared memory (one copy per node). Everything else (fp32 models, CUDA, other
+int8_linear.cpp (AVX-512 VNNI tiles where the CPU has them), from the weight in its blocked
+layout (`to_blocked`) that the model loader writes into the node's shared memory (one copy per
+node). Everything else (fp32 models, CUDA, other
 CPUs, the kernels disabled): the reference, F.linear on the dequantized weight, which is also the
 kernel's oracle and what Transformers runs when given the dequantized weights. Per-group scales
 were measured and not kept: on SmolLM2-135M groups of 32 or 64 were no closer to bf16 than
@@ -19,6 +20,12 @@ import torch.nn.functional as F
 from . import cpu_build
 
 BLOCK_N = 16  # output columns per block of the layout
+# A many-row bf16 step on a CPU with AMX hands int8 projections to torch's GEMM on the weight
+# dequantized per call (by the kernel, one pass) from this many times cpu_build's bf16 threshold:
+# where that beats the kernel's own tiles (linear_bench on SmolLM2's shapes: from 32 rows against
+# the AVX2 tiles, 48-64 against the AVX-512 VNNI ones).
+GEMM_FACTOR_AVX2 = 2
+GEMM_FACTOR_VNNI = 3.5
 INT8 = "@int8"  # a weights dict holds a projection's int8 weight [N, K] under its name + this suffix,
 BLOCKED = "@int8n16k2"  # or its blocked form [N/16, K/2, 16, 2] (the CPU kernel's) under this one,
 SCALE = "@scale"  # and its fp32 scales [N] under this one
@@ -99,6 +106,11 @@ class Int8Linear:
         return cls(weights[name + SCALE], weights.get(name + INT8), weights.get(name + BLOCKED),
                    weights.get(bias) if bias else None)
 
+    def gemm(self, rows: int) -> bool:
+        """Whether a bf16 step of `rows` rows runs this projection as torch's GEMM on AMX tiles."""
+        vnni = self.kernel is not None and self.kernel.uses_vnni()
+        return cpu_build.amx_gemm(rows, GEMM_FACTOR_VNNI if vnni else GEMM_FACTOR_AVX2)
+
     def weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dequantized weight [N, K] (the reference computes with it; a many-row bf16 step on
         AMX tiles takes it from the kernel, one pass, the same bits)."""
@@ -118,7 +130,7 @@ class Int8Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocked is not None and x.dtype == torch.bfloat16:
-            if cpu_build.amx_gemm(x.shape[0], dequantize=True):  # a prefill chunk or a big decode step, on AMX tiles
+            if self.gemm(x.shape[0]):  # a prefill chunk or a big decode step, on AMX tiles
                 return F.linear(x, self.weight(x.dtype), self.bias)
             x = x.contiguous()
             out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)

@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from oracle import hf_greedy
 
-from meshserve.kernels import cpu_build
 from meshserve.kernels import int8_linear as il
 from meshserve.shared.engine.llm_engine import EngineConfig, LLMEngine
 from meshserve.shared.engine.scheduler import SchedulerConfig
@@ -49,7 +48,7 @@ def test_kernel_matches_dequantized_reference(n, k, bias, projection_path):
         x[0, 0] = 8.0  # one large input: the row's scale is set by it
         got = fast(x).float()
         want = F.linear(x.float(), ref.weight(), None if b is None else b.float())
-        if not cpu_build.amx_gemm(m, dequantize=True):  # the kernel
+        if not fast.gemm(m):  # the kernel
             # The input row's int16 rounding (half a level each) and the bf16 output's rounding, no more.
             bound = (ref.weight().abs().sum(1) * x.float().abs().amax(1, keepdim=True) / (2 * levels)
                      + want.abs() * 2 ** -8 + 1e-6)
@@ -58,6 +57,33 @@ def test_kernel_matches_dequantized_reference(n, k, bias, projection_path):
             assert torch.equal(got.bfloat16(), F.linear(x, ref.weight(torch.bfloat16), b))
             bound = x.float().abs() @ ref.weight().abs().T * 2 ** -8 + want.abs() * 2 ** -7 + 1e-6
         assert ((got - want).abs() <= bound).all(), (m, (got - want).abs().max())
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (48, 34)])
+def test_vnni_tiles_give_the_avx2_tiles_bits(n, k):
+    """On a CPU with AVX-512 VNNI the kernel runs 16-column vpdpwssd tiles; their integer sums and
+    epilogue are the AVX2 tiles', so each row comes out bit for bit the same at every row count
+    (the AVX2 tiles' own row tiling: 6, and widened blocks from 13 rows)."""
+    kern = il.kernel()
+    if not kern.uses_vnni():
+        pytest.skip("no AVX-512 VNNI on this CPU")
+    g = torch.Generator().manual_seed(n - k)
+    q, s = il.quantize(torch.randn(n, k, generator=g) * 0.05)
+    blocked, b = il.to_blocked(q), (torch.randn(n, generator=g) * 0.1).bfloat16()
+    try:
+        for m in (1, 5, 6, 12, 13, 16, 17, 40):
+            x = torch.randn(m, k, generator=g).bfloat16()
+            x[-1, -1] = -9.0
+            for bias in (None, b):
+                vnni, avx2 = torch.empty(m, n, dtype=torch.bfloat16), torch.empty(m, n, dtype=torch.bfloat16)
+                kern.linear_int8(vnni, x, blocked, s, bias)
+                kern.set_vnni(False)
+                kern.linear_int8(avx2, x, blocked, s, bias)
+                kern.set_vnni(True)
+                assert torch.equal(vnni, avx2), (m, bias is not None)
+    finally:
+        kern.set_vnni(True)
 
 
 @needs_kernel

@@ -16,7 +16,9 @@
 // alternatives (docs/quantization.md): int8 activations with vpmaddubsw are ~25% faster at
 // 16-64 rows but cost 3.4% perplexity (over the 2% bar); dequantizing into fp32 and FMA is
 // 1.6-2.5x slower at every row count. Batch 1 reads each weight byte once (bound by memory
-// bandwidth). Oracle: F.linear on the dequantized weight (tests/test_int8.py).
+// bandwidth). With AVX-512 VNNI the tiles are 16 columns wide, one vpdpwssd per row and step, and
+// give the AVX2 tiles' bits (int8_linear.h). Oracle: F.linear on the dequantized weight
+// (tests/test_int8.py).
 
 #include "int8_linear.h"
 
@@ -34,6 +36,23 @@ bool available() {
   return true;
 #else
   return false;
+#endif
+}
+
+bool uses_vnni() {
+#if MESHSERVE_INT8_VNNI
+  return vnni_enabled();
+#else
+  return false;
+#endif
+}
+
+// Off: the AVX2 tiles on a VNNI machine (tests and linear_bench compare the two); on where built.
+void set_vnni(bool on) {
+#if MESHSERVE_INT8_VNNI
+  vnni_enabled() = on;
+#else
+  (void)on;
 #endif
 }
 
@@ -80,7 +99,7 @@ void linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& wb, cons
   const float* bp = b.empty() ? nullptr : b.data();
   const int64_t block_elems = (K / 2) * kBlockN * 2;
   at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
-    if (M < kWidenRows) {
+    if (M < kWidenRows || uses_vnni()) {  // VNNI tiles widen in the same instruction they load with
       int8_blocks(xq.data(), sx.data(), M, K, wp, sp, bp, op, N, nb0, nb1);
       return;
     }
@@ -164,6 +183,8 @@ void dequantize_bf16(at::Tensor out, const at::Tensor& wb, const at::Tensor& sca
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether the AVX2 path was compiled in");
+  m.def("uses_vnni", &uses_vnni, "whether the projections run the AVX-512 VNNI tiles");
+  m.def("set_vnni", &set_vnni, "run the VNNI tiles (where built) or the AVX2 ones");
   m.def("levels_for", &levels_for, "the int16 levels an input row of K elements is quantized to");
   m.def("linear_int8", &linear_int8, "out = x @ (q * scale).T (+ bias), q in the int8 n16k2 blocked layout",
         py::arg("out"), py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias") = py::none());

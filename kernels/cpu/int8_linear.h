@@ -13,6 +13,16 @@
 
 #include "vec_math.h"  // MESHSERVE_AVX2: the int8 tiles need AVX2 and FMA
 
+// AVX-512 VNNI (vpdpwssd: an int16 pair's two products and their sum into an int32 lane, one
+// instruction): a tile's step for one block is one widened weight vector and, per row, one
+// broadcast and one vpdpwssd, against AVX2's two widenings and, per row, two vpmaddwd and two
+// vpaddd. The same integer sums and the same epilogue, so the same bits as the AVX2 tiles.
+#if MESHSERVE_AVX512 && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define MESHSERVE_INT8_VNNI 1
+#else
+#define MESHSERVE_INT8_VNNI 0
+#endif
+
 namespace int8_linear {
 
 using bf16 = c10::BFloat16;
@@ -89,6 +99,49 @@ constexpr std::array<TileFn<W>, sizeof...(R)> tiles(std::integer_sequence<int, R
 constexpr auto kTiles = tiles<int8_t>(std::make_integer_sequence<int, kMaxMR>{});
 constexpr auto kWideTiles = tiles<int16_t>(std::make_integer_sequence<int, kWideMR>{});
 
+#if MESHSERVE_INT8_VNNI
+constexpr int kVnniMR = 16;  // rows per tile: 16 accumulators of 16 columns + the weights + a broadcast
+
+// Whether int8_blocks runs the VNNI tiles (the tests and linear_bench turn them off to run the
+// AVX2 ones on the same machine).
+inline bool& vnni_enabled() {
+  static bool on = true;
+  return on;
+}
+
+// As tile, one 16-column int32 accumulator per row; reads the int8 block as stored.
+template <int MR>
+void tile_vnni(const int16_t* xq, int64_t K, const int8_t* wblock, const float* scale, const float* sx,
+               const float* bias, bf16* out, int64_t ldo) {
+  __m512i acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_si512();
+  for (int64_t k2 = 0; k2 < K / 2; ++k2) {
+    const int8_t* wp = wblock + k2 * 2 * kBlockN;
+    if (k2 % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(wp) + kPrefetchBytes, _MM_HINT_T0);
+    const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp)));
+    for (int m = 0; m < MR; ++m) {
+      int32_t v;
+      std::memcpy(&v, xq + m * K + 2 * k2, sizeof v);
+      acc[m] = _mm512_dpwssd_epi32(acc[m], _mm512_set1_epi32(v), w);
+    }
+  }
+  const __m512 s = _mm512_loadu_ps(scale);
+  const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  for (int m = 0; m < MR; ++m) {
+    const __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m]), _mm512_mul_ps(s, _mm512_set1_ps(sx[m])), b);
+    vec_math::store16(out + m * ldo, y);
+  }
+}
+
+using VnniTileFn = void (*)(const int16_t*, int64_t, const int8_t*, const float*, const float*, const float*, bf16*,
+                            int64_t);
+template <int... R>
+constexpr std::array<VnniTileFn, sizeof...(R)> vnni_tiles(std::integer_sequence<int, R...>) {
+  return {&tile_vnni<R + 1>...};
+}
+constexpr auto kVnniTiles = vnni_tiles(std::make_integer_sequence<int, kVnniMR>{});
+#endif
+
 // One row to int16 with its scale: q = round(x / s), s = max|x| / levels.
 inline void quantize_row(const bf16* x, int64_t K, float levels, int16_t* q, float* s) {
   __m256 amax = _mm256_setzero_ps();
@@ -117,6 +170,19 @@ inline void quantize_row(const bf16* x, int64_t K, float levels, int16_t* q, flo
 inline void int8_blocks(const int16_t* xq, const float* sx, int64_t M, int64_t K, const int8_t* w,
                         const float* scale, const float* bias, bf16* out, int64_t ldo, int64_t nb0, int64_t nb1) {
   const int64_t block_elems = (K / 2) * kBlockN * 2;
+#if MESHSERVE_INT8_VNNI
+  if (vnni_enabled()) {
+    for (int64_t nb = nb0; nb < nb1; ++nb) {
+      const int64_t n0 = nb * kBlockN;
+      for (int64_t m0 = 0; m0 < M; m0 += kVnniMR) {
+        const int64_t mr = std::min<int64_t>(kVnniMR, M - m0);
+        kVnniTiles[mr - 1](xq + m0 * K, K, w + nb * block_elems, scale + n0, sx + m0, bias ? bias + n0 : nullptr,
+                           out + m0 * ldo + n0, ldo);
+      }
+    }
+    return;
+  }
+#endif
   for (int64_t nb = nb0; nb < nb1; ++nb) {
     const int64_t n0 = nb * kBlockN;
     for (int64_t m0 = 0; m0 < M; m0 += kMaxMR) {
