@@ -87,7 +87,8 @@ def weight_bytes_per_token(model) -> int:
     for lin in [p for layer in model.proj for p in layer.values()] + [model.head]:
         for a in lin.__slots__:
             t = getattr(lin, a, None)
-            if isinstance(t, torch.Tensor) and not (a == "weight" and getattr(lin, "blocked", None) is not None):
+            kept_copy = a == "dequantized" or (a == "weight" and getattr(lin, "blocked", None) is not None)
+            if isinstance(t, torch.Tensor) and not kept_copy:
                 total += t.numel() * t.element_size()  # a plain copy kept beside the blocked one is not read
     return total
 

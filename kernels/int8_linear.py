@@ -20,15 +20,17 @@ import torch.nn.functional as F
 from . import cpu_build
 
 BLOCK_N = 16  # output columns per block of the layout
-# A many-row bf16 step on a CPU with AMX hands int8 projections to torch's GEMM on the weight
-# dequantized per call (by the kernel, one pass) from this many times cpu_build's bf16 threshold:
+# A many-row bf16 step on a CPU with AMX hands int8 projections to torch's GEMM. On the dequantized
+# copy the loader keeps (keeps_dequantized) that is where bf16 steps go; on a weight dequantized per
+# call (by the kernel, one pass; no copy kept) from this many times cpu_build's bf16 threshold,
 # where that beats the kernel's own tiles (linear_bench on SmolLM2's shapes: from 32 rows against
 # the AVX2 tiles, 48-64 against the AVX-512 VNNI ones).
 GEMM_FACTOR_AVX2 = 2
 GEMM_FACTOR_VNNI = 3.5
 INT8 = "@int8"  # a weights dict holds a projection's int8 weight [N, K] under its name + this suffix,
 BLOCKED = "@int8n16k2"  # or its blocked form [N/16, K/2, 16, 2] (the CPU kernel's) under this one,
-SCALE = "@scale"  # and its fp32 scales [N] under this one
+SCALE = "@scale"  # and its fp32 scales [N] under this one;
+DEQUANTIZED = "@int8bf16"  # on an AMX CPU also q * scale in bf16, plain [N, K] (keeps_dequantized)
 
 
 def kernel():
@@ -68,10 +70,19 @@ def from_blocked(b: torch.Tensor) -> torch.Tensor:
     return b.permute(0, 2, 1, 3).reshape(nb * BLOCK_N, k2 * 2)
 
 
+def keeps_dequantized() -> bool:
+    """Whether int8 projections keep q * scale in bf16 (plain) beside the blocked int8 weight: on a
+    CPU with AMX, as bf16 projections keep their plain form (kernels/linear.py keeps_plain), so a
+    step of many rows runs torch's GEMM on it instead of dequantizing every projection again (the
+    same bits). 1.5x the int8 weights' memory, 0.75x what bf16 keeps there (docs/quantization.md)."""
+    return cpu_build.amx_gemm_min_rows() > 0 and kernel() is not None
+
+
 def quantize_weights(weights: dict[str, torch.Tensor], names: list[str], dtype: torch.dtype,
                      device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """`weights` with each named projection replaced by its int8 weight (blocked where the CPU
-    kernel will run it) and scales; every other tensor in `dtype`."""
+    kernel will run it, with its dequantized copy where keeps_dequantized) and scales; every other
+    tensor in `dtype`."""
     out = {}
     for name, w in weights.items():
         if name not in names:
@@ -80,6 +91,8 @@ def quantize_weights(weights: dict[str, torch.Tensor], names: list[str], dtype: 
         q, out[name + SCALE] = quantize(w)
         if torch.device(device).type == "cpu" and can_block(q, dtype):
             out[name + BLOCKED] = to_blocked(q)
+            if keeps_dequantized():
+                out[name + DEQUANTIZED] = Int8Linear(out[name + SCALE], blocked=out[name + BLOCKED]).weight(dtype)
         else:
             out[name + INT8] = q
     return out
@@ -90,30 +103,36 @@ def is_quantized(weights: dict[str, torch.Tensor], name: str) -> bool:
 
 
 class Int8Linear:
-    __slots__ = ("q", "blocked", "scale", "bias", "kernel", "out_features")
+    __slots__ = ("q", "blocked", "scale", "bias", "kernel", "out_features", "dequantized")
 
     def __init__(self, scale: torch.Tensor, q: torch.Tensor | None = None, blocked: torch.Tensor | None = None,
-                 bias: torch.Tensor | None = None):
-        """From the int8 weight [N, K] or its blocked form, and its scales [N]."""
+                 bias: torch.Tensor | None = None, dequantized: torch.Tensor | None = None):
+        """From the int8 weight [N, K] or its blocked form, and its scales [N] (and, beside a blocked
+        weight, its dequantized bf16 copy, as quantize_weights keeps it)."""
         self.kernel = kernel() if blocked is not None else None
         if blocked is not None and self.kernel is None:  # blocked by a loader, but no kernel here
             q, blocked = from_blocked(blocked).contiguous(), None
         self.q, self.blocked, self.scale, self.bias = q, blocked, scale, bias
+        self.dequantized = dequantized if self.blocked is not None else None
         self.out_features = scale.shape[0]
 
     @classmethod
     def of(cls, weights: dict[str, torch.Tensor], name: str, bias: str | None = None) -> "Int8Linear":
         return cls(weights[name + SCALE], weights.get(name + INT8), weights.get(name + BLOCKED),
-                   weights.get(bias) if bias else None)
+                   weights.get(bias) if bias else None, weights.get(name + DEQUANTIZED))
 
     def gemm(self, rows: int) -> bool:
         """Whether a bf16 step of `rows` rows runs this projection as torch's GEMM on AMX tiles."""
+        if self.dequantized is not None:
+            return cpu_build.amx_gemm(rows)
         vnni = self.kernel is not None and self.kernel.uses_vnni()
         return cpu_build.amx_gemm(rows, GEMM_FACTOR_VNNI if vnni else GEMM_FACTOR_AVX2)
 
     def weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dequantized weight [N, K] (the reference computes with it; a many-row bf16 step on
-        AMX tiles takes it from the kernel, one pass, the same bits)."""
+        AMX tiles takes the kept copy, or the kernel's one pass: the same bits)."""
+        if self.dequantized is not None and dtype == self.dequantized.dtype:
+            return self.dequantized
         if self.blocked is not None and dtype == torch.bfloat16 and self.kernel is not None:
             out = torch.empty(self.out_features, 2 * self.blocked.shape[1], dtype=dtype)
             self.kernel.dequantize_bf16(out, self.blocked, self.scale)
@@ -122,6 +141,8 @@ class Int8Linear:
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of the dequantized weight: the embedding lookup of a tied int8 embedding."""
+        if self.dequantized is not None and dtype == self.dequantized.dtype:
+            return F.embedding(ids, self.dequantized)
         if self.q is not None:
             q = F.embedding(ids, self.q)
         else:  # gathered straight from the blocked layout: row n is block n // 16, column n % 16

@@ -101,6 +101,26 @@ def test_kernel_dequantizes_the_blocked_weight_bit_for_bit(n, k):
     assert torch.equal(fast.weight(), il.dequantize(q, s))  # fp32: the reference's own path
 
 
+@needs_kernel
+def test_amx_cpu_keeps_the_dequantized_copy_and_runs_many_rows_on_it():
+    """On a CPU with AMX, quantize_weights also keeps q * scale in bf16 (the bits the kernel's one-pass
+    dequantization gives), and a step of as many rows as send bf16 projections to the GEMM runs it
+    on that copy: what dequantizing per call gave, without the pass."""
+    if not il.keeps_dequantized():
+        pytest.skip("no AMX on this CPU")
+    g = torch.Generator().manual_seed(7)
+    w = {"p": torch.randn(960, 576, generator=g) * 0.05, "norm": torch.randn(576, generator=g)}
+    out = il.quantize_weights(w, ["p"], torch.bfloat16)
+    q, s = il.quantize(w["p"])
+    assert torch.equal(out["p" + il.DEQUANTIZED], il.dequantize(q, s, torch.bfloat16))
+    kept, per_call = il.Int8Linear.of(out, "p"), il.Int8Linear(out["p" + il.SCALE], blocked=out["p" + il.BLOCKED])
+    assert kept.gemm(16) and not per_call.gemm(16) and not kept.gemm(1)
+    for m in (1, 8, 16, 40, 64, 128):
+        x = torch.randn(m, 576, generator=g).bfloat16()
+        want = F.linear(x, per_call.weight(torch.bfloat16)) if kept.gemm(m) else per_call(x)
+        assert torch.equal(kept(x), want), m
+
+
 def test_tied_embedding_rows_from_either_layout():
     q, s = il.quantize(torch.randn(64, 24))
     ids = torch.tensor([0, 17, 63, 17, 5])
@@ -231,7 +251,10 @@ def test_loader_keeps_int8_weights_apart_from_bf16(tiny_llama, tmp_path, monkeyp
     assert int8.quantization == "int8" and int8.path != bf16.path
     assert prepared.entry(gguf, "bfloat16-int8", "cpu") != prepared.entry(gguf, "bfloat16", "cpu")
     digest = hashlib.sha256(open(int8.path, "rb").read()).hexdigest()
-    assert os.path.getsize(int8.path) < 0.7 * os.path.getsize(bf16.path)  # the untied embedding stays bf16
+    # The untied embedding stays bf16; an AMX CPU keeps q * scale in bf16 too, as bf16 keeps its plain copy.
+    dequantized = il.keeps_dequantized()
+    assert os.path.getsize(int8.path) < (0.85 if dequantized else 0.7) * os.path.getsize(bf16.path)
+    assert any(t.name.endswith(il.DEQUANTIZED) for t in int8.tensors) == dequantized
     assert {t.dtype for t in int8.tensors} == {"int8", "float32", "bfloat16"}
     os.unlink(int8.path)
     again = loader.load_now(str(gguf), "bfloat16", "int8")  # from the kept copy
