@@ -133,10 +133,8 @@ void tile_vnni(const int16_t* xq, int64_t K, const int8_t* wblock, const float* 
   }
 }
 
-using VnniTileFn = void (*)(const int16_t*, int64_t, const int8_t*, const float*, const float*, const float*, bf16*,
-                            int64_t);
 template <int... R>
-constexpr std::array<VnniTileFn, sizeof...(R)> vnni_tiles(std::integer_sequence<int, R...>) {
+constexpr std::array<TileFn<int8_t>, sizeof...(R)> vnni_tiles(std::integer_sequence<int, R...>) {
   return {&tile_vnni<R + 1>...};
 }
 constexpr auto kVnniTiles = vnni_tiles(std::make_integer_sequence<int, kVnniMR>{});
@@ -170,25 +168,20 @@ inline void quantize_row(const bf16* x, int64_t K, float levels, int16_t* q, flo
 inline void int8_blocks(const int16_t* xq, const float* sx, int64_t M, int64_t K, const int8_t* w,
                         const float* scale, const float* bias, bf16* out, int64_t ldo, int64_t nb0, int64_t nb1) {
   const int64_t block_elems = (K / 2) * kBlockN * 2;
+  const TileFn<int8_t>* tile_for = kTiles.data();  // by rows - 1
+  int64_t max_mr = kMaxMR;
 #if MESHSERVE_INT8_VNNI
   if (vnni_enabled()) {
-    for (int64_t nb = nb0; nb < nb1; ++nb) {
-      const int64_t n0 = nb * kBlockN;
-      for (int64_t m0 = 0; m0 < M; m0 += kVnniMR) {
-        const int64_t mr = std::min<int64_t>(kVnniMR, M - m0);
-        kVnniTiles[mr - 1](xq + m0 * K, K, w + nb * block_elems, scale + n0, sx + m0, bias ? bias + n0 : nullptr,
-                           out + m0 * ldo + n0, ldo);
-      }
-    }
-    return;
+    tile_for = kVnniTiles.data();
+    max_mr = kVnniMR;
   }
 #endif
   for (int64_t nb = nb0; nb < nb1; ++nb) {
     const int64_t n0 = nb * kBlockN;
-    for (int64_t m0 = 0; m0 < M; m0 += kMaxMR) {
-      const int64_t mr = std::min<int64_t>(kMaxMR, M - m0);
-      kTiles[mr - 1](xq + m0 * K, K, w + nb * block_elems, scale + n0, sx + m0, bias ? bias + n0 : nullptr,
-                     out + m0 * ldo + n0, ldo);
+    for (int64_t m0 = 0; m0 < M; m0 += max_mr) {
+      const int64_t mr = std::min<int64_t>(max_mr, M - m0);
+      tile_for[mr - 1](xq + m0 * K, K, w + nb * block_elems, scale + n0, sx + m0, bias ? bias + n0 : nullptr,
+                       out + m0 * ldo + n0, ldo);
     }
   }
 }
