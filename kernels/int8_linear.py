@@ -5,9 +5,9 @@ Quantized once at load (`quantize_weights`, from the source's own precision: bf1
 dequantized GGUF), half the bytes of bf16 per token. bf16 on a CPU with AVX2: kernels/cpu/
 int8_linear.cpp (AVX-512 VNNI tiles where the CPU has them), from the weight in its blocked
 layout (`to_blocked`) that the model loader writes into the node's shared memory (one copy per
-node). Everything else (fp32 models, CUDA, other
-CPUs, the kernels disabled): the reference, F.linear on the dequantized weight, which is also the
-kernel's oracle and what Transformers runs when given the dequantized weights. Per-group scales
+node). Everything else (fp32 models, CUDA, other CPUs, the kernels disabled): the reference,
+F.linear on the dequantized weight, which is also the kernel's oracle and what Transformers runs
+when given the dequantized weights. Per-group scales
 were measured and not kept: on SmolLM2-135M groups of 32 or 64 were no closer to bf16 than
 per-channel scales (docs/quantization.md).
 """
