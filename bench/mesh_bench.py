@@ -92,6 +92,9 @@ async def _worker_io(nats_port: int, credentials: Path) -> dict[str, tuple[float
     return {w["id"]: (w["io_cpu_s"], w["tokens_streamed"], w.get("threads") or {}) for w in r["workers"]}
 
 
+NOT_SEEN = (0.0, 0, {})  # a worker's _worker_io entry before it first reported
+
+
 def _step_counts(after: dict, before: dict) -> dict[str, int]:
     b = before.get("steps_by_threads", {})
     return {n: k - b.get(n, 0) for n, k in after.get("steps_by_threads", {}).items()}
@@ -178,12 +181,12 @@ def main(argv: list[str] | None = None) -> int:
         res["meshserve_mesh"]["client_cpu_ms_per_token"] = 1000 * client_cpu / tokens
         res["meshserve_mesh"]["gateway_cpu_ms_per_token"] = 1000 * cpu.get("gateway", 0.0) / tokens
         res["meshserve_mesh"]["mesh_cpu_ms_per_token"] = 1000 * sum(cpu.values()) / tokens
-        streamed = sum(io1[w][1] - io0.get(w, (0.0, 0, {}))[1] for w in io1)
-        io_ms = 1000 * sum(io1[w][0] - io0.get(w, (0.0, 0, {}))[0] for w in io1) / max(streamed, 1)
+        streamed = sum(io1[w][1] - io0.get(w, NOT_SEEN)[1] for w in io1)
+        io_ms = 1000 * sum(io1[w][0] - io0.get(w, NOT_SEEN)[0] for w in io1) / max(streamed, 1)
         # The thread tuner's choices over the run (steps per thread count): a run whose worker used
         # fewer cores than it had shows here whether one-thread steps were the cause.
         res["meshserve_mesh"]["worker_threads"] = {
-            w: {"steps_by_threads": _step_counts(io1[w][2], io0.get(w, (0.0, 0, {}))[2]),
+            w: {"steps_by_threads": _step_counts(io1[w][2], io0.get(w, NOT_SEEN)[2]),
                 "ms_per_token": io1[w][2].get("ms_per_token", {})} for w in io1 if io1[w][2]}
         res["meshserve_mesh"]["worker_io_cpu_ms_per_token"] = io_ms
         res["meshserve_mesh"]["stream_cpu_ms_per_token"] = io_ms + res["meshserve_mesh"]["gateway_cpu_ms_per_token"]
