@@ -215,9 +215,9 @@ def test_batch_url_runs_lines_as_background(mesh, tmp_path):
         {"custom_id": "a", "method": "POST", "url": "/v1/completions",
          "body": {"prompt": PROMPT, "max_tokens": 3, "temperature": 0}},
         {"custom_id": "b", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3}},
+         "body": {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3, "temperature": 0}},
         {"custom_id": "c", "method": "POST", "url": "/v1/completions",
-         "body": {"prompt": PROMPT, "max_tokens": 3, "priority": "interactive"}},
+         "body": {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "priority": "interactive"}},
         {"custom_id": "bad", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "top_p": 7}},
     ]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
