@@ -10,9 +10,11 @@ A step's tokens are flattened: all decode tokens first (one per sequence), then 
 chunks. Decodes run as one padded batch; each prefill chunk runs on its own. The CUDA backend
 implements the same functions over the same metadata; this file is its oracle.
 
-On the CPU the decodes go to a compiled kernel (kernels/cpu/paged_attention.cpp, loaded by
-cpu/paged_attention.cpp) that reads keys and values straight from the arena through the block
-tables; the gather + SDPA below stays as its oracle and as the fallback when it cannot be built or
+On the CPU the decodes go to a compiled kernel (kernels/cpu/paged_attention.cpp) that reads keys
+and values straight from the arena through the block tables, and, in a bf16 model on a CPU with
+AVX-512 BF16, each prefill chunk to another (kernels/cpu/prefill_attention.h: 3-4x torch's SDPA on
+SmolLM2's chunks) that reads them through the chunk's slot ids; the gather + SDPA below stays as
+their oracle (`prefill_reference` for the chunks) and as the fallback when they cannot be built or
 MESHSERVE_DISABLE_CPU_KERNELS=1. On a CUDA arena, write_kv and the decodes go to the CuPy kernels
 of kernels/cuda_ops.py (same call), prefill chunks run the torch code below on the GPU, and the
 torch path is again the fallback (no CuPy, MESHSERVE_DISABLE_CUDA_KERNELS=1).
@@ -87,6 +89,17 @@ def decode_kernel(kv: torch.Tensor):
     return cpu_build.load("meshserve_paged_attention_cpu", "paged_attention.cpp")
 
 
+def prefill_kernel(kv: torch.Tensor, q: torch.Tensor):
+    """The compiled prefill kernel (CPU, AVX-512 BF16) when this step's prompt chunks run it: bf16
+    queries over a bf16 or int8 arena, head_dim 32/64/128. Else None: the gather + SDPA below, its
+    oracle (and the only path for float32 models, so the fp32 oracle tests never meet it)."""
+    if (q.dtype != torch.bfloat16 or kv.device.type != "cpu" or kv.dtype not in (torch.bfloat16, torch.int8)
+            or q.shape[-1] not in (32, 64, 128) or not kv.is_contiguous()):
+        return None
+    mod = cpu_build.load("meshserve_paged_attention_cpu", "paged_attention.cpp")
+    return mod if mod is not None and mod.prefill_available() else None
+
+
 def use_decode_kernel(kv: torch.Tensor) -> bool:
     return decode_kernel(kv) is not None
 
@@ -145,6 +158,28 @@ def _read(kv: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Te
     return dequantize_kv(kv.index_select(1, slots), dtype)
 
 
+def prefill_reference(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv: torch.Tensor,
+                      p: PrefillChunk, slot_mapping: torch.Tensor, scale: float) -> torch.Tensor:
+    """One prompt chunk's causal attention, gather + SDPA: q [L, q_heads, head_dim], the chunk's own
+    new keys/values (used when it has no cached context and the arena holds them exactly) and their
+    slots; [L, q_heads * head_dim]. The oracle of the compiled prefill kernel."""
+    length, hq, d = q.shape
+    qp = q.transpose(0, 1).unsqueeze(0)  # [1, hq, L, d]
+    slots = p.slots
+    if slots is None and kv.dtype == torch.int8:  # attend over what the cache holds, as later chunks will
+        slots = slot_mapping
+    if slots is None:
+        kp, vp = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        # index_select copies whole [kv_heads, head_dim] rows; indexing (kv[:, slots]) goes
+        # element by element and was a tenth of a mixed workload's time.
+        kvp = _read(kv, slots, q.dtype).transpose(1, 2).unsqueeze(1)  # [2, 1, hkv, T, d]
+        o = F.scaled_dot_product_attention(qp, kvp[0], kvp[1], attn_mask=p.causal_mask(q.dtype, q.device),
+                                           scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1).reshape(length, hq * d)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [num_tokens, q_heads, head_dim]; k, v: this step's new keys/values (already written to kv).
@@ -152,7 +187,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch
     Returns [num_tokens, q_heads * head_dim]."""
     n, hq, d = q.shape
     hkv = kv.shape[2]
-    quantized = kv.dtype == torch.int8
     nd = meta.num_decodes
     kernel = decode_kernel(kv) if nd and meta.decode_block_tables is not None else None
     if kernel is not None:
@@ -180,20 +214,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch
         out[:nd] = o.reshape(nd, hq * d)
     else:
         out = torch.empty(n, hq * d, dtype=q.dtype, device=q.device)
+    pk = prefill_kernel(kv, q) if meta.prefills else None
     for p in meta.prefills:
-        qp = q[p.start:p.start + p.length].transpose(0, 1).unsqueeze(0)  # [1, hq, L, d]
-        slots = p.slots
-        if slots is None and quantized:  # attend over what the cache holds, as later chunks will
-            slots = meta.slot_mapping[p.start:p.start + p.length]
-        if slots is None:
-            kp = k[p.start:p.start + p.length].transpose(0, 1).unsqueeze(0)
-            vp = v[p.start:p.start + p.length].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
+        rows = slice(p.start, p.start + p.length)
+        if pk is not None:  # reads the context (the chunk's own keys included) out of the arena
+            slots = p.slots if p.slots is not None else meta.slot_mapping[rows]
+            pk.paged_prefill_attention(out[rows].view(p.length, hq, d), q[rows], kv, slots, scale)
         else:
-            # index_select copies whole [kv_heads, head_dim] rows; indexing (kv[:, slots]) goes
-            # element by element and was a tenth of a mixed workload's time.
-            kvp = _read(kv, slots, q.dtype).transpose(1, 2).unsqueeze(1)  # [2, 1, hkv, T, d]
-            o = F.scaled_dot_product_attention(qp, kvp[0], kvp[1], attn_mask=p.causal_mask(q.dtype, q.device),
-                                               scale=scale, enable_gqa=True)
-        out[p.start:p.start + p.length] = o[0].transpose(0, 1).reshape(p.length, hq * d)
+            out[rows] = prefill_reference(q[rows], k[rows] if k is not None else None,
+                                          v[rows] if v is not None else None, kv, p, meta.slot_mapping[rows], scale)
     return out

@@ -1,5 +1,6 @@
-"""The compiled CPU decode-attention kernel (kernels/cpu/paged_attention.cpp) against its oracle,
-the gather + SDPA reference path of paged_attention(), on random arenas with shuffled block tables."""
+"""The compiled CPU attention kernels (kernels/cpu/paged_attention.cpp: decode, and prefill chunks
+from prefill_attention.h) against their oracle, the gather + SDPA reference path of
+paged_attention(), on random arenas with shuffled block tables and slots."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from meshserve.kernels import cpu_build
 from meshserve.kernels.paged_attention import (AttentionMetadata, PrefillChunk, paged_attention,
+                                               prefill_kernel, prefill_reference, quantize_kv,
                                                use_decode_kernel)
 
 CONTEXT_LENS = [1, 15, 16, 17, 1000]
@@ -44,14 +46,19 @@ def make_case(ctx_lens: list[int], hkv: int, group: int, d: int, block_size: int
 
 
 def reference(q, kv, table, ctx, block_size, scale, prefills=(), k=None, v=None):
-    """paged_attention()'s gather + SDPA path (slot ids and mask built here, no block tables)."""
+    """paged_attention()'s gather + SDPA path (slot ids and mask built here, no block tables), and
+    prefill_reference for the prompt chunks after the decodes."""
     nd, t = len(ctx), int(ctx.max())
     pos = torch.arange(t)
     slots = table[:, pos // block_size] * block_size + pos % block_size
     mask = (pos.unsqueeze(0) < ctx.unsqueeze(1)).view(nd, 1, 1, t)
     meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decodes=nd,
-                             decode_slots=slots, decode_mask=mask, prefills=list(prefills))
-    return paged_attention(q, k, v, kv, meta, scale)
+                             decode_slots=slots, decode_mask=mask)
+    rows = [paged_attention(q[:nd], k, v, kv, meta, scale)]
+    for p in prefills:
+        r = slice(p.start, p.start + p.length)
+        rows.append(prefill_reference(q[r], k[r], v[r], kv, p, torch.empty(0, dtype=torch.long), scale))
+    return torch.cat(rows)
 
 
 def run_kernel(kernel, q, kv, table, ctx, block_size, scale):
@@ -118,6 +125,50 @@ def test_paged_attention_dispatch(kernel, dtype):
     meta.prefills, want_d = [], want[:3]
     torch.testing.assert_close(paged_attention(q[:3], k[:3], v[:3], kv, meta, scale).float(),
                                want_d.float(), atol=ATOL[dtype], rtol=0)
+
+
+def prefill_case(length: int, cached: int, hkv: int, group: int, d: int, kv_dtype: str, seed: int):
+    """A bf16 chunk of `length` queries (a strided view, as the fused qkv rows give) over `cached`
+    tokens of context plus its own, in shuffled slots of a random arena (bf16 or int8 rows)."""
+    g = torch.Generator().manual_seed(seed)
+    t = cached + length
+    arena = torch.randn(2, t + 37, hkv, d, generator=g).to(torch.bfloat16)
+    kv = torch.stack([quantize_kv(arena[0]), quantize_kv(arena[1])]) if kv_dtype == "int8" else arena
+    slots = torch.randperm(t + 37, generator=g)[:t]
+    qkv = torch.randn(length, (group + 2) * hkv, d, generator=g).to(torch.bfloat16)
+    return qkv[:, :group * hkv], kv, slots
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("group, d", [(1, 64), (3, 64), (4, 32), (8, 128), (3, 128)])
+@pytest.mark.parametrize("length, cached", [(1, 0), (7, 0), (16, 0), (17, 40), (33, 1), (128, 471), (200, 0)])
+def test_prefill_kernel_matches_reference(kernel, kv_dtype, group, d, length, cached):
+    """A prompt chunk's attention, kernel against gather + SDPA: lengths around the 16-query tiles
+    and the 8-key score tiles, odd contexts (the last pair of keys padded), with and without cached
+    context, G query heads in groups of up to 3, head dims 32/64/128, bf16 and int8 arenas."""
+    hkv = 2 if group > 3 else 3
+    q, kv, slots = prefill_case(length, cached, hkv, group, d, kv_dtype, seed=length + cached + d)
+    if prefill_kernel(kv, q) is None:
+        pytest.skip("no AVX-512 BF16 on this CPU: prefill chunks take the reference path")
+    scale = d ** -0.5
+    chunk = PrefillChunk(start=0, length=length, context_len=cached + length, slots=slots)
+    want = prefill_reference(q, None, None, kv, chunk, slots[cached:], scale)
+    got = torch.empty(length, hkv * group, d, dtype=torch.bfloat16)
+    kernel.paged_prefill_attention(got, q, kv, slots, scale)
+    torch.testing.assert_close(got.reshape(length, -1).float(), want.float(), atol=2e-2, rtol=0)
+
+
+def test_prefill_kernel_rejects_what_it_cannot_run(kernel):
+    q, kv, slots = prefill_case(4, 3, 3, 3, 64, "bf16", seed=1)
+    if not kernel.prefill_available():
+        pytest.skip("no AVX-512 BF16 on this CPU")
+    out = torch.empty(4, 9, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="outside the arena"):
+        kernel.paged_prefill_attention(out, q, kv, torch.cat([slots[:-1], torch.tensor([kv.shape[1]])]), 0.125)
+    with pytest.raises(RuntimeError, match="must hold the chunk"):
+        kernel.paged_prefill_attention(out, q, kv, slots[:2], 0.125)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernel.paged_prefill_attention(out.float(), q.float(), kv.float(), slots, 0.125)
 
 
 def test_reference_from_block_tables(monkeypatch):

@@ -28,6 +28,7 @@
 // shapes, while bf16 and fp32 rows, bound by memory, stay within a few percent of what they were.)
 
 #include "paged_attention.h"
+#include "prefill_attention.h"
 
 // Lighter than <torch/extension.h> (halves the compile): Tensor, parallel settings, pybind casters.
 #include <ATen/Parallel.h>
@@ -215,6 +216,92 @@ void dequantize_slots(at::Tensor out, at::Tensor kv, at::Tensor slots) {
   }
 }
 
+
+// A prefill chunk's attention (prefill_attention.h): q, out [L, Hq, D] bf16 (last axis contiguous),
+// kv a bf16 or int8 arena, slots [T] the context's slot ids (T >= L; the last L are the chunk's
+// own, already written). Query i sees keys [0, T - L + i].
+bool prefill_available() { return MESHSERVE_PREFILL_BF16; }
+
+void paged_prefill_attention(at::Tensor out, at::Tensor q, at::Tensor kv, at::Tensor slots, double scale) {
+  TORCH_CHECK(prefill_available(), "paged_prefill_attention: built without AVX-512 BF16");
+  TORCH_CHECK(q.device().is_cpu() && out.device().is_cpu() && kv.device().is_cpu() && slots.device().is_cpu(),
+              "paged_prefill_attention: all tensors must be on the CPU");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
+              "paged_prefill_attention: q and out must be bfloat16");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && q.stride(2) == 1 && out.stride(2) == 1,
+              "q and out must be [L, Hq, D] of one shape, contiguous along head_dim");
+  TORCH_CHECK(kv.dim() == 4 && kv.size(0) == 2 && kv.is_contiguous(), "kv must be a contiguous [2, num_slots, Hkv, row]");
+  const bool int8_kv = kv.scalar_type() == at::kChar;
+  TORCH_CHECK(int8_kv || kv.scalar_type() == at::kBFloat16, "kv must be bfloat16 or int8 rows");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
+              "slots must be a contiguous int64 [T]");
+  const int64_t L = q.size(0), Hq = q.size(1), D = q.size(2), T = slots.size(0);
+  const int64_t S = kv.size(1), Hkv = kv.size(2), R = int8_kv ? D + kScaleBytes : D;
+  TORCH_CHECK(D == 32 || D == 64 || D == 128, "paged_prefill_attention: head_dim 32, 64 or 128, not ", D);
+  TORCH_CHECK(kv.size(3) == R, "kv rows of ", kv.size(3), " elements, ", R, " expected for q head_dim ", D);
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "q heads (", Hq, ") must be a multiple of kv heads (", Hkv, ")");
+  TORCH_CHECK(T >= L, "the context (", T, " slots) must hold the chunk's ", L, " tokens");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sl[t] >= 0 && sl[t] < S, "slots[", t, "] = ", sl[t], " is outside the arena");
+  if (L == 0 || Hq == 0) return;
+#if MESHSERVE_PREFILL_BF16
+  namespace pa = prefill_attention;
+  pa::Args a{reinterpret_cast<const bf16*>(q.data_ptr()), reinterpret_cast<bf16*>(out.data_ptr()), q.stride(0),
+             q.stride(1), out.stride(0), out.stride(1), L, T, T - L, Hq, Hkv, Hq / Hkv, D, static_cast<float>(scale)};
+  const int64_t T2 = (T + 1) / 2;
+  std::vector<bf16> kc(Hkv * T * D), vp(Hkv * T2 * D * 2);
+  const char* base = static_cast<const char*>(kv.data_ptr());
+  const int64_t esize = int8_kv ? 1 : 2, plane = S * Hkv * R * esize;
+  auto gather = [&](int64_t h, int64_t t2) {  // keys 2 t2 and 2 t2 + 1 of head h
+    alignas(64) bf16 v0[128], v1[128];
+    for (int64_t u = 0; u < 2; ++u) {
+      const int64_t t = 2 * t2 + u;
+      bf16* vr = u ? v1 : v0;
+      if (t >= T) {
+        std::fill(vr, vr + D, bf16());
+        continue;
+      }
+      const char* row = base + (sl[t] * Hkv + h) * R * esize;
+      if (int8_kv) {
+        pa::row_to_bf16(reinterpret_cast<const int8_t*>(row), D, kc.data() + (h * T + t) * D);
+        pa::row_to_bf16(reinterpret_cast<const int8_t*>(row + plane), D, vr);
+      } else {
+        pa::row_to_bf16(reinterpret_cast<const bf16*>(row), D, kc.data() + (h * T + t) * D);
+        pa::row_to_bf16(reinterpret_cast<const bf16*>(row + plane), D, vr);
+      }
+    }
+    pa::interleave_pair(v0, v1, D, vp.data() + (h * T2 + t2) * D * 2);
+  };
+  const int64_t tiles = (L + pa::kLanes - 1) / pa::kLanes, tasks = Hkv * tiles;
+  int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  // A short chunk over a short context takes microseconds: a second thread's wake-up costs as much.
+  if (L * T * Hq * D < (int64_t(1) << 18)) threads = 1;
+  threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks)));
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < Hkv * T2; ++i) gather(i / T2, i % T2);
+    pa::Scratch w;
+    w.s.resize(T * a.G * pa::kLanes);
+    w.pp.resize(T2 * a.G * pa::kLanes);
+    w.inv.resize(a.G * pa::kLanes);
+    // The last tiles of the chunk see the most keys: hand them out first.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t h = task % Hkv, tile = tiles - 1 - task / Hkv;
+      const bf16* k = kc.data() + h * T * D;
+      const bf16* v = vp.data() + h * T2 * D * 2;
+      switch (D) {
+        case 32: pa::attend_task<2>(a, h, tile * pa::kLanes, k, v, w); break;
+        case 64: pa::attend_task<4>(a, h, tile * pa::kLanes, k, v, w); break;
+        default: pa::attend_task<8>(a, h, tile * pa::kLanes, k, v, w); break;
+      }
+    }
+  }
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_int8", &write_kv_int8, "Quantizes new K/V rows into an int8 paged arena (CPU)", py::arg("kv"),
         py::arg("k"), py::arg("v"), py::arg("slot_mapping"));
@@ -222,6 +309,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Decode attention over a paged KV cache, reading K/V through the block tables (CPU)",
         py::arg("out"), py::arg("q"), py::arg("kv"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("block_size"), py::arg("scale"));
+  m.def("prefill_available", &prefill_available, "whether the AVX-512 BF16 prefill path was compiled in");
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "A prefill chunk's causal attention over its context slots of a paged KV cache (CPU, bf16)",
+        py::arg("out"), py::arg("q"), py::arg("kv"), py::arg("slots"), py::arg("scale"));
   m.def("dequantize_slots", &dequantize_slots, "K/V rows of the given slots out of an int8 arena, dequantized (CPU)",
         py::arg("out"), py::arg("kv"), py::arg("slots"));
 }
