@@ -1,9 +1,10 @@
 """One layer's decode attention over a paged KV cache: the gather + SDPA reference vs the compiled
-CPU kernel, on the same arena and block tables.
+CPU kernel, on the same arena and block tables; with --prefill L, one prompt chunk of L queries
+over --context tokens (its own last) instead: prefill_reference vs the prefill kernel.
 
     python -m meshserve.bench.attention_bench [--batch 48] [--context 1000] [--kv-heads 3]
         [--q-heads 9] [--head-dim 64] [--block-size 16] [--dtype bfloat16] [--kv-cache-dtype int8]
-        [--repeat 20]
+        [--repeat 20] [--prefill L]
 
 Defaults are SmolLM2-135M at 48 sequences of ~1000 tokens (lengths spread +-5%, blocks shuffled
 through the arena). Prints JSON: median milliseconds per layer of each path, the per-step cost of
@@ -20,7 +21,8 @@ import time
 import torch
 
 from meshserve.kernels import cpu_build
-from meshserve.kernels.paged_attention import AttentionMetadata, decode_slots_and_mask, paged_attention, quantize_kv
+from meshserve.kernels.paged_attention import (AttentionMetadata, PrefillChunk, decode_slots_and_mask,
+                                               paged_attention, prefill_kernel, prefill_reference, quantize_kv)
 from meshserve.shared.kv_layout import KV_CACHE_DTYPES
 
 
@@ -68,12 +70,16 @@ def main(argv: list[str] | None = None) -> dict:
                     help="int8: the arena quantized as --kv-cache-dtype int8 stores it")
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    ap.add_argument("--prefill", type=int, default=0, metavar="L",
+                    help="time one prompt chunk of L queries over --context tokens instead of a decode batch")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     b, hkv, hq, d, bs = args.batch, args.kv_heads, args.q_heads, args.head_dim, args.block_size
 
+    if args.prefill:
+        return prefill_main(args, dtype)
     q, kv, table, ctx, bs = attention_case("cpu", b, args.context, dtype, hkv, hq, d, bs)
     if args.kv_cache_dtype == "int8":
         kv = quantize_kv(kv)
@@ -110,6 +116,40 @@ def main(argv: list[str] | None = None) -> dict:
             result["max_abs_diff"] = float((got.float() - want.float()).abs().max())
             result["speedup_median"] = round(result["reference_ms"] / result["kernel_ms"], 1)
             result["speedup_min"] = round(result["reference_min_ms"] / result["kernel_min_ms"], 1)
+    print(json.dumps(result, indent=2))
+    return result
+
+
+def prefill_main(args, dtype) -> dict:
+    """One chunk of --prefill queries whose context (--context tokens, the chunk's own last) lies in
+    shuffled blocks: prefill_reference (gather + SDPA) against the compiled prefill kernel."""
+    length, hkv, hq, d = args.prefill, args.kv_heads, args.q_heads, args.head_dim
+    t = max(args.context, length)
+    q, kv, table, _, bs = attention_case("cpu", 1, t, dtype, hkv, hq, d, args.block_size)
+    if args.kv_cache_dtype == "int8":
+        kv = quantize_kv(kv)
+    pos = torch.arange(t)
+    slots = table[0, pos // bs] * bs + pos % bs
+    qc = torch.randn(length, hq, d, generator=torch.Generator().manual_seed(1)).to(dtype)
+    chunk = PrefillChunk(start=0, length=length, context_len=t, slots=slots)
+    meta = AttentionMetadata(slot_mapping=slots[t - length:], prefills=[chunk])
+    scale = d ** -0.5
+    flops = 4 * length * hq * d * (t - length) + 2 * length * (length + 1) * hq * d  # the causal scores and sums
+    with torch.inference_mode():
+        ref = lambda: prefill_reference(qc, None, None, kv, chunk, slots[t - length:], scale)  # noqa: E731
+        result = {"shape": {"prefill": length, "context": t, "kv_heads": hkv, "q_heads": hq, "head_dim": d,
+                            "block_size": bs, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype},
+                  "threads": torch.get_num_threads(),
+                  "reference_ms": median_ms(ref, args.repeat)}
+        result["reference_GFLOP_per_s"] = round(flops / result["reference_ms"] / 1e6, 1)
+        if prefill_kernel(kv, qc) is None:
+            result["kernel_ms"] = None  # not built, or not this dtype / CPU: chunks take the reference
+        else:
+            result["kernel_ms"] = median_ms(lambda: paged_attention(qc, None, None, kv, meta, scale), args.repeat)
+            result["kernel_GFLOP_per_s"] = round(flops / result["kernel_ms"] / 1e6, 1)
+            got = paged_attention(qc, None, None, kv, meta, scale)
+            result["max_abs_diff"] = float((got.float() - ref().float()).abs().max())
+            result["speedup_median"] = round(result["reference_ms"] / result["kernel_ms"], 2)
     print(json.dumps(result, indent=2))
     return result
 

@@ -335,3 +335,13 @@ def test_layer_ops_reject_bad_input():
                   torch.zeros(8, 32).bfloat16(), 2, 64)
     with pytest.raises(RuntimeError, match="bfloat16 only"):
         ops.kernel.rms_norm(torch.zeros(1, 8), torch.zeros(1, 8), torch.ones(8), 1e-5)
+
+
+def test_attention_bench_times_a_prefill_chunk(capsys):
+    """bench/attention_bench.py --prefill: the reference and (where it runs) the kernel on one chunk."""
+    from meshserve.bench import attention_bench
+
+    r = attention_bench.main(["--prefill", "20", "--context", "50", "--repeat", "2", "--kv-cache-dtype", "int8"])
+    assert r["shape"]["prefill"] == 20 and r["reference_ms"] > 0
+    if r["kernel_ms"] is not None:
+        assert r["max_abs_diff"] < 2e-2 and r["kernel_GFLOP_per_s"] > 0
