@@ -14,6 +14,9 @@ per-channel scales (docs/quantization.md).
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -27,10 +30,20 @@ BLOCK_N = 16  # output columns per block of the layout
 # the AVX2 tiles, 48-64 against the AVX-512 VNNI ones).
 GEMM_FACTOR_AVX2 = 2
 GEMM_FACTOR_VNNI = 3.5
+# On a CPU with AVX-512 BF16 and no AMX, from this many rows on an int8 projection runs the bf16
+# kernel (kernels/cpu/linear.cpp) on its kept dequantized copy in that kernel's blocked layout: a
+# step of many rows is bound by arithmetic, where bf16 dot products (vdpbf16ps) outrun the int8
+# tiles' int16 ones (vpdpwssd: 0.29 against 0.18 ms for SmolLM2's qkv at 64 rows), while fewer rows
+# stream the weights from memory, where int8's half the bytes wins. Measured on a 2-core AVX-512 BF16
+# EPYC with bench-quant's decode of 16-64 sequences: the int8 tiles ahead at 16-24 rows, even at
+# 32-40, the copy ahead from 48; mixed-64 in the engine 165 -> 191 tokens/s from 32 rows (186 from
+# 16). MESHSERVE_INT8_BF16_MIN_ROWS overrides it (0: keep no copy).
+BF16_KERNEL_MIN_ROWS = 32
 INT8 = "@int8"  # a weights dict holds a projection's int8 weight [N, K] under its name + this suffix,
 BLOCKED = "@int8n16k2"  # or its blocked form [N/16, K/2, 16, 2] (the CPU kernel's) under this one,
 SCALE = "@scale"  # and its fp32 scales [N] under this one;
-DEQUANTIZED = "@int8bf16"  # on an AMX CPU also q * scale in bf16, plain [N, K] (keeps_dequantized)
+DEQUANTIZED = "@int8bf16"  # on an AMX CPU also q * scale in bf16, plain [N, K] (dequantized_form "plain")
+DEQUANTIZED_BLOCKED = "@int8bf16n32k2"  # on AVX-512 BF16 without AMX, in linear.py's layout ("blocked")
 
 
 def kernel():
@@ -70,20 +83,43 @@ def from_blocked(b: torch.Tensor) -> torch.Tensor:
     return b.permute(0, 2, 1, 3).reshape(nb * BLOCK_N, k2 * 2)
 
 
+@functools.cache
+def bf16_kernel_min_rows() -> int:
+    """BF16_KERNEL_MIN_ROWS (or its override); 0: never."""
+    try:
+        return max(0, int(os.environ.get("MESHSERVE_INT8_BF16_MIN_ROWS", BF16_KERNEL_MIN_ROWS)))
+    except ValueError:
+        return BF16_KERNEL_MIN_ROWS
+
+
+def dequantized_form() -> str | None:
+    """Which copy of q * scale in bf16 int8 projections keep beside their blocked int8 weight, for
+    steps of many rows: "plain" on a CPU with AMX (torch's GEMM on AMX tiles, as bf16 projections
+    keep their plain form: kernels/linear.py keeps_plain), "blocked" on a CPU with AVX-512 BF16 and
+    no AMX (the bf16 kernel, from bf16_kernel_min_rows rows), None elsewhere. The same bits as
+    dequantizing per call; 1.5x the int8 weights' memory: a trade of memory for the many-row steps'
+    speed with the few-row steps' (docs/quantization.md)."""
+    if kernel() is None:
+        return None
+    if cpu_build.amx_gemm_min_rows() > 0:
+        return "plain"
+    from . import linear
+
+    return "blocked" if bf16_kernel_min_rows() > 0 and linear.kernel() is not None else None
+
+
 def keeps_dequantized() -> bool:
-    """Whether int8 projections keep q * scale in bf16 (plain) beside the blocked int8 weight: on a
-    CPU with AMX, as bf16 projections keep their plain form (kernels/linear.py keeps_plain), so a
-    step of many rows runs torch's GEMM on it instead of dequantizing every projection again (the
-    same bits). 1.5x the int8 weights' memory, 0.75x what bf16 keeps there (docs/quantization.md)."""
-    return cpu_build.amx_gemm_min_rows() > 0 and kernel() is not None
+    return dequantized_form() is not None
 
 
 def quantize_weights(weights: dict[str, torch.Tensor], names: list[str], dtype: torch.dtype,
                      device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """`weights` with each named projection replaced by its int8 weight (blocked where the CPU
-    kernel will run it, with its dequantized copy where keeps_dequantized) and scales; every other
+    kernel will run it, with its dequantized copy in the dequantized_form) and scales; every other
     tensor in `dtype`."""
-    out = {}
+    from . import linear
+
+    out, form = {}, dequantized_form()
     for name, w in weights.items():
         if name not in names:
             out[name] = w.to(dtype).contiguous()
@@ -91,8 +127,12 @@ def quantize_weights(weights: dict[str, torch.Tensor], names: list[str], dtype: 
         q, out[name + SCALE] = quantize(w)
         if torch.device(device).type == "cpu" and can_block(q, dtype):
             out[name + BLOCKED] = to_blocked(q)
-            if keeps_dequantized():
-                out[name + DEQUANTIZED] = Int8Linear(out[name + SCALE], blocked=out[name + BLOCKED]).weight(dtype)
+            if form is not None:
+                w = Int8Linear(out[name + SCALE], blocked=out[name + BLOCKED]).weight(dtype)
+                if form == "plain":
+                    out[name + DEQUANTIZED] = w
+                elif linear.can_block(w):
+                    out[name + DEQUANTIZED_BLOCKED] = linear.to_blocked(w)
         else:
             out[name + INT8] = q
     return out
@@ -103,23 +143,33 @@ def is_quantized(weights: dict[str, torch.Tensor], name: str) -> bool:
 
 
 class Int8Linear:
-    __slots__ = ("q", "blocked", "scale", "bias", "kernel", "out_features", "dequantized")
+    __slots__ = ("q", "blocked", "scale", "bias", "kernel", "out_features", "dequantized", "bf16")
 
     def __init__(self, scale: torch.Tensor, q: torch.Tensor | None = None, blocked: torch.Tensor | None = None,
-                 bias: torch.Tensor | None = None, dequantized: torch.Tensor | None = None):
+                 bias: torch.Tensor | None = None, dequantized: torch.Tensor | None = None,
+                 dequantized_blocked: torch.Tensor | None = None):
         """From the int8 weight [N, K] or its blocked form, and its scales [N] (and, beside a blocked
-        weight, its dequantized bf16 copy, as quantize_weights keeps it)."""
+        weight, its dequantized bf16 copy, plain or blocked, as quantize_weights keeps it)."""
         self.kernel = kernel() if blocked is not None else None
         if blocked is not None and self.kernel is None:  # blocked by a loader, but no kernel here
             q, blocked = from_blocked(blocked).contiguous(), None
         self.q, self.blocked, self.scale, self.bias = q, blocked, scale, bias
         self.dequantized = dequantized if self.blocked is not None else None
+        # The bf16 kernel's projection on the blocked copy (None where it cannot run it).
+        self.bf16 = None
+        if self.blocked is not None and dequantized_blocked is not None:
+            from .linear import Linear
+
+            self.bf16 = Linear(bias=bias, blocked=dequantized_blocked)
+            if self.bf16.kernel is None:
+                self.bf16 = None
         self.out_features = scale.shape[0]
 
     @classmethod
     def of(cls, weights: dict[str, torch.Tensor], name: str, bias: str | None = None) -> "Int8Linear":
         return cls(weights[name + SCALE], weights.get(name + INT8), weights.get(name + BLOCKED),
-                   weights.get(bias) if bias else None, weights.get(name + DEQUANTIZED))
+                   weights.get(bias) if bias else None, weights.get(name + DEQUANTIZED),
+                   weights.get(name + DEQUANTIZED_BLOCKED))
 
     def gemm(self, rows: int) -> bool:
         """Whether a bf16 step of `rows` rows runs this projection as torch's GEMM on AMX tiles."""
@@ -151,6 +201,8 @@ class Int8Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocked is not None and x.dtype == torch.bfloat16:
+            if self.bf16 is not None and 0 < bf16_kernel_min_rows() <= x.shape[0]:  # many rows, no AMX
+                return self.bf16(x)
             if self.gemm(x.shape[0]):  # a prefill chunk or a big decode step, on AMX tiles
                 return F.linear(x, self.weight(x.dtype), self.bias)
             x = x.contiguous()

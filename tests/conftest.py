@@ -93,12 +93,16 @@ def _amx_gemm_from(monkeypatch, rows: int) -> None:
 
 @pytest.fixture
 def kernel_projections(monkeypatch):
-    """Every projection on the CPU kernels, whatever the step's size: int8's integer sums make a
+    """Every projection on its own CPU kernel, whatever the step's size: int8's integer sums make a
     row's result independent of its batch, which the GEMM a CPU with AMX takes for many rows is
-    not (a test comparing two schedules token for token on a bf16 model needs that)."""
-    from meshserve.kernels import cpu_build
+    not, nor the bf16 kernel that int8 weights' dequantized copy runs for many rows elsewhere (a
+    test comparing two schedules token for token needs that)."""
+    from meshserve.kernels import cpu_build, int8_linear
 
     _amx_gemm_from(monkeypatch, 0)
+    monkeypatch.setenv("MESHSERVE_INT8_BF16_MIN_ROWS", "0")
+    int8_linear.bf16_kernel_min_rows.cache_clear()
     yield
     monkeypatch.undo()
     cpu_build.amx_gemm_min_rows.cache_clear()
+    int8_linear.bf16_kernel_min_rows.cache_clear()

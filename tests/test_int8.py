@@ -106,7 +106,7 @@ def test_amx_cpu_keeps_the_dequantized_copy_and_runs_many_rows_on_it():
     """On a CPU with AMX, quantize_weights also keeps q * scale in bf16 (the bits the kernel's one-pass
     dequantization gives), and a step of as many rows as send bf16 projections to the GEMM runs it
     on that copy: what dequantizing per call gave, without the pass."""
-    if not il.keeps_dequantized():
+    if il.dequantized_form() != "plain":
         pytest.skip("no AMX on this CPU")
     g = torch.Generator().manual_seed(7)
     w = {"p": torch.randn(960, 576, generator=g) * 0.05, "norm": torch.randn(576, generator=g)}
@@ -119,6 +119,30 @@ def test_amx_cpu_keeps_the_dequantized_copy_and_runs_many_rows_on_it():
         x = torch.randn(m, 576, generator=g).bfloat16()
         want = F.linear(x, per_call.weight(torch.bfloat16)) if kept.gemm(m) else per_call(x)
         assert torch.equal(kept(x), want), m
+
+
+@needs_kernel
+def test_avx512_bf16_cpu_keeps_a_blocked_dequantized_copy_for_many_rows():
+    """On a CPU with AVX-512 BF16 and no AMX, quantize_weights also keeps q * scale in bf16 in the
+    bf16 kernel's blocked layout, and a step of bf16_kernel_min_rows rows or more runs that kernel on
+    it (what the bf16 kernel gives on the dequantized weight); fewer rows stay on the int8 tiles."""
+    from meshserve.kernels import linear
+
+    if il.dequantized_form() != "blocked":
+        pytest.skip("not an AVX-512 BF16 CPU without AMX")
+    g = torch.Generator().manual_seed(7)
+    w = {"p": torch.randn(960, 576, generator=g) * 0.05, "norm": torch.randn(576, generator=g)}
+    out = il.quantize_weights(w, ["p"], torch.bfloat16)
+    q, s = il.quantize(w["p"])
+    assert il.DEQUANTIZED not in out and set(out) == {"p" + il.BLOCKED, "p" + il.SCALE, "p" + il.DEQUANTIZED_BLOCKED,
+                                                      "norm"}
+    assert torch.equal(linear.from_blocked(out["p" + il.DEQUANTIZED_BLOCKED]), il.dequantize(q, s, torch.bfloat16))
+    kept, per_call = il.Int8Linear.of(out, "p"), il.Int8Linear(out["p" + il.SCALE], blocked=out["p" + il.BLOCKED])
+    bf16 = linear.Linear(blocked=out["p" + il.DEQUANTIZED_BLOCKED])
+    n = il.bf16_kernel_min_rows()
+    for m in (1, n - 1, n, 64, 128):
+        x = torch.randn(m, 576, generator=g).bfloat16()
+        assert torch.equal(kept(x), bf16(x) if m >= n else per_call(x)), m
 
 
 def test_tied_embedding_rows_from_either_layout():
@@ -251,10 +275,12 @@ def test_loader_keeps_int8_weights_apart_from_bf16(tiny_llama, tmp_path, monkeyp
     assert int8.quantization == "int8" and int8.path != bf16.path
     assert prepared.entry(gguf, "bfloat16-int8", "cpu") != prepared.entry(gguf, "bfloat16", "cpu")
     digest = hashlib.sha256(open(int8.path, "rb").read()).hexdigest()
-    # The untied embedding stays bf16; an AMX CPU keeps q * scale in bf16 too, as bf16 keeps its plain copy.
-    dequantized = il.keeps_dequantized()
-    assert os.path.getsize(int8.path) < (0.85 if dequantized else 0.7) * os.path.getsize(bf16.path)
-    assert any(t.name.endswith(il.DEQUANTIZED) for t in int8.tensors) == dequantized
+    # The untied embedding stays bf16; an AMX CPU keeps q * scale in bf16 too, as bf16 keeps its plain
+    # copy (0.75x of bf16's two), another CPU with AVX-512 BF16 in the bf16 kernel's layout (1.5x bf16's one).
+    form = il.dequantized_form()
+    assert os.path.getsize(int8.path) < {None: 0.7, "plain": 0.85, "blocked": 1.55}[form] * os.path.getsize(bf16.path)
+    assert any(t.name.endswith(il.DEQUANTIZED) for t in int8.tensors) == (form == "plain")
+    assert any(t.name.endswith(il.DEQUANTIZED_BLOCKED) for t in int8.tensors) == (form == "blocked")
     assert {t.dtype for t in int8.tensors} == {"int8", "float32", "bfloat16"}
     os.unlink(int8.path)
     again = loader.load_now(str(gguf), "bfloat16", "int8")  # from the kept copy

@@ -40,11 +40,11 @@ def recipe() -> str:
         h.update(Path(importlib.util.find_spec(name).origin).read_bytes())
     for dist in RECIPE_DISTRIBUTIONS:
         h.update(importlib.metadata.version(dist).encode())
-    from meshserve.kernels.int8_linear import keeps_dequantized
+    from meshserve.kernels.int8_linear import dequantized_form
     from meshserve.kernels.linear import keeps_plain
 
     h.update(b"plain+blocked" if keeps_plain() else b"blocked")  # what this CPU's layout keeps
-    h.update(b"+int8bf16" if keeps_dequantized() else b"")
+    h.update({None: b"", "plain": b"+int8bf16", "blocked": b"+int8bf16n32k2"}[dequantized_form()])
     return h.hexdigest()[:16]
 
 
