@@ -286,6 +286,7 @@ void paged_prefill_attention(at::Tensor out, at::Tensor q, at::Tensor kv, at::Te
     w.s.resize(T * a.G * pa::kLanes);
     w.pp.resize(T2 * a.G * pa::kLanes);
     w.inv.resize(a.G * pa::kLanes);
+    w.mx.resize(a.G);
     // The last tiles of the chunk see the most keys: hand them out first.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {

@@ -95,10 +95,18 @@ inline void interleave_pair(const bf16* a, const bf16* b, int64_t D, bf16* out) 
   }
 }
 
-// Scores of keys [t0, t0 + kn) for GN lane groups: s[t][g] (16 lanes) = scale * q_g . k_t.
+// Which lanes see key t: query i sees keys up to cached + i, so lanes i >= t - first_free, where
+// first_free = cached + i0 (the task's first query's own position); padding lanes never.
+inline __mmask16 seen_by(int64_t t, int64_t first_free, __mmask16 valid) {
+  const int64_t first = t - first_free;
+  return first <= 0 ? valid : static_cast<__mmask16>(valid & ~((1u << first) - 1));
+}
+
+// Scores of keys [t0, t0 + kn) for GN lane groups: s[t][g] (16 lanes) = scale * q_g . k_t, and each
+// group's running maximum over the keys its lanes see (mx[g]).
 template <int GN>
 inline void score_tile(const bf16* qp, int64_t D, const bf16* kc, int64_t t0, int kn, float scale, float* s,
-                       int64_t G) {
+                       int64_t G, __m512* mx, int64_t first_free, __mmask16 valid) {
   __m512 acc[kKeyTile][GN];
   for (int k = 0; k < kKeyTile; ++k)
     for (int g = 0; g < GN; ++g) acc[k][g] = _mm512_setzero_ps();
@@ -115,8 +123,14 @@ inline void score_tile(const bf16* qp, int64_t D, const bf16* kc, int64_t t0, in
     }
   }
   const __m512 vs = _mm512_set1_ps(scale);
-  for (int k = 0; k < kn; ++k)
-    for (int g = 0; g < GN; ++g) _mm512_storeu_ps(s + ((t0 + k) * G + g) * kLanes, _mm512_mul_ps(acc[k][g], vs));
+  for (int k = 0; k < kn; ++k) {
+    const __mmask16 seen = seen_by(t0 + k, first_free, valid);
+    for (int g = 0; g < GN; ++g) {
+      const __m512 x = _mm512_mul_ps(acc[k][g], vs);
+      _mm512_storeu_ps(s + ((t0 + k) * G + g) * kLanes, x);
+      mx[g] = _mm512_mask_max_ps(mx[g], seen, mx[g], x);
+    }
+  }
 }
 
 // out rows [i0, i0 + RN) of one lane group from the pairs of weights pp[t2][16 lanes] and the values.
@@ -167,6 +181,7 @@ struct Scratch {
   std::vector<float> s;       // [T][G][16]: scores, then weights
   std::vector<uint32_t> pp;   // [T/2][G][16]: bf16 pairs of weights of keys 2t2, 2t2 + 1
   std::vector<float> inv;     // [G][16]
+  std::vector<__m512> mx;     // [G]: the scores' running maxima
 };
 
 // One task: KV head h, queries [i0, i0 + 16) of the chunk.
@@ -185,46 +200,42 @@ void attend_task(const Args& a, int64_t h, int64_t i0, const bf16* kc, const bf1
       uint32_t* dst = reinterpret_cast<uint32_t*>(w.qp.data()) + g * D2 * kLanes + i;
       for (int64_t j = 0; j < D2; ++j) dst[j * kLanes] = bits_of(qr + 2 * j);
     }
-  // Scores.
+  // Scores, with each group's maximum over what its lanes see.
   float* s = w.s.data();
+  const int64_t first_free = a.cached + i0;
+  __m512* mx = w.mx.data();
+  for (int64_t g = 0; g < G; ++g) mx[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t g0 = 0; g0 < G; g0 += kGroupTile) {
     const int gn = static_cast<int>(std::min<int64_t>(kGroupTile, G - g0));
     const bf16* qg = w.qp.data() + g0 * D2 * 2 * kLanes;
     float* sg = s + g0 * kLanes;
     for (int64_t t0 = 0; t0 < tlim; t0 += kKeyTile) {
       const int kn = static_cast<int>(std::min<int64_t>(kKeyTile, tlim - t0));
-      if (gn == 3) score_tile<3>(qg, D, kc, t0, kn, a.scale, sg, G);
-      else if (gn == 2) score_tile<2>(qg, D, kc, t0, kn, a.scale, sg, G);
-      else score_tile<1>(qg, D, kc, t0, kn, a.scale, sg, G);
+      if (gn == 3) score_tile<3>(qg, D, kc, t0, kn, a.scale, sg, G, mx + g0, first_free, valid);
+      else if (gn == 2) score_tile<2>(qg, D, kc, t0, kn, a.scale, sg, G, mx + g0, first_free, valid);
+      else score_tile<1>(qg, D, kc, t0, kn, a.scale, sg, G, mx + g0, first_free, valid);
     }
   }
-  // Softmax along the keys, lane-wise; key t is seen by lanes i >= t - cached - i0.
-  auto seen = [&](int64_t t) -> __mmask16 {
-    const int64_t first = t - a.cached - i0;
-    return first <= 0 ? valid : static_cast<__mmask16>(valid & ~((1u << first) - 1));
-  };
+  // Softmax along the keys, lane-wise, in one pass: exp(s - max) of keys 2 t2 and 2 t2 + 1, summed in
+  // float32 and stored as a bf16 pair per lane (an odd last key pairs with 0).
   const int64_t n2 = (tlim + 1) / 2;
-  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t g = 0; g < G; ++g) {
-    __m512 m = ninf;
-    for (int64_t t = 0; t < tlim; ++t) m = _mm512_mask_max_ps(m, seen(t), m, _mm512_loadu_ps(s + (t * G + g) * kLanes));
-    m = _mm512_mask_mov_ps(_mm512_setzero_ps(), valid, m);  // padding lanes: finite
+    const __m512 m = _mm512_mask_mov_ps(_mm512_setzero_ps(), valid, mx[g]);  // padding lanes: finite
     __m512 sum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < tlim; ++t) {
-      float* st = s + (t * G + g) * kLanes;
-      const __m512 e = _mm512_maskz_mov_ps(seen(t), vec_math::exp16(_mm512_sub_ps(_mm512_loadu_ps(st), m)));
-      sum = _mm512_add_ps(sum, e);
-      _mm512_storeu_ps(st, e);
-    }
-    _mm512_storeu_ps(w.inv.data() + g * kLanes, _mm512_div_ps(_mm512_set1_ps(1.f), sum));
-    // Pairs of weights (keys 2t2, 2t2 + 1) per lane, rounded to bf16; an odd last key pairs with 0.
     for (int64_t t2 = 0; t2 < n2; ++t2) {
-      const __m512 e0 = _mm512_loadu_ps(s + (2 * t2 * G + g) * kLanes);
-      const __m512 e1 = 2 * t2 + 1 < tlim ? _mm512_loadu_ps(s + ((2 * t2 + 1) * G + g) * kLanes) : _mm512_setzero_ps();
+      const int64_t t = 2 * t2;
+      const __m512 e0 = _mm512_maskz_mov_ps(seen_by(t, first_free, valid),
+                                            vec_math::exp16(_mm512_sub_ps(_mm512_loadu_ps(s + (t * G + g) * kLanes), m)));
+      __m512 e1 = _mm512_setzero_ps();
+      if (t + 1 < tlim)
+        e1 = _mm512_maskz_mov_ps(seen_by(t + 1, first_free, valid),
+                                 vec_math::exp16(_mm512_sub_ps(_mm512_loadu_ps(s + ((t + 1) * G + g) * kLanes), m)));
+      sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
       const __m512i b0 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e0));
       const __m512i b1 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e1));
       _mm512_storeu_si512(w.pp.data() + (t2 * G + g) * kLanes, _mm512_or_si512(b0, _mm512_slli_epi32(b1, 16)));
     }
+    _mm512_storeu_ps(w.inv.data() + g * kLanes, _mm512_div_ps(_mm512_set1_ps(1.f), sum));
   }
   // Output rows, a lane group at a time.
   constexpr int RMAX = kAcc / DV;
