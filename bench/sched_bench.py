@@ -11,7 +11,10 @@ baseline of "interactive TTFT with the batch running". Reported per workload:
 - short requests' TTFT p99 under fcfs / under priority (target >= 3) and output throughput
   priority / fcfs (target >= 0.9). Short requests: the class named `short`, else the `interactive`
   class, else prompts of at most --short-prompt-tokens;
-- interactive TTFT p99 with the batch / alone (target <= 1.5), and whether the batch completed;
+- interactive TTFT p99 with the batch / alone (target <= 1.5; "alone": the run without the
+  background class), and whether the batch completed;
+- with interactive and normal classes, the normal class's TTFT p99 and longest wait under each
+  policy (what its guaranteed share bounds under sustained interactive load);
 - the workers' preemptions by mode and their compute yields (scheduler status, at the end of each
   run).
 Then preemption costs in the in-process engine, per context length: swap (the sequence's blocks
@@ -99,9 +102,15 @@ def bench_workload(a: argparse.Namespace, name: str, tokenizer, log) -> dict:
            "short_ttft_p99_fcfs_over_priority": f_short / p_short if p_short and f_short else None,
            "output_throughput_priority_over_fcfs": thr["priority"] / thr["fcfs"] if thr["fcfs"] and thr["priority"]
            else None}
+    normal = {p: [r.ttft for r in raw[p] if r.priority == "normal" and r.ok] for p in ("priority", "fcfs") if p in raw}
+    if any(normal.values()) and "interactive" in classes:  # the normal class's wait beside interactive load
+        cmp["normal_ttft_max_s"] = {p: max(x) if x else None for p, x in normal.items()}
+        cmp["normal_ttft_p99_s"] = {p: _p99_ttft([r for r in raw[p] if r.priority == "normal" and r.ok])
+                                    for p in normal}
     if "alone" in raw:
         inter = [r for r in raw["priority"] if r.priority == "interactive"]
-        with_batch, alone = _p99_ttft(inter), _p99_ttft(raw["alone"])
+        with_batch = _p99_ttft(inter)
+        alone = _p99_ttft([r for r in raw["alone"] if r.priority == "interactive"])
         bg = [r for r in raw["priority"] if r.priority == "background"]
         cmp |= {"interactive_ttft_p99_s": {"with_batch": with_batch, "alone": alone},
                 "interactive_ttft_p99_with_batch_over_alone": with_batch / alone if with_batch and alone else None,
