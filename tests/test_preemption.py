@@ -417,3 +417,52 @@ def test_mesh_queues_requests_instead_of_parking_them_behind_a_busy_worker(tiny_
         assert done[-1] == "long", done
         status = mesh.ask("scheduler.status")
         assert status["queued_by_priority"] == {"interactive": 0, "normal": 0, "background": 0}
+
+
+def test_mesh_normal_wait_is_bounded_under_a_sustained_interactive_flood_and_background_finishes(tiny_llama,
+                                                                                                 tmp_path):
+    """One worker with two seats and more interactive requests in flight than seats, all the time
+    (each of eight clients sends its next one as its last ends): a normal request sent into that
+    flood completes while the flood goes on (its guaranteed share of the output tokens; without it
+    the flood outranks it until the flood stops, 30 s later, and the test fails), and a background
+    request sent before the flood completes once the flood stops. Both give the in-process engine's
+    greedy tokens."""
+    from mesh_util import Mesh
+    from meshserve.shared.engine.llm import LLM
+
+    with Mesh(tiny_llama, tmp_path, prefill=0, decode=1, extra=["--max-num-seqs", "2"]) as mesh:
+        stop = False
+        flood_done: list[float] = []  # when each interactive request ended
+
+        def flood(k: int) -> None:
+            i = 0
+            while not stop:
+                # Long enough that eight clients keep six waiting behind the two seats.
+                stream_events(mesh.url, mesh.model, f"Question {k}.{i}: why?", 200, "interactive", [], "i")
+                flood_done.append(time.monotonic())
+                i += 1
+
+        with concurrent.futures.ThreadPoolExecutor(10) as ex:
+            bg = ex.submit(stream_events, mesh.url, mesh.model, "Once upon a time", 48, "background", [], "bg")
+            clients = [ex.submit(flood, k) for k in range(8)]
+            deadline = time.monotonic() + 120
+            while len(flood_done) < 16 and time.monotonic() < deadline:  # the flood is on
+                time.sleep(0.01)
+            sent = time.monotonic()
+            normal = ex.submit(stream_events, mesh.url, mesh.model, "The normal request", 16, "normal", [], "n")
+            concurrent.futures.wait([normal], timeout=30)  # about 1.4 s: 1 s in the scheduler's queue
+            finished, stopped = time.monotonic(), normal.done()
+            stop = True
+            for c in clients:
+                c.result(timeout=120)
+            normal_text, bg_text = normal.result(timeout=120), bg.result(timeout=120)
+        assert stopped, "the normal request did not complete while the interactive flood went on"
+        # Interactive requests kept ending while it ran, and after it was done.
+        assert any(sent <= t <= finished for t in flood_done) and any(t > finished for t in flood_done)
+        status = mesh.ask("scheduler.status")
+        assert status["queued_by_priority"] == {"interactive": 0, "normal": 0, "background": 0}
+    llm = LLM(str(tiny_llama), "float32")
+    want = [c.text for c in llm.generate(["The normal request", "Once upon a time"],
+                                         [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+                                          SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)])]
+    assert [normal_text, bg_text] == want

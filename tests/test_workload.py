@@ -163,10 +163,10 @@ def test_priority_mix_interactive_arrives_during_the_background_batch():
 def test_sustained_mix_has_interactive_bursts_for_a_minute_beside_normal_traffic_and_a_batch():
     reqs = gen("sustained-mix", 0)
     by = {c: [q for q in reqs if q.cls == c] for c in ("background", "interactive", "normal")}
-    assert [len(by[c]) for c in by] == [16, 240, 24]
+    assert [len(by[c]) for c in by] == [16, 180, 24]
     assert all(q.arrival == 0 and q.priority == "background" and q.prompt_len >= 1000 for q in by["background"])
     times = Counter(q.arrival for q in by["interactive"])
-    assert set(times.values()) == {8} and min(times) == 1.0 and max(times) == 59.0  # 8 every 2 s
+    assert set(times.values()) == {6} and min(times) == 1.0 and max(times) == 59.0  # 6 every 2 s
     assert all(q.priority == "normal" for q in by["normal"]) and len({q.arrival for q in by["normal"]}) == 24
 
 
