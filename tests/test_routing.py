@@ -94,3 +94,24 @@ def test_an_interactive_short_prompt_skips_an_idle_decode_worker_with_long_steps
     assert pick_idle_for_short_prompt([slow], 20, 32, [], "interactive") is None
     assert pick_idle_for_short_prompt([slow], 20, 32, [], "normal") is slow  # throughput: it saves the handoff
     assert pick_idle_for_short_prompt([slow, fast], 20, 32, [], "interactive") is fast
+
+
+def test_a_burst_of_interactive_prompts_alternates_between_the_prefill_and_a_busy_decode_worker():
+    """Each interactive prompt goes where the fewest interactive prompts wait ahead of it, counting
+    decode workers with short steps (it is computed beside their decodes); ties go to the prefill
+    worker. A long prompt, or a decode worker with long steps, is not spilled."""
+    from meshserve.services.scheduler.routing import pick_soonest, spill_candidates
+
+    pre, dec = view("p", "prefill"), view("d", "decode", running=30)
+    dec.hb.step_s, dec.hb.max_num_seqs, pre.hb.max_num_seqs = 0.05, 64, 64
+    sent = []
+    for i in range(6):
+        w = pick_soonest([pre], [], spill=spill_candidates([dec], 150))
+        w.admitted[f"i{i}"] = ("interactive", 150)
+        w.sent["interactive"] = w.sent.get("interactive", 0) + 1
+        sent.append(w.hb.worker_id)
+    assert sent == ["p", "d", "p", "d", "p", "d"]
+    assert spill_candidates([dec], 2000) == []
+    dec.hb.step_s = 0.4
+    assert spill_candidates([dec], 150) == []
+    assert pick_soonest([pre], [], spill=[]) is pre

@@ -68,7 +68,7 @@ from .prewarm import MIN_RATE, Rates, plan, residents
 from .queues import ClassQueues
 from .roles import ElasticRoles, Load
 from .routing import (WorkerView, pick_admission, pick_decode, pick_idle_for_short_prompt, pick_soonest,
-                      waiting_there)
+                      spill_candidates, waiting_there)
 
 log = logging.getLogger("meshserve.scheduler")
 
@@ -493,15 +493,15 @@ class Scheduler:
         first = self._first_choice_worker(req, cands)
         if first is not None:
             return first
-        idle = pick_idle_for_short_prompt(self.alive(req.model, ("decode",)), n_prompt, self.args.short_prefill,
-                                          hashes, req.priority)
+        decoders = self.alive(req.model, ("decode",))
+        idle = pick_idle_for_short_prompt(decoders, n_prompt, self.args.short_prefill, hashes, req.priority)
         if idle is not None:
             return idle
+        if req.priority == "interactive" and not self.fcfs:  # at once, where it starts soonest
+            return pick_soonest(cands, hashes, spill=spill_candidates(decoders, n_prompt))
         w = pick_admission(cands, req.priority, hashes, self.args.queue_depth, self.fcfs)
         if w is not None or self.fcfs:
             return w
-        if req.priority == "interactive":
-            return pick_soonest(cands, hashes)
         if req.priority == "normal" and time.monotonic() - item.since >= self.args.normal_max_queue_s:
             return pick_soonest([c for c in cands if waiting_there(c, "normal") == 0], hashes, "normal")
         return None

@@ -30,6 +30,11 @@ from meshserve.shared.schemas import Heartbeat
 CACHE_WEIGHT = 1.0
 LOAD_WEIGHT = 8.0  # one queued request costs as much as recomputing 8 blocks (128 tokens)
 INTERACTIVE_MAX_STEP_S = 0.1  # an interactive prompt goes to an idle decode worker only if it steps this fast
+# An interactive prompt may go to a busy decode worker (computed in its next steps, beside its
+# decodes) when the prefill workers have interactive prompts waiting ahead of it: up to this many
+# tokens (a decoding worker's steps take 128 prompt tokens each), and only where steps are this short.
+INTERACTIVE_SPILL_MAX_TOKENS = 512
+INTERACTIVE_SPILL_MAX_STEP_S = 0.25
 
 
 @dataclass
@@ -85,11 +90,27 @@ def pick_admission(workers: list[WorkerView], cls: str, prompt_hashes: list[int]
     return pick_prefill([w for w in workers if has_room(w, cls, depth, fcfs)], prompt_hashes)
 
 
-def pick_soonest(workers: list[WorkerView], prompt_hashes: list[int], cls: str = "interactive") -> WorkerView | None:
+def pick_soonest(workers: list[WorkerView], prompt_hashes: list[int], cls: str = "interactive",
+                 spill: list[WorkerView] = ()) -> WorkerView | None:
     """Where a request of cls starts soonest: a free seat first (else its engine preempts lower
-    classes there), then the fewest of its class waiting ahead of it, then prefill_cost."""
-    return min(workers, key=lambda w: (free_seats(w) <= 0, waiting_there(w, cls), prefill_cost(w, prompt_hashes),
-                                       w.hb.worker_id), default=None)
+    classes there), then the fewest of its class waiting ahead of it, then a prefill worker before a
+    decode worker that would compute it beside its decodes (`spill`, from spill_candidates), then
+    prefill_cost. A burst of interactive prompts thus alternates between a node's prefill worker
+    and its decode worker instead of queueing behind each other on one."""
+    spilled = {id(w) for w in spill}
+    return min([*workers, *(w for w in spill if all(w is not c for c in workers))],
+               key=lambda w: (free_seats(w) <= 0, waiting_there(w, cls), id(w) in spilled,
+                              prefill_cost(w, prompt_hashes), w.hb.worker_id), default=None)
+
+
+def spill_candidates(decoders: list[WorkerView], prompt_len: int) -> list[WorkerView]:
+    """Decode workers that may take an interactive prompt into their next steps (mixed role): its
+    first token then waits for their step in progress and a step or few beside their decodes,
+    rather than for the interactive prompts queued on the prefill workers (measured: a burst of six
+    chat prompts every 2 s beside a background batch queued up to 7 s on one prefill worker)."""
+    if prompt_len > INTERACTIVE_SPILL_MAX_TOKENS:
+        return []
+    return [w for w in decoders if 0 < w.hb.step_s <= INTERACTIVE_SPILL_MAX_STEP_S]
 
 
 def uncached_blocks(prompt_hashes: list[int], cached: set[int]) -> int:

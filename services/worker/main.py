@@ -430,11 +430,17 @@ class Worker:
                 await asyncio.sleep(0.2)
                 continue
             waited = self.engine.scheduler.num_waiting
-            t0 = time.perf_counter()  # the step's wall time, the last step's tokens streamed meanwhile
+            t0, began, interrupted = time.perf_counter(), time.time(), self.engine.interrupted_steps
             step = asyncio.get_running_loop().run_in_executor(self.stepper, self._step)
             await self._flush()
             outputs = await step
             took = time.perf_counter() - t0
+            # With tracing on, every step is a span: what a request's way to the worker waited on.
+            telemetry.record("worker.step", None, began, worker=self.id, role=self.role,
+                             interrupted=self.engine.interrupted_steps > interrupted,
+                             owed=self.engine.owes_step, tokens=self.engine.last_step_tokens,
+                             running=self.engine.scheduler.num_running,
+                             waiting=self.engine.scheduler.num_waiting)
             self.step_s = took if not self.step_s else 0.8 * self.step_s + 0.2 * took
             self.compute.stepped()
             await self._claim_compute()  # an interactive prompt just computed: the claim ends at once

@@ -123,6 +123,7 @@ class LLMEngine:
         self.urgent: threading.Event | None = None
         self.interrupted_steps = 0
         self.owes_step = False  # interrupted: the next such step runs to its end (the batch progresses)
+        self.last_step_tokens = 0  # tokens the last step computed (or began to)
         self.last_step_decode_only = False  # the last step computed decodes only (and ran to its end)
         self.speculator = None
         if config.speculative is not None:
@@ -307,6 +308,7 @@ class LLMEngine:
             batch = self._swap(batch)
         if not batch.seqs:
             return []
+        self.last_step_tokens = sum(batch.num_tokens)
         t0 = time.perf_counter()
         stop = self._stop(batch)
         try:
