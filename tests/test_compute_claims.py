@@ -41,6 +41,17 @@ def test_a_claim_holds_back_only_steps_of_a_lower_class():
     assert t.wait_until(L3, (), now=0.3) == pytest.approx(1.3)
 
 
+def test_an_interactive_claim_elsewhere_on_the_cores_is_seen():
+    """What a worker's guard reads (another worker claims the cores for interactive prompts):
+    live, of that class, on overlapping cores."""
+    t = ClaimTable()
+    assert not t.claimed(L1, (), now=0.0)
+    t.claim("w2", L1, expires=1.0, cores=(0,))
+    assert t.claimed(L1, (), now=0.5) and t.claimed(L1, (0, 1), now=0.5) and not t.claimed(L2, (), now=0.5)
+    assert not t.claimed(L1, (1,), now=0.5)  # other cores
+    assert not t.claimed(L1, (), now=1.5)  # expired
+
+
 def test_a_claim_not_refreshed_expires_by_itself():
     t = ClaimTable(max_yield_s=10.0)
     t.claim("dead", L1, expires=0.5)

@@ -278,6 +278,33 @@ def test_an_urgent_request_ends_a_batch_step_early_and_nothing_is_lost(tiny):
     assert [s.output_token_ids for s in bg] == undisturbed
 
 
+def test_an_urgent_step_ends_unless_what_is_left_of_it_is_shorter_than_min_left(tiny, monkeypatch):
+    """The pass stops at a layer while the layers to come, at the pace of those done, would take
+    more than MIN_LEFT_S: late in a long step too (its last quarter of a second-long step was a
+    0.3 s wait), never for the last few milliseconds of a short one."""
+    import threading
+
+    from meshserve.shared.engine import llm_engine
+
+    model, prompts = tiny
+    eng = engine(model, chunk=16)
+    eng.urgent = threading.Event()
+    eng.add_request("bg", prompts[3], SamplingParams(max_tokens=4, temperature=0), priority="background")
+    batch = eng.scheduler.schedule()
+    now = [100.0]
+    monkeypatch.setattr(llm_engine.time, "perf_counter", lambda: now[0])
+    stop = eng._stop(batch)
+    layers, left = model.cfg.num_hidden_layers, llm_engine.MIN_LEFT_S
+    assert not stop(0)  # nothing asked
+    eng.urgent.set()
+    assert stop(0)  # nothing done yet
+    per_layer = 4 * left  # a long step: even its last layer is worth ending
+    now[0] += per_layer * (layers - 1)
+    assert stop(layers - 1)
+    now[0] = 100.0 + (left / 4) * (layers - 1)  # a short one: its last layer is not
+    assert not stop(layers - 1)
+
+
 class _Calls:
     """Calls `fn` in place of a model, and reads every other attribute from the model."""
 

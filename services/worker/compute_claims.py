@@ -90,6 +90,12 @@ class ClaimTable:
             return None
         return min(bound, min(c.expires for c in over))
 
+    def claimed(self, level: int, cores, now: float) -> bool:
+        """Whether another worker whose cores overlap these holds a live claim of class `level`."""
+        mine = frozenset(cores)
+        return any(c.level == level and c.expires > now and (not c.cores or not mine or c.cores & mine)
+                   for c in self.claims.values())
+
     def stepped(self) -> None:
         """A step ran: the next wait starts a new run."""
         self.yield_started, self.owes_step = None, False
@@ -167,6 +173,10 @@ class ComputeClaims:
     def wait_until(self, step_level: int | None) -> float | None:
         """None: the step (of best class `step_level`) runs now; else it waits until at most then."""
         return self.table.wait_until(step_level, self.cores, self.clock())
+
+    def claimed(self, level: int) -> bool:
+        """Another worker of the node (on these cores) claims them for work of class `level` now."""
+        return self.table.enabled and self.table.claimed(level, self.cores, self.clock())
 
     async def wait(self, step_level: int | None, wake: asyncio.Event) -> None:
         """Waits while a claim outranks the step: until the claims change (an end, a new claim), the

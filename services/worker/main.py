@@ -421,6 +421,8 @@ class Worker:
                 continue
             if await self._yield_compute():
                 continue
+            if self.compute.claimed(INTERACTIVE):  # interactive prompts on the node: keep chunks small
+                self.engine.scheduler.saw_interactive()
             try:
                 await self.blocks.before_step()
             except (nats.errors.Error, asyncio.TimeoutError, ConnectionError) as e:

@@ -334,6 +334,12 @@ class Scheduler:
         so the classes' output shares forget it (it is scheduled again)."""
         self.policy.shares.take_back()
 
+    def saw_interactive(self) -> None:
+        """An interactive request came elsewhere on this node (another worker claims the cores for
+        its prompt): the next one may come here, so prompts of the other classes keep to small
+        chunks here too (the guard), as if it had come here."""
+        self.last_interactive = self.clock()
+
     def _interactive_near(self) -> bool:
         return (self.clock() - self.last_interactive < self.config.interactive_guard_s
                 or any(s.priority == INTERACTIVE for s in self.running))
