@@ -1,8 +1,9 @@
 """The CUDA backend's paged KV cache kernels (kernels/cuda/paged_attention.cu), launched through CuPy.
 
-- write_kv: this step's new keys and values into their arena slots;
+- write_kv: this step's new keys and values into their arena slots (quantized into an int8 arena's
+  rows, `--kv-cache-dtype int8`: kernels/paged_attention.py quantize_kv's bits);
 - paged_decode_attention: decode attention read through block tables (same call as the CPU
-  kernel's, so kernels/paged_attention.py dispatches to either);
+  kernel's, so kernels/paged_attention.py dispatches to either), over a float or an int8 arena;
 - copy_blocks: whole KV blocks between or within arenas, GPU or pinned host memory (swap).
 
 CuPy compiles the source with NVRTC at first use (and caches the binary on disk); every launch
@@ -36,14 +37,19 @@ COPY_THREADS = 256
 # leaves SMs idle, and only in pieces of at least this many tokens.
 MIN_PARTITION = 256
 
-_TYPE = {torch.float32: "float", torch.bfloat16: "bf16_bits"}
-# Elements of head_dim one lane reads per token (the instantiations); the first is one 16-byte load.
-_EPL = {torch.float32: (4, 8), torch.bfloat16: (8, 16)}
+_TYPE = {torch.float32: "float", torch.bfloat16: "bf16_bits"}  # the model's (q, out, K/V rows)
+_KV_TYPE = {**_TYPE, torch.int8: "signed char"}  # an arena's element
+SCALE_BYTES = 4  # an int8 row's float32 scale (shared/kv_layout.py INT8_SCALE_BYTES)
+# Elements of head_dim one lane reads per token (the instantiations); the first is one 16-byte load
+# of float rows, four 32-bit loads of int8 rows.
+_EPL = {torch.float32: (4, 8), torch.bfloat16: (8, 16), torch.int8: (16,)}
 _UNITS = {16: "word16", 4: "unsigned int", 1: "unsigned char"}
 
 NAME_EXPRESSIONS: tuple[str, ...] = tuple(
     [f"write_kv<{t}>" for t in _TYPE.values()]
-    + [f"paged_decode<{_TYPE[dt]}, {e}>" for dt in _TYPE for e in _EPL[dt]]
+    + [f"write_kv_int8<{t}>" for t in _TYPE.values()]
+    + [f"paged_decode<{_TYPE[dt]}, {_TYPE[dt]}, {e}>" for dt in _TYPE for e in _EPL[dt]]
+    + [f"paged_decode<{t}, signed char, {e}>" for t in _TYPE.values() for e in _EPL[torch.int8]]
     + [f"paged_decode_reduce<{t}>" for t in _TYPE.values()]
     + [f"copy_blocks<{u}>" for u in _UNITS.values()])
 
@@ -144,10 +150,15 @@ def available() -> bool:
     return _backend.available()
 
 
+def head_dim_of(kv: torch.Tensor) -> int:
+    """An arena's head_dim: its rows' length, less the scale's bytes of an int8 row."""
+    return kv.shape[-1] - (SCALE_BYTES if kv.dtype == torch.int8 else 0)
+
+
 def handles(kv: torch.Tensor) -> bool:
-    """Whether write_kv and decode attention over this arena ([..., slots, kv_heads, head_dim]) run here."""
-    return (kv.device.type == _backend.device_type and kv.dtype in _TYPE
-            and kv.shape[-1] <= WARP * _EPL[kv.dtype][-1] and kv.stride(-1) == 1
+    """Whether write_kv and decode attention over this arena ([..., slots, kv_heads, row]) run here."""
+    return (kv.device.type == _backend.device_type and kv.dtype in _KV_TYPE
+            and head_dim_of(kv) <= WARP * _EPL[kv.dtype][-1] and kv.stride(-1) == 1
             and kv.stride(-2) == kv.shape[-1] and available())
 
 
@@ -175,14 +186,22 @@ def _long(x: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def write_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """kv: one layer's arena [2, slots, kv_heads, head_dim]; k, v: [tokens, kv_heads, head_dim];
-    slot_mapping: [tokens] (a negative slot skips its token)."""
+    """kv: one layer's arena [2, slots, kv_heads, head_dim] (or int8 rows [..., head_dim + 4]);
+    k, v: [tokens, kv_heads, head_dim]; slot_mapping: [tokens] (a negative slot skips its token)."""
     n = k.shape[0]
     if n == 0:
         return
-    k, v = _rows(k, kv.dtype), _rows(v, kv.dtype)
     slots = _long(slot_mapping, kv.device)
     es = kv.element_size()
+    if kv.dtype == torch.int8:  # quantized row by row, one warp each
+        dt = k.dtype if k.dtype in _TYPE else torch.float32
+        k, v = _rows(k, dt), _rows(v, dt)
+        _backend.launch(f"write_kv_int8<{_TYPE[dt]}>", (n, kv.shape[2]), (WARP,),
+                        (kv.data_ptr(), kv.data_ptr() + kv.stride(0), k.data_ptr(), v.data_ptr(), slots.data_ptr(),
+                         np.int64(k.stride(0)), np.int64(v.stride(0)), np.int64(kv.stride(1)),
+                         np.int32(k.shape[2])), 0, kv.device)
+        return
+    k, v = _rows(k, kv.dtype), _rows(v, kv.dtype)
     _backend.launch(f"write_kv<{_TYPE[kv.dtype]}>", (n,), (WRITE_THREADS,),
                     (kv.data_ptr(), kv.data_ptr() + kv.stride(0) * es, k.data_ptr(), v.data_ptr(),
                      slots.data_ptr(), np.int64(k.stride(0)), np.int64(v.stride(0)), np.int64(kv.stride(1)),
@@ -219,28 +238,30 @@ def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
     (head_dim contiguous, rows may be strided); kv: one layer's arena [2, slots, kv_heads, head_dim];
     block_tables: [seqs, max_blocks], wide enough for every context; context_lens: [seqs], >= 1."""
     nd, hq, d = q.shape
-    if not decode_supported(d, kv.dtype):
+    if not decode_supported(d, kv.dtype) or head_dim_of(kv) != d:
         raise ValueError(f"paged_decode_attention: head_dim {d} in {kv.dtype} is not supported on CUDA "
                          "(see decode_supported); use the reference path")
     if nd == 0:
         return
-    if q.stride(2) != 1 or q.dtype != kv.dtype:
-        q = q.to(kv.dtype).contiguous()
-    if out.stride(2) != 1 or out.stride(1) != d or out.dtype != kv.dtype:
-        raise ValueError("out must be [seqs, q_heads, head_dim] in the arena's dtype, each row contiguous")
+    dt = kv.dtype if kv.dtype in _TYPE else (q.dtype if q.dtype in _TYPE else torch.float32)  # q and out's
+    if q.stride(2) != 1 or q.dtype != dt:
+        q = q.to(dt).contiguous()
+    if out.stride(2) != 1 or out.stride(1) != d or out.dtype != dt:
+        raise ValueError("out must be [seqs, q_heads, head_dim] in q's dtype (the arena's, for float rows), "
+                         "each row contiguous")
     tables, ctx = _long(block_tables, kv.device), _long(context_lens, kv.device)
-    hkv, es = kv.shape[2], kv.element_size()
+    hkv, es, qs = kv.shape[2], kv.element_size(), q.element_size()
     plan = decode_plan(nd, hq, hkv, d, tables.shape[1] * block_size, kv.dtype, _backend.sm_count(kv.device))
     k_ptr = kv.data_ptr()
     v_ptr = k_ptr + kv.stride(0) * es
-    vec = d % plan["epl"] == 0 and all(
-        x % 16 == 0 for x in (q.data_ptr(), k_ptr, v_ptr, q.stride(0) * es, q.stride(1) * es,
-                              kv.stride(1) * es, kv.stride(2) * es))
+    word = 4 if kv.dtype == torch.int8 else 16  # the arena's loads: 32-bit words of int8 rows, else 16 bytes
+    vec = (d % plan["epl"] == 0 and all(x % 16 == 0 for x in (q.data_ptr(), q.stride(0) * qs, q.stride(1) * qs))
+           and all(x % word == 0 for x in (k_ptr, v_ptr, kv.stride(1) * es, kv.stride(2) * es)))
     parts, psize = plan["partitions"], plan["partition_size"]
     partial = torch.empty(nd * hq * parts * (d + 2), dtype=torch.float32, device=kv.device) if parts > 1 else None
-    t = _TYPE[kv.dtype]
+    t = _TYPE[dt]
     _backend.launch(
-        f"paged_decode<{t}, {plan['epl']}>", plan["grid"], (DECODE_THREADS,),
+        f"paged_decode<{t}, {_KV_TYPE[kv.dtype]}, {plan['epl']}>", plan["grid"], (DECODE_THREADS,),
         (out.data_ptr(), 0 if partial is None else partial.data_ptr(), q.data_ptr(), k_ptr, v_ptr,
          tables.data_ptr(), ctx.data_ptr(), np.int64(q.stride(0)), np.int64(q.stride(1)), np.int64(out.stride(0)),
          np.int64(kv.stride(1)), np.int64(kv.stride(2)), np.int64(tables.stride(0)), np.int32(hq),

@@ -16,8 +16,8 @@ AVX-512 BF16, each prefill chunk to another (kernels/cpu/prefill_attention.h: 3-
 SmolLM2's chunks) that reads them through the chunk's slot ids; the gather + SDPA below stays as
 their oracle (`prefill_reference` for the chunks) and as the fallback when they cannot be built or
 MESHSERVE_DISABLE_CPU_KERNELS=1. On a CUDA arena, write_kv and the decodes go to the CuPy kernels
-of kernels/cuda_ops.py (same call), prefill chunks run the torch code below on the GPU, and the
-torch path is again the fallback (no CuPy, MESHSERVE_DISABLE_CUDA_KERNELS=1).
+of kernels/cuda_ops.py (same call; an int8 arena too), prefill chunks run the torch code below on
+the GPU, and the torch path is again the fallback (no CuPy, MESHSERVE_DISABLE_CUDA_KERNELS=1).
 
 An int8 arena (`--kv-cache-dtype int8`, shared/kv_layout.py) holds each (slot, KV head) row as
 head_dim int8 values and their float32 scale in the row's last 4 bytes: `write_kv` quantizes
@@ -83,7 +83,7 @@ def decode_kernel(kv: torch.Tensor):
     """The compiled decode kernel (the CPU module, or cuda_ops on a CUDA arena) when decodes over this
     arena run it, else None (the gather + SDPA reference, which needs decode_slots/decode_mask)."""
     if cuda_ops.handles(kv):
-        return cuda_ops if cuda_ops.decode_supported(kv.shape[-1], kv.dtype) else None
+        return cuda_ops if cuda_ops.decode_supported(cuda_ops.head_dim_of(kv), kv.dtype) else None
     if kv.device.type != "cpu" or kv.dtype not in (torch.float32, torch.bfloat16, torch.int8) or not kv.is_contiguous():
         return None
     return cpu_build.load("meshserve_paged_attention_cpu", "paged_attention.cpp")
@@ -150,7 +150,7 @@ def _read(kv: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Te
     """K and V of `slots` [T], [2, T, kv_heads, head_dim] in `dtype`."""
     if kv.dtype != torch.int8:
         return kv.index_select(1, slots)
-    kernel = decode_kernel(kv)
+    kernel = decode_kernel(kv) if kv.device.type == "cpu" and not cuda_ops.handles(kv) else None
     if kernel is not None and dtype in (torch.float32, torch.bfloat16):
         out = torch.empty(2, slots.shape[0], kv.shape[2], kv.shape[3] - SCALE_BYTES, dtype=dtype)
         kernel.dequantize_slots(out, kv, slots)  # dequantize_kv of the gathered rows, in one pass

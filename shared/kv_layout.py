@@ -44,12 +44,9 @@ def kv_arena_dtype(kv_cache_dtype: str, model_dtype) -> str:
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str, device: str) -> None:
-    """The int8 KV cache runs on the CPU backend only: the CUDA kernels (kernels/cuda/) do not read
-    the format, and the torch path that would is untested on a GPU."""
+    """A KV cache dtype every backend runs: the CPU kernels and the CUDA ones (kernels/cuda/) read
+    int8 rows alike. `device` is kept for a dtype some backend lacks."""
     kv_arena_dtype(kv_cache_dtype, "float32")
-    if kv_cache_dtype == "int8" and str(device).startswith("cuda"):
-        raise ValueError("--kv-cache-dtype int8 is not supported with --device cuda: the CUDA attention kernels "
-                         "do not read int8 KV blocks (docs/quantization.md); use --kv-cache-dtype auto there")
 
 
 def kv_row(cfg, dtype) -> int:

@@ -380,7 +380,7 @@ def test_source_defines_the_launched_kernels_and_includes_nothing():
     assert not re.search(r"^\s*#\s*include", src, re.M), "NVRTC (CuPy) builds this without CUDA headers"
     defined = set(re.findall(r"template\s*<[^>]*>\s*__global__\s+void\s+(?:__launch_bounds__\(\w+\)\s*)?(\w+)\s*\(",
                              src))
-    assert defined == {"write_kv", "paged_decode", "paged_decode_reduce", "copy_blocks"}
+    assert defined == {"write_kv", "write_kv_int8", "paged_decode", "paged_decode_reduce", "copy_blocks"}
     assert {n.split("<")[0] for n in cuda_ops.NAME_EXPRESSIONS} == defined
     for const in ("DECODE_THREADS", "MAX_GROUP"):  # the wrapper's copies of the kernel's constants
         assert re.search(rf"#define {const} {getattr(cuda_ops, const)}\b", src), const
@@ -531,6 +531,53 @@ def test_emulated_dispatch_with_prefill(emu, dtype):
                                atol=ATOL[dtype], rtol=0)
 
 
+def int8_arena(kv: torch.Tensor) -> torch.Tensor:
+    """The arena as `--kv-cache-dtype int8` stores it (kernels/paged_attention.py quantize_kv)."""
+    return torch.stack([pa.quantize_kv(kv[0]), pa.quantize_kv(kv[1])])
+
+
+def check_decode_int8(q, kv8, table, ctx, block_size, msg=""):
+    """Decode attention over an int8 arena against the reference on its dequantized rows."""
+    scale = q.shape[-1] ** -0.5
+    got = run_decode(q, kv8, table, ctx, block_size, scale)
+    want = reference(q, pa.dequantize_kv(kv8.cpu(), torch.float32), table, ctx, block_size, scale)
+    assert got.dtype == q.dtype
+    torch.testing.assert_close(got.float().cpu(), want, atol=ATOL[q.dtype], rtol=0,
+                               msg=lambda m: f"{msg} context lengths {ctx.tolist()}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("d,group", [(64, 3), (128, 2), (32, 5)])
+def test_emulated_int8_arena_decode_and_write(emu, monkeypatch, dtype, d, group):
+    """An int8 arena (--kv-cache-dtype int8): write_kv quantizes rows bit for bit as quantize_kv
+    does (an all-zero row too), and decode attention over it (whole and split contexts; 32-bit
+    loads, and byte loads for q off alignment) equals the reference on the dequantized rows."""
+    hkv = 2 if group != 3 else 3
+    q, kv, table, ctx = make_case(EMU_LENS, hkv, group, d, 16, dtype, seed=d + group)
+    kv8 = int8_arena(kv)
+    assert cuda_ops.handles(kv8) and pa.decode_kernel(kv8) is cuda_ops
+    for sms in (0, 1000):
+        emu.sms = sms
+        monkeypatch.setattr(cuda_ops, "MIN_PARTITION", 16)
+        check_decode_int8(q, kv8, table, ctx, 16, f"sms={sms}:")
+    q_off, *_ = make_case(EMU_LENS, hkv, group, d, 16, dtype, seed=d + group, q_offset=1)
+    check_decode_int8(q_off, kv8, table, ctx, 16, "q unaligned:")
+    # write_kv: strided k and v rows of the fused qkv, a padding token, an all-zero row
+    g = torch.Generator().manual_seed(d)
+    n = 5
+    qkv = torch.randn(n, (group + 2) * hkv * d, generator=g).to(dtype)
+    k = qkv[:, group * hkv * d:(group + 1) * hkv * d].view(n, hkv, d)
+    v = qkv[:, (group + 1) * hkv * d:].view(n, hkv, d)
+    k[2, 0] = 0
+    slots = torch.tensor([3, 40, 0, -1, 17])
+    want = kv8.clone()
+    keep = slots >= 0
+    want[0, slots[keep]] = pa.quantize_kv(k[keep])
+    want[1, slots[keep]] = pa.quantize_kv(v[keep])
+    cuda_ops.write_kv(kv8, k, v, slots)
+    assert torch.equal(kv8, want)
+
+
 def make_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     """Eight prompts of 1..120 tokens; the last shares 60 tokens with the first (a prefix hit)."""
     g = torch.Generator().manual_seed(seed)
@@ -570,6 +617,26 @@ def test_emulated_engine_matches_transformers(emu, tiny_llama):
     assert pa.use_decode_kernel(eng.kv_cache[0]) and pa.decode_kernel(eng.kv_cache[0]) is cuda_ops
     got = run_two_waves(eng, prompts, SamplingParams(max_tokens=10, temperature=0))
     assert got == ref
+    assert eng.stats["num_preemptions"] > 0 and eng.stats["prefix_hits"] > 0
+
+
+def test_emulated_engine_with_an_int8_kv_cache_matches_transformers_on_the_same_rounding(emu, tiny_llama):
+    """--kv-cache-dtype int8 on the CUDA kernels (emulated): write_kv quantizes, decodes read int8
+    rows, prompt chunks dequantize through the torch path; the greedy tokens are Transformers' with
+    each K/V row rounded as the arena stores it, with prefix hits and preemptions."""
+    from test_kv_int8 import int8_kv_cache
+    from transformers import AutoModelForCausalLM
+
+    cfg, sd = load_hf_dir(tiny_llama)
+    model = LlamaModel.from_hf(cfg, sd, torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
+    prompts = make_prompts(cfg.vocab_size)
+    ref = hf_greedy(hf, prompts, 10, cfg.eos_token_ids, cache=int8_kv_cache)
+    sched = SchedulerConfig(max_num_batched_tokens=64, prefill_chunk_size=64, max_num_seqs=16)
+    eng = LLMEngine(model, EngineConfig(block_size=8, num_kv_blocks=24, enable_prefix_caching=True,
+                                        kv_cache_dtype="int8", scheduler=sched))
+    assert eng.kv_cache.dtype == torch.int8 and pa.decode_kernel(eng.kv_cache[0]) is cuda_ops
+    assert run_two_waves(eng, prompts, SamplingParams(max_tokens=10, temperature=0)) == ref
     assert eng.stats["num_preemptions"] > 0 and eng.stats["prefix_hits"] > 0
 
 
@@ -631,6 +698,32 @@ def test_gpu_write_kv(cuda, dtype):
     cuda_ops.write_kv(kv_d, qkv_d[:, hq * d:(hq + hkv) * d].view(n, hkv, d), qkv_d[:, (hq + hkv) * d:].view(n, hkv, d),
                       slots.to(cuda))
     assert torch.equal(kv_d.cpu(), want)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("d,group", [(64, 3), (128, 2)])
+def test_gpu_int8_arena_decode_and_write(cuda, monkeypatch, dtype, d, group):
+    """As the emulated test, on the GPU: write_kv's rows are quantize_kv's bits, decode attention
+    over the int8 arena equals the reference on its dequantized rows, whole and split."""
+    hkv = 3 if group == 3 else 2
+    g = torch.Generator().manual_seed(d + group)
+    lens = [GPU_LENS[i] for i in torch.randperm(len(GPU_LENS), generator=g).tolist()]
+    q, kv, table, ctx = make_case(lens, hkv, group, d, 16, dtype, seed=d + group)
+    kv8 = int8_arena(kv).to(cuda)
+    q, table, ctx = q.to(cuda), table.to(cuda), ctx.to(cuda)
+    check_decode_int8(q, kv8, table, ctx, 16, "batch:")
+    check_decode_int8(q[:1], kv8, table[:1], ctx[:1], 16, "split:")
+    n = 300
+    qkv = torch.randn(n, (group + 2) * hkv * d, generator=g).to(dtype)
+    k = qkv[:, group * hkv * d:(group + 1) * hkv * d].view(n, hkv, d)
+    v = qkv[:, (group + 1) * hkv * d:].view(n, hkv, d)
+    slots = torch.randperm(kv8.shape[1], generator=g)[:n]
+    want = kv8.cpu().clone()
+    want[0, slots] = pa.quantize_kv(k)
+    want[1, slots] = pa.quantize_kv(v)
+    cuda_ops.write_kv(kv8, k.to(cuda), v.to(cuda), slots.to(cuda))
+    assert torch.equal(kv8.cpu(), want)
 
 
 @gpu

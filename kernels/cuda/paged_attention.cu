@@ -3,6 +3,7 @@
 // oracle (the same metadata, computed with torch).
 //
 //   write_kv             stores this step's new K/V rows into their arena slots
+//   write_kv_int8        the same into an int8 arena (--kv-cache-dtype int8), quantizing each row
 //   paged_decode         decode attention (one query token per sequence) read through block tables
 //   paged_decode_reduce  merges the partial results of a context split over several blocks
 //   copy_blocks          copies whole KV blocks between or within arenas (block copy, swap to host)
@@ -13,7 +14,10 @@
 //
 // Layout of one layer's arena, strides in elements: K of (slot, kv head) starts at
 // k_cache + slot * slot_stride + head * head_stride (V likewise), head_dim elements contiguous;
-// slot = block_tables[seq][pos / block_size] * block_size + pos % block_size.
+// slot = block_tables[seq][pos / block_size] * block_size + pos % block_size. An int8 arena's row
+// is head_dim int8 values then the 4 bytes of their float32 scale (value = q * scale;
+// kernels/paged_attention.py quantize_kv is the format's reference): a row's scale multiplies its
+// score (keys) or its softmax weight (values), never its elements.
 
 struct bf16_bits {
   unsigned short bits;
@@ -35,6 +39,17 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); 
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(bf16_bits x) { return __uint_as_float((unsigned int)x.bits << 16); }
+__device__ __forceinline__ float to_float(signed char x) { return (float)x; }
+
+// The scale of a KV row that starts at `row` (head_dim elements): 1 for float rows; for int8 rows
+// the float32 after the values (read byte by byte: a row is only 4-byte aligned when head_dim is).
+template <typename KV>
+__device__ __forceinline__ float row_scale(const KV*, int) { return 1.f; }
+__device__ __forceinline__ float row_scale(const signed char* row, int head_dim) {
+  const unsigned char* b = reinterpret_cast<const unsigned char*>(row + head_dim);
+  return __uint_as_float((unsigned int)b[0] | ((unsigned int)b[1] << 8) | ((unsigned int)b[2] << 16) |
+                         ((unsigned int)b[3] << 24));
+}
 
 __device__ __forceinline__ void store(float* p, float x) { *p = x; }
 __device__ __forceinline__ void store(bf16_bits* p, float x) {
@@ -73,6 +88,25 @@ __device__ __forceinline__ void load_floats(const T* __restrict__ p, float (&out
   }
 }
 
+// int8 rows: EPL values from p; `vec`: p is 4-byte aligned, so it is read in 32-bit words.
+template <int EPL>
+__device__ __forceinline__ void load_floats(const signed char* __restrict__ p, float (&out)[EPL], int valid,
+                                            bool vec) {
+  static_assert(EPL % 4 == 0, "a lane's slice is whole 32-bit words");
+  if (vec && valid == EPL) {
+    const unsigned int* wp = reinterpret_cast<const unsigned int*>(p);
+#pragma unroll
+    for (int i = 0; i < EPL / 4; ++i) {
+      const unsigned int w = wp[i];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) out[i * 4 + j] = (float)(signed char)((w >> (8 * j)) & 0xffu);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) out[j] = j < valid ? (float)p[j] : 0.f;
+  }
+}
+
 // exp(m - m_new), with an empty state (m = -inf) weighing nothing, even against another empty one.
 __device__ __forceinline__ float rescale(float m, float m_new) { return m == neg_inf() ? 0.f : expf(m - m_new); }
 
@@ -95,6 +129,34 @@ __global__ void write_kv(T* __restrict__ k_cache, T* __restrict__ v_cache, const
   }
 }
 
+// grid (token, kv head), one warp: the row's max |x| reduced over the warp, s = max / 127, each
+// value round-half-even(x / s) (x / 1 for an all-zero row), clamped to +-127, then s's 4 bytes:
+// quantize_kv's bits (float32 division, as torch's). k, v: [tokens][kv heads][head_dim] of T.
+template <typename T>
+__global__ void write_kv_int8(signed char* __restrict__ k_cache, signed char* __restrict__ v_cache,
+                              const T* __restrict__ k, const T* __restrict__ v,
+                              const long long* __restrict__ slot_mapping, long long k_token_stride,
+                              long long v_token_stride, long long cache_slot_stride, int head_dim) {
+  const long long slot = slot_mapping[blockIdx.x];
+  if (slot < 0) return;
+  const int head = blockIdx.y, lane = threadIdx.x;
+  const long long row_bytes = head_dim + 4;
+  for (int plane = 0; plane < 2; ++plane) {
+    const T* x = (plane ? v + blockIdx.x * v_token_stride : k + blockIdx.x * k_token_stride) + head * head_dim;
+    signed char* dst = (plane ? v_cache : k_cache) + slot * cache_slot_stride + head * row_bytes;
+    float m = 0.f;
+    for (int i = lane; i < head_dim; i += WARP_SIZE) m = fmaxf(m, fabsf(to_float(x[i])));
+    for (int off = WARP_SIZE / 2; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, off));
+    const float s = m / 127.f;
+    const float div = s > 0.f ? s : 1.f;
+    for (int i = lane; i < head_dim; i += WARP_SIZE) {
+      const float r = rintf(to_float(x[i]) / div);
+      dst[i] = (signed char)fminf(127.f, fmaxf(-127.f, r));
+    }
+    if (lane < 4) dst[head_dim + lane] = (signed char)((__float_as_uint(s) >> (8 * lane)) & 0xffu);
+  }
+}
+
 // Decode attention over a paged KV cache, one query token per sequence.
 //
 // grid (sequence, kv head x query-head chunk, partition of the context), DECODE_THREADS threads.
@@ -104,13 +166,16 @@ __global__ void write_kv(T* __restrict__ k_cache, T* __restrict__ v_cache, const
 // its own online-softmax state (running max, sum, weighted V) in fp32. States are merged across
 // the lane groups of a warp (shuffles), then across warps (shared memory).
 //
+// T: q and out; KV: the arena's element, T or signed char (int8 rows, their scale applied to the
+// score and to the softmax weight).
+//
 // One partition (gridDim.z == 1): the result goes to `out`. Several (a long context and too few
 // blocks to fill the GPU otherwise): each writes [head_dim outputs, max, sum] to `partial`
 // ([seq][q_head][partition][head_dim + 2]) and paged_decode_reduce merges them.
-template <typename T, int EPL>
+template <typename T, typename KV, int EPL>
 __global__ void __launch_bounds__(DECODE_THREADS)
 paged_decode(T* __restrict__ out, float* __restrict__ partial, const T* __restrict__ q,
-             const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+             const KV* __restrict__ k_cache, const KV* __restrict__ v_cache,
              const long long* __restrict__ block_tables, const long long* __restrict__ context_lens,
              long long q_seq_stride, long long q_head_stride, long long out_seq_stride,
              long long cache_slot_stride, long long cache_head_stride, long long table_stride,
@@ -155,17 +220,21 @@ paged_decode(T* __restrict__ out, float* __restrict__ partial, const T* __restri
   }
 
   const long long* table = block_tables + seq * table_stride;
-  const long long head_off = kv_head * cache_head_stride + d0;
+  const long long head_off = kv_head * cache_head_stride;
   // The loop bounds are the same for the whole warp (shuffles need every lane); a lane whose
   // token is past the end reads nothing and keeps its state.
   for (int base = start + warp * per_warp; base < end; base += nwarps * per_warp) {
     const int t = base + tok;
     const bool active = t < end;
-    float kf[EPL], vf[EPL];
+    float kf[EPL], vf[EPL], ks = 1.f, vs = 1.f;
     if (active) {
       const long long slot = table[t / block_size] * block_size + t % block_size;
-      load_floats(k_cache + slot * cache_slot_stride + head_off, kf, valid, vec);
-      load_floats(v_cache + slot * cache_slot_stride + head_off, vf, valid, vec);
+      const KV* kr = k_cache + slot * cache_slot_stride + head_off;
+      const KV* vr = v_cache + slot * cache_slot_stride + head_off;
+      load_floats(kr + d0, kf, valid, vec);
+      load_floats(vr + d0, vf, valid, vec);
+      ks = row_scale(kr, head_dim);
+      vs = row_scale(vr, head_dim);
     } else {
 #pragma unroll
       for (int j = 0; j < EPL; ++j) kf[j] = vf[j] = 0.f;
@@ -178,11 +247,12 @@ paged_decode(T* __restrict__ out, float* __restrict__ partial, const T* __restri
         for (int j = 0; j < EPL; ++j) s += qr[g][j] * kf[j];
         for (int off = tpt / 2; off > 0; off >>= 1) s += __shfl_xor_sync(FULL_MASK, s, off);
         if (active) {
+          s *= ks;
           const float m_new = fmaxf(m[g], s);
-          const float c = rescale(m[g], m_new), p = expf(s - m_new);
+          const float c = rescale(m[g], m_new), p = expf(s - m_new), pv = p * vs;
           l[g] = l[g] * c + p;
 #pragma unroll
-          for (int j = 0; j < EPL; ++j) acc[g][j] = acc[g][j] * c + p * vf[j];
+          for (int j = 0; j < EPL; ++j) acc[g][j] = acc[g][j] * c + pv * vf[j];
           m[g] = m_new;
         }
       }
