@@ -4,7 +4,8 @@
   rows, `--kv-cache-dtype int8`: kernels/paged_attention.py quantize_kv's bits);
 - paged_decode_attention: decode attention read through block tables (same call as the CPU
   kernel's, so kernels/paged_attention.py dispatches to either), over a float or an int8 arena;
-- copy_blocks: whole KV blocks between or within arenas, GPU or pinned host memory (swap).
+- copy_blocks: whole KV blocks between or within arenas, GPU or pinned host memory (swap);
+- linear_int8: int8 weights' projections (kernels/int8_linear.py), read as int8 for a few rows.
 
 CuPy compiles the source with NVRTC at first use (and caches the binary on disk); every launch
 goes on torch's current stream, on tensors torch allocated, passed as raw device pointers (no
@@ -51,7 +52,11 @@ NAME_EXPRESSIONS: tuple[str, ...] = tuple(
     + [f"paged_decode<{_TYPE[dt]}, {_TYPE[dt]}, {e}>" for dt in _TYPE for e in _EPL[dt]]
     + [f"paged_decode<{t}, signed char, {e}>" for t in _TYPE.values() for e in _EPL[torch.int8]]
     + [f"paged_decode_reduce<{t}>" for t in _TYPE.values()]
-    + [f"copy_blocks<{u}>" for u in _UNITS.values()])
+    + [f"copy_blocks<{u}>" for u in _UNITS.values()]
+    + [f"linear_int8<{t}>" for t in _TYPE.values()]
+    + [f"dequantize_int8<{t}>" for t in _TYPE.values()])
+INT8_GEMV_ROWS = 8  # as INT8_GEMV_ROWS in the .cu: more rows dequantize once and run torch's GEMM
+LINEAR_THREADS = 128
 
 
 def disabled() -> bool:
@@ -311,3 +316,39 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs, block_size: int) ->
     _backend.launch(f"copy_blocks<{_UNITS[unit]}>", (n, chunks), (COPY_THREADS,),
                     (sp, dp, pairs.data_ptr(), np.int64(src_chunk), np.int64(dst_chunk), np.int64(block_bytes),
                      np.int64(block_bytes), np.int64(block_bytes)), 0, device)
+
+
+def runs(t: torch.Tensor) -> bool:
+    """Whether the kernels here take tensors where `t` lives (its device, and they are available)."""
+    return t.device.type == _backend.device_type and available()
+
+
+def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """x [M, K] (bf16 or fp32) @ (q [N, K] int8 * scale [N] fp32).T (+ bias [N]) -> [M, N] in x's dtype.
+    Up to INT8_GEMV_ROWS rows: one pass over the int8 weights (linear_int8); more: the weight
+    dequantized once into x's dtype (the bits dequantize gives), then torch's GEMM."""
+    m, k = x.shape
+    n = q.shape[0]
+    dt = x.dtype
+    q, scale = q.contiguous(), scale.to(torch.float32).contiguous()
+    if m > INT8_GEMV_ROWS:
+        w = torch.empty(n, k, dtype=dt, device=x.device)
+        blocks = min(65535, -(-(n * k) // (4 * LINEAR_THREADS)))
+        _backend.launch(f"dequantize_int8<{_TYPE[dt]}>", (blocks,), (LINEAR_THREADS,),
+                        (w.data_ptr(), q.data_ptr(), scale.data_ptr(), np.int64(n * k), np.int32(k)), 0, x.device)
+        return torch.nn.functional.linear(x, w, bias)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(m, n, dtype=dt, device=x.device)
+    if m == 0:
+        return out
+    xs = x.element_size()
+    vec = int(k % 4 == 0 and q.data_ptr() % 4 == 0)
+    x_vec = int(x.data_ptr() % 16 == 0 and (x.stride(0) * xs) % 16 == 0 and k % 16 == 0)
+    b = bias.to(dt).contiguous() if bias is not None else None
+    blocks = min(65535, -(-n // (LINEAR_THREADS // WARP)))
+    _backend.launch(f"linear_int8<{_TYPE[dt]}>", (blocks,), (LINEAR_THREADS,),
+                    (out.data_ptr(), x.data_ptr(), q.data_ptr(), scale.data_ptr(), 0 if b is None else b.data_ptr(),
+                     np.int32(m), np.int32(n), np.int32(k), np.int64(x.stride(0)), np.int64(out.stride(0)),
+                     np.int32(vec), np.int32(x_vec)), 0, x.device)
+    return out

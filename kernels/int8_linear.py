@@ -5,9 +5,10 @@ Quantized once at load (`quantize_weights`, from the source's own precision: bf1
 dequantized GGUF), half the bytes of bf16 per token. bf16 on a CPU with AVX2: kernels/cpu/
 int8_linear.cpp (AVX-512 VNNI tiles where the CPU has them), from the weight in its blocked
 layout (`to_blocked`) that the model loader writes into the node's shared memory (one copy per
-node). Everything else (fp32 models, CUDA, other CPUs, the kernels disabled): the reference,
-F.linear on the dequantized weight, which is also the kernel's oracle and what Transformers runs
-when given the dequantized weights. Per-group scales
+node). A bf16 model on CUDA: kernels/cuda_ops.py `linear_int8` (the int8 weight read once for a
+few rows; dequantized once into bf16 for torch's GEMM for many). Everything else (fp32 models,
+other CPUs, the kernels disabled): the reference, F.linear on the dequantized weight, which is also
+the kernels' oracle and what Transformers runs when given the dequantized weights. Per-group scales
 were measured and not kept: on SmolLM2-135M groups of 32 or 64 were no closer to bf16 than
 per-channel scales (docs/quantization.md).
 """
@@ -20,7 +21,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from . import cpu_build
+from . import cpu_build, cuda_ops
 
 BLOCK_N = 16  # output columns per block of the layout
 # A many-row bf16 step on a CPU with AMX hands int8 projections to torch's GEMM. On the dequantized
@@ -209,4 +210,6 @@ class Int8Linear:
             out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
             self.kernel.linear_int8(out, x, self.blocked, self.scale, self.bias)
             return out
+        if self.q is not None and x.dtype == torch.bfloat16 and cuda_ops.runs(self.q):  # a bf16 model on the GPU
+            return cuda_ops.linear_int8(x, self.q, self.scale, self.bias)
         return F.linear(x, self.weight(x.dtype), self.bias)

@@ -380,7 +380,8 @@ def test_source_defines_the_launched_kernels_and_includes_nothing():
     assert not re.search(r"^\s*#\s*include", src, re.M), "NVRTC (CuPy) builds this without CUDA headers"
     defined = set(re.findall(r"template\s*<[^>]*>\s*__global__\s+void\s+(?:__launch_bounds__\(\w+\)\s*)?(\w+)\s*\(",
                              src))
-    assert defined == {"write_kv", "write_kv_int8", "paged_decode", "paged_decode_reduce", "copy_blocks"}
+    assert defined == {"write_kv", "write_kv_int8", "paged_decode", "paged_decode_reduce", "copy_blocks",
+                       "linear_int8", "dequantize_int8"}
     assert {n.split("<")[0] for n in cuda_ops.NAME_EXPRESSIONS} == defined
     for const in ("DECODE_THREADS", "MAX_GROUP"):  # the wrapper's copies of the kernel's constants
         assert re.search(rf"#define {const} {getattr(cuda_ops, const)}\b", src), const
@@ -578,6 +579,34 @@ def test_emulated_int8_arena_decode_and_write(emu, monkeypatch, dtype, d, group)
     assert torch.equal(kv8, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("m,k,bias", [(1, 576, False), (3, 576, True), (8, 100, True), (5, 37, False),
+                                      (9, 576, True), (40, 100, False)])
+def test_emulated_linear_int8(emu, dtype, m, k, bias):
+    """int8 weights on the CUDA backend: up to INT8_GEMV_ROWS rows read the int8 weight once (32-bit
+    loads, a tail of K past them; x a strided view), within rounding of x @ (q * scale).T in fp32;
+    more rows dequantize once (bit for bit dequantize) and run torch's GEMM, exactly as the
+    reference path does."""
+    from meshserve.kernels import int8_linear as il
+
+    g = torch.Generator().manual_seed(m * k)
+    n = 96
+    q, s = il.quantize(torch.randn(n, k, generator=g) * 0.05)
+    b = (torch.randn(n, generator=g) * 0.1).to(dtype) if bias else None
+    x = torch.randn(m, k + 3, generator=g).to(dtype)[:, 3:]  # rows strided, off alignment
+    got = cuda_ops.linear_int8(x, q, s, b)
+    assert got.dtype == dtype and got.shape == (m, n)
+    if m > cuda_ops.INT8_GEMV_ROWS:
+        assert torch.equal(got, torch.nn.functional.linear(x, il.dequantize(q, s, dtype), b))
+        return
+    want = x.float() @ (q.float() * s[:, None]).T + (b.float() if b is not None else 0)
+    torch.testing.assert_close(got.float(), want, atol={torch.float32: 1e-4, torch.bfloat16: 2e-2}[dtype], rtol=0)
+    # a bf16 model's Int8Linear on the plain weight takes it (fp32 stays on the reference)
+    lin = il.Int8Linear(s, q=q, bias=b)
+    if dtype == torch.bfloat16:
+        assert torch.equal(lin(x), got)
+
+
 def make_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     """Eight prompts of 1..120 tokens; the last shares 60 tokens with the first (a prefix hit)."""
     g = torch.Generator().manual_seed(seed)
@@ -724,6 +753,24 @@ def test_gpu_int8_arena_decode_and_write(cuda, monkeypatch, dtype, d, group):
     want[1, slots] = pa.quantize_kv(v)
     cuda_ops.write_kv(kv8, k.to(cuda), v.to(cuda), slots.to(cuda))
     assert torch.equal(kv8.cpu(), want)
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 4, 8, 64])
+def test_gpu_linear_int8(cuda, m):
+    """As the emulated test, bf16 on the GPU: a few rows within rounding of the fp32 product, many
+    rows the dequantized weight's GEMM exactly."""
+    from meshserve.kernels import int8_linear as il
+
+    g = torch.Generator().manual_seed(m)
+    q, s = il.quantize(torch.randn(960, 576, generator=g) * 0.05)
+    x = torch.randn(m, 576, generator=g).bfloat16()
+    got = cuda_ops.linear_int8(x.to(cuda), q.to(cuda), s.to(cuda)).cpu()
+    if m > cuda_ops.INT8_GEMV_ROWS:
+        want = torch.nn.functional.linear(x.to(cuda), il.dequantize(q, s, torch.bfloat16).to(cuda)).cpu()
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got.float(), x.float() @ (q.float() * s[:, None]).T, atol=2e-2, rtol=0)
 
 
 @gpu

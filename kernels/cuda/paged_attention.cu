@@ -7,6 +7,8 @@
 //   paged_decode         decode attention (one query token per sequence) read through block tables
 //   paged_decode_reduce  merges the partial results of a context split over several blocks
 //   copy_blocks          copies whole KV blocks between or within arenas (block copy, swap to host)
+//   linear_int8          int8 weights (--quantization int8): y = x @ (q * scale).T for a few rows
+//   dequantize_int8      q * scale in the model's dtype, for steps of many rows (then torch's GEMM)
 //
 // No #include: bf16 travels as its raw 16 bits and is converted by hand, so NVRTC needs no CUDA
 // headers, nvcc compiles the file as it is, and the tests also build it as plain C++ on a CPU
@@ -363,4 +365,57 @@ __global__ void copy_blocks(const unsigned char* __restrict__ src, unsigned char
   U* to = reinterpret_cast<U*>(dst + blockIdx.y * dst_chunk_stride + d * dst_block_stride);
   const long long n = block_bytes / (long long)sizeof(U);
   for (long long i = threadIdx.x; i < n; i += blockDim.x) to[i] = from[i];
+}
+
+// Weight-only int8 projections for steps of at most INT8_GEMV_ROWS rows (decodes): out[m, n] =
+// scale[n] * sum_k x[m, k] * q[n, k] (+ bias[n]), summed in float32. Such a step is bound by
+// reading the weights, so each int8 row of q is read once, by one warp (16 values a lane, in 32-bit
+// words when `vec`: K and q 4-byte aligned), against every x row (read from cache); the lanes'
+// sums meet by shuffles. grid-stride over the output columns, a warp per column.
+#define INT8_GEMV_ROWS 8
+template <typename T>
+__global__ void __launch_bounds__(128)
+linear_int8(T* __restrict__ out, const T* __restrict__ x, const signed char* __restrict__ q,
+            const float* __restrict__ scale, const T* __restrict__ bias, int rows, int n_out, int k_in,
+            long long x_stride, long long out_stride, int vec, int x_vec) {
+  const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+  const int nwarps = blockDim.x / WARP_SIZE;
+  for (int n = blockIdx.x * nwarps + warp; n < n_out; n += gridDim.x * nwarps) {
+    float acc[INT8_GEMV_ROWS];
+#pragma unroll
+    for (int m = 0; m < INT8_GEMV_ROWS; ++m) acc[m] = 0.f;
+    const signed char* qr = q + (long long)n * k_in;
+    for (int k0 = lane * 16; k0 < k_in; k0 += WARP_SIZE * 16) {
+      const int valid = min(16, k_in - k0);
+      float w[16];
+      load_floats(qr + k0, w, valid, vec);
+#pragma unroll
+      for (int m = 0; m < INT8_GEMV_ROWS; ++m) {
+        if (m < rows) {
+          float xs[16];
+          load_floats(x + m * x_stride + k0, xs, valid, x_vec);
+          float s = 0.f;
+#pragma unroll
+          for (int j = 0; j < 16; ++j) s += xs[j] * w[j];
+          acc[m] += s;
+        }
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < INT8_GEMV_ROWS; ++m) {
+      if (m < rows) {
+        float s = acc[m];
+        for (int off = WARP_SIZE / 2; off > 0; off >>= 1) s += __shfl_xor_sync(FULL_MASK, s, off);
+        if (lane == 0) store(out + m * out_stride + n, s * scale[n] + (bias ? to_float(bias[n]) : 0.f));
+      }
+    }
+  }
+}
+
+// w[n, k] = q[n, k] * scale[n] rounded once into T: kernels/int8_linear.py dequantize's bits.
+template <typename T>
+__global__ void dequantize_int8(T* __restrict__ w, const signed char* __restrict__ q, const float* __restrict__ scale,
+                                long long elems, int k_in) {
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < elems; i += (long long)gridDim.x * blockDim.x)
+    store(w + i, (float)q[i] * scale[i / k_in]);
 }
