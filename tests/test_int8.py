@@ -101,19 +101,27 @@ def test_kernel_dequantizes_the_blocked_weight_bit_for_bit(n, k):
     assert torch.equal(fast.weight(), il.dequantize(q, s))  # fp32: the reference's own path
 
 
+def dequantized_copy_case(form: str, why: str):
+    """A 960 x 576 projection as quantize_weights keeps it on a CPU whose dequantized copy is in
+    `form` (else a skip, saying `why`): the weights, q and s, the projection with its copy and one
+    without (dequantizing per call), and the generator for the inputs."""
+    if il.dequantized_form() != form:
+        pytest.skip(why)
+    g = torch.Generator().manual_seed(7)
+    w = {"p": torch.randn(960, 576, generator=g) * 0.05, "norm": torch.randn(576, generator=g)}
+    out = il.quantize_weights(w, ["p"], torch.bfloat16)
+    q, s = il.quantize(w["p"])
+    kept, per_call = il.Int8Linear.of(out, "p"), il.Int8Linear(out["p" + il.SCALE], blocked=out["p" + il.BLOCKED])
+    return out, q, s, kept, per_call, g
+
+
 @needs_kernel
 def test_amx_cpu_keeps_the_dequantized_copy_and_runs_many_rows_on_it():
     """On a CPU with AMX, quantize_weights also keeps q * scale in bf16 (the bits the kernel's one-pass
     dequantization gives), and a step of as many rows as send bf16 projections to the GEMM runs it
     on that copy: what dequantizing per call gave, without the pass."""
-    if il.dequantized_form() != "plain":
-        pytest.skip("no AMX on this CPU")
-    g = torch.Generator().manual_seed(7)
-    w = {"p": torch.randn(960, 576, generator=g) * 0.05, "norm": torch.randn(576, generator=g)}
-    out = il.quantize_weights(w, ["p"], torch.bfloat16)
-    q, s = il.quantize(w["p"])
+    out, q, s, kept, per_call, g = dequantized_copy_case("plain", "no AMX on this CPU")
     assert torch.equal(out["p" + il.DEQUANTIZED], il.dequantize(q, s, torch.bfloat16))
-    kept, per_call = il.Int8Linear.of(out, "p"), il.Int8Linear(out["p" + il.SCALE], blocked=out["p" + il.BLOCKED])
     assert kept.gemm(16) and not per_call.gemm(16) and not kept.gemm(1)
     for m in (1, 8, 16, 40, 64, 128):
         x = torch.randn(m, 576, generator=g).bfloat16()
@@ -128,16 +136,10 @@ def test_avx512_bf16_cpu_keeps_a_blocked_dequantized_copy_for_many_rows():
     it (what the bf16 kernel gives on the dequantized weight); fewer rows stay on the int8 tiles."""
     from meshserve.kernels import linear
 
-    if il.dequantized_form() != "blocked":
-        pytest.skip("not an AVX-512 BF16 CPU without AMX")
-    g = torch.Generator().manual_seed(7)
-    w = {"p": torch.randn(960, 576, generator=g) * 0.05, "norm": torch.randn(576, generator=g)}
-    out = il.quantize_weights(w, ["p"], torch.bfloat16)
-    q, s = il.quantize(w["p"])
+    out, q, s, kept, per_call, g = dequantized_copy_case("blocked", "not an AVX-512 BF16 CPU without AMX")
     assert il.DEQUANTIZED not in out and set(out) == {"p" + il.BLOCKED, "p" + il.SCALE, "p" + il.DEQUANTIZED_BLOCKED,
                                                       "norm"}
     assert torch.equal(linear.from_blocked(out["p" + il.DEQUANTIZED_BLOCKED]), il.dequantize(q, s, torch.bfloat16))
-    kept, per_call = il.Int8Linear.of(out, "p"), il.Int8Linear(out["p" + il.SCALE], blocked=out["p" + il.BLOCKED])
     bf16 = linear.Linear(blocked=out["p" + il.DEQUANTIZED_BLOCKED])
     n = il.bf16_kernel_min_rows()
     for m in (1, n - 1, n, 64, 128):

@@ -97,10 +97,10 @@ def pick_soonest(workers: list[WorkerView], prompt_hashes: list[int], cls: str =
     decode worker that would compute it beside its decodes (`spill`, from spill_candidates), then
     prefill_cost. A burst of interactive prompts thus alternates between a node's prefill worker
     and its decode worker instead of queueing behind each other on one."""
-    spilled = {id(w) for w in spill}
-    return min([*workers, *(w for w in spill if all(w is not c for c in workers))],
-               key=lambda w: (free_seats(w) <= 0, waiting_there(w, cls), id(w) in spilled,
-                              prefill_cost(w, prompt_hashes), w.hb.worker_id), default=None)
+    extra = [w for w in spill if all(w is not c for c in workers)]  # not already a candidate
+    spilled = {id(w) for w in extra}
+    return min([*workers, *extra], key=lambda w: (free_seats(w) <= 0, waiting_there(w, cls), id(w) in spilled,
+                                                  prefill_cost(w, prompt_hashes), w.hb.worker_id), default=None)
 
 
 def spill_candidates(decoders: list[WorkerView], prompt_len: int) -> list[WorkerView]:
