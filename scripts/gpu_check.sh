@@ -14,7 +14,7 @@
 # /tmp/site without an index; nats-server comes from there too. Without them the mesh tests fail.
 # Everything else it needs is on the image: python3 with torch, cupy, transformers, tokenizers,
 # safetensors, numpy, jinja2, httpx, uvloop, prometheus-client and pytest. The repository is made
-# importable as `meshserve` through a PYTHONPATH shim (what setup.py maps: meshserve.shared/.services/
+# importable as `meshserve` through a PYTHONPATH shim (what setup.py maps: meshserve.shared/.services/.bench/.cli/
 # .kernels -> shared/, services/, kernels/); children of `meshserve up` inherit it.
 #
 # Writes to $OUT: install.log, env.txt, compile.log, pytest-mesh.log, pytest-kernels.log, mesh.log
@@ -47,7 +47,7 @@ fi
 SHIM="$(mktemp -d)"
 mkdir -p "$SHIM/meshserve"
 cp meshserve/__init__.py "$SHIM/meshserve/"
-for pkg in shared services kernels; do ln -s "$PWD/$pkg" "$SHIM/meshserve/$pkg"; done
+for pkg in shared services kernels bench cli; do ln -s "$PWD/$pkg" "$SHIM/meshserve/$pkg"; done
 export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONSAFEPATH=1           # the repository root's meshserve/ (an __init__.py only) must not shadow the shim
 export PYTHONUNBUFFERED=1

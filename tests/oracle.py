@@ -12,7 +12,7 @@ def hf_greedy(hf, prompts: list[list[int]], max_new_tokens: int, eos_token_ids: 
     out = []
     with torch.inference_mode():
         for p in prompts:
-            extra = {} if cache is None else {"cache": cache()}
+            extra = {} if cache is None else {"past_key_values": cache()}
             ids = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                               max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_ids,
                               pad_token_id=0, **extra)
