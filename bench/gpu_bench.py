@@ -9,7 +9,12 @@ built in code (no hub access needed), in bf16; both systems run the same weights
 - mixed-64: engine_bench's workload (64 requests, prompts 39..1021, outputs 17..256, seeded), our
   continuous batching vs Transformers' static batches of 32: output tokens/s, TTFT, ITL;
 - kernels: decode attention over the paged cache (CUDA kernel vs the torch gather + SDPA
-  reference) at batch 64 x ~1024 tokens and batch 1 x 4096, with the KV bytes read per second.
+  reference) at batch 64 x ~1024 tokens and batch 1 x 4096, with the KV bytes read per second, on a
+  bf16 arena and on an int8 one (`--kv-cache-dtype int8`: rows of int8 and their scale);
+- projections: int8 weights through linear_int8 (up to INT8_GEMV_ROWS rows) against bf16's
+  torch GEMM, for SmolLM2's shapes, with the weight bytes read per second;
+- the engine again with int8 weights and an int8 KV cache (`--quantization int8 --kv-cache-dtype
+  int8`): batch-1 and mixed-64 beside bf16, and how many of the first tokens agree with bf16's.
 Sized to finish in well under 4 minutes on an H200; --quick shrinks everything for a smoke run.
 """
 
@@ -24,7 +29,7 @@ import time
 import torch
 
 from meshserve.kernels import cuda_ops
-from meshserve.kernels.paged_attention import AttentionMetadata, decode_slots_and_mask, paged_attention
+from meshserve.kernels.paged_attention import AttentionMetadata, decode_slots_and_mask, paged_attention, quantize_kv
 from meshserve.bench.attention_bench import attention_case
 from meshserve.bench.engine_bench import hf_batch1, hf_static, mixed_workload, summarize
 from meshserve.shared.engine.llm_engine import EngineConfig, LLMEngine
@@ -71,9 +76,9 @@ def cuda_time_ms(fn, repeat: int) -> float:
 # --- the engine
 
 
-def engine(model, sched: SchedulerConfig, kv_bytes: int) -> LLMEngine:
-    return LLMEngine(model, EngineConfig(kv_cache_bytes=kv_bytes, scheduler=sched), eos_token_ids=[2],
-                     model_name="smollm2-135m-random")
+def engine(model, sched: SchedulerConfig, kv_bytes: int, kv_cache_dtype: str = "auto") -> LLMEngine:
+    return LLMEngine(model, EngineConfig(kv_cache_bytes=kv_bytes, kv_cache_dtype=kv_cache_dtype, scheduler=sched),
+                     eos_token_ids=[2], model_name="smollm2-135m-random")
 
 
 def engine_batch1(eng: LLMEngine, prompt: list[int], n: int) -> dict:
@@ -110,16 +115,19 @@ def engine_mixed(eng: LLMEngine, work: list[tuple[list[int], int]]) -> dict:
 # --- decode attention kernels
 
 
-def bench_attention(device, batch: int, context: int, repeat: int) -> dict:
+def bench_attention(device, batch: int, context: int, repeat: int, kv_dtype: str = "bfloat16") -> dict:
+    """kv_dtype "int8": the same arena quantized as --kv-cache-dtype int8 stores it."""
     q, kv, table, ctx, bs = attention_case(device, batch, context)
     d, hkv = q.shape[-1], kv.shape[2]
+    if kv_dtype == "int8":
+        kv = torch.stack([quantize_kv(kv[0]), quantize_kv(kv[1])])
     scale = d ** -0.5
     empty = torch.empty(0, dtype=torch.long, device=device)
     kernel_meta = AttentionMetadata(slot_mapping=empty, num_decodes=batch, decode_block_tables=table,
                                     decode_context_lens=ctx, block_size=bs)
     slots, mask = decode_slots_and_mask(table, ctx, bs)
     ref_meta = AttentionMetadata(slot_mapping=empty, num_decodes=batch, decode_slots=slots, decode_mask=mask)
-    kv_bytes = int(ctx.sum()) * 2 * hkv * d * kv.element_size()
+    kv_bytes = int(ctx.sum()) * 2 * hkv * kv.shape[-1] * kv.element_size()
     with torch.inference_mode():
         ours = cuda_time_ms(lambda: paged_attention(q, None, None, kv, kernel_meta, scale), repeat)
         ref = cuda_time_ms(lambda: paged_attention(q, None, None, kv, ref_meta, scale), repeat)
@@ -127,11 +135,56 @@ def bench_attention(device, batch: int, context: int, repeat: int) -> dict:
                 - paged_attention(q, None, None, kv, ref_meta, scale).float()).abs().max().item()
     plan = cuda_ops.decode_plan(batch, q.shape[1], hkv, d, table.shape[1] * bs, kv.dtype,
                                 torch.cuda.get_device_properties(device).multi_processor_count)
-    return {"batch": batch, "context_mean": float(ctx.float().mean()), "dtype": "bfloat16", "q_heads": q.shape[1],
+    return {"batch": batch, "context_mean": float(ctx.float().mean()), "dtype": "bfloat16", "kv_dtype": kv_dtype,
+            "q_heads": q.shape[1],
             "kv_heads": hkv, "head_dim": d, "block_size": bs, "partitions": plan["partitions"],
             "kv_MB": round(kv_bytes / 1e6, 2), "kernel_ms": round(ours, 4), "kernel_GB_s": round(kv_bytes / ours / 1e6, 1),
             "reference_ms": round(ref, 4), "reference_GB_s": round(kv_bytes / ref / 1e6, 1),
             "speedup": round(ref / ours, 1), "max_abs_diff": diff}
+
+
+LINEAR_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
+                 "lm_head": (49152, 576)}
+
+
+def bench_linear(device, repeat: int) -> list[dict]:
+    """Each projection of the model at 1, 4, 8 and 16 rows: int8 (cuda_ops.linear_int8: one pass over
+    the int8 rows up to INT8_GEMV_ROWS, else a dequantization and the GEMM) against bf16 F.linear."""
+    from meshserve.kernels import int8_linear as il
+
+    out = []
+    g = torch.Generator().manual_seed(3)
+    for name, (n, k) in LINEAR_SHAPES.items():
+        w = torch.randn(n, k, generator=g) * 0.05
+        q, s = (t.to(device) for t in il.quantize(w))
+        wb = w.to(device, torch.bfloat16)
+        for m in (1, 4, 8, 16):
+            x = torch.randn(m, k, generator=g).to(device, torch.bfloat16)
+            t8 = cuda_time_ms(lambda: cuda_ops.linear_int8(x, q, s), repeat)
+            tb = cuda_time_ms(lambda: torch.nn.functional.linear(x, wb), repeat)
+            out.append({"projection": name, "rows": m, "n": n, "k": k, "int8_us": round(t8 * 1e3, 2),
+                        "int8_GB_s": round(n * k / t8 / 1e6, 1), "bf16_us": round(tb * 1e3, 2),
+                        "bf16_GB_s": round(2 * n * k / tb / 1e6, 1), "int8_vs_bf16": round(tb / t8, 2)})
+    return out
+
+
+def int8_runs(cfg: ModelConfig, sd: dict, device, dtype, sched: SchedulerConfig, prompt: list[int], n: int,
+              work: list[tuple[list[int], int]]) -> dict:
+    """The engine with int8 weights (linear_int8 for decode steps of up to INT8_GEMV_ROWS rows) and
+    an int8 KV cache on the same random weights: batch-1, mixed-64, and the greedy tokens of the
+    first 8 mixed prompts against bf16's (how many of the first 8 tokens agree)."""
+    q8 = LlamaModel.from_hf(cfg, sd, dtype, device=device, quantization="int8")
+    out = {"quantization": "int8", "kv_cache_dtype": "int8",
+           "weight_bytes": sum(t.numel() * t.element_size() for t in q8.weights.values())}
+    out["batch1"] = engine_batch1(engine(q8, sched, 1 << 30, "int8"), prompt, n)
+    out["mixed"] = engine_mixed(engine(q8, sched, 8 << 30, "int8"), work)
+    bf = LlamaModel.from_hf(cfg, sd, dtype, device=device)
+    prompts, greedy = [p for p, _ in work[:8]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    a = engine(bf, sched, 1 << 30).generate(prompts, greedy)
+    b = engine(q8, sched, 1 << 30, "int8").generate(prompts, greedy)
+    out["first_tokens_agree"] = f"{sum(x[0] == y[0] for x, y in zip(a, b))}/8"
+    out["tokens_agree"] = f"{sum(u == v for x, y in zip(a, b) for u, v in zip(x, y))}/{8 * 8}"
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -158,8 +211,12 @@ def main(argv: list[str] | None = None) -> dict:
         res["cupy"] = None
     t0 = time.perf_counter()
 
-    res["attention"] = [bench_attention(device, 64, 1024, repeat), bench_attention(device, 1, 4096, repeat)]
+    res["attention"] = [bench_attention(device, b, c, repeat, kv) for kv in ("bfloat16", "int8")
+                        for b, c in ((64, 1024), (1, 4096))]
     print(json.dumps(res["attention"]), file=sys.stderr, flush=True)
+
+    res["linear"] = bench_linear(device, repeat)
+    print(json.dumps(res["linear"]), file=sys.stderr, flush=True)
 
     hf, ours, cfg = build_models(device, dtype, a.seed)
     work = mixed_workload(n_req, a.seed, cfg.vocab_size, SPECIAL)
@@ -175,6 +232,9 @@ def main(argv: list[str] | None = None) -> dict:
     res["meshserve"]["batch1"] = engine_batch1(engine(ours, sched, 1 << 30), prompt1, b1_tokens)
     res["meshserve"]["mixed"] = engine_mixed(engine(ours, sched, 8 << 30), work)
     print(json.dumps(res["meshserve"]), file=sys.stderr, flush=True)
+    res["meshserve_int8"] = int8_runs(cfg, {k: v for k, v in hf.state_dict().items()}, device, dtype, sched, prompt1,
+                                      b1_tokens, work)
+    print(json.dumps(res["meshserve_int8"]), file=sys.stderr, flush=True)
     if not a.skip_hf:
         theirs = res["transformers"] = {}
         theirs["batch1"] = hf_batch1(hf, prompt1, b1_tokens)
@@ -182,6 +242,11 @@ def main(argv: list[str] | None = None) -> dict:
         res["ratios"] = {
             "batch1_decode": res["meshserve"]["batch1"]["decode_tok_s"] / theirs["batch1"]["decode_tok_s"],
             "mixed_output_tok_s": res["meshserve"]["mixed"]["output_tok_s"] / theirs["static"]["output_tok_s"]}
+    res["ratios"] = res.get("ratios", {}) | {
+        "int8_batch1_decode_vs_bf16": res["meshserve_int8"]["batch1"]["decode_tok_s"]
+        / res["meshserve"]["batch1"]["decode_tok_s"],
+        "int8_mixed_output_tok_s_vs_bf16": res["meshserve_int8"]["mixed"]["output_tok_s"]
+        / res["meshserve"]["mixed"]["output_tok_s"]}
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     text = json.dumps(res, indent=2)
     print(text)

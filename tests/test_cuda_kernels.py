@@ -902,6 +902,50 @@ def test_gpu_engine_matches_transformers(tiny_cuda):
 
 
 @gpu
+def test_gpu_engine_with_an_int8_kv_cache_matches_transformers_on_the_same_rounding(cuda, tiny_llama):
+    """As the emulated test, on the GPU: --kv-cache-dtype int8, write_kv and decode attention on
+    int8 rows, against Transformers (on the GPU) with each K/V row rounded as the arena stores it."""
+    from test_kv_int8 import int8_kv_cache
+    from transformers import AutoModelForCausalLM
+
+    cfg, sd = load_hf_dir(tiny_llama)
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).to(cuda).eval()
+    prompts = make_prompts(cfg.vocab_size)
+    ref = hf_greedy(_OnDevice(hf), prompts, 10, cfg.eos_token_ids, cache=int8_kv_cache)
+    sched = SchedulerConfig(max_num_batched_tokens=64, prefill_chunk_size=64, max_num_seqs=16)
+    eng = LLMEngine(LlamaModel.from_hf(cfg, sd, torch.float32, device="cuda"),
+                    EngineConfig(block_size=8, num_kv_blocks=24, enable_prefix_caching=True, kv_cache_dtype="int8",
+                                 scheduler=sched))
+    assert eng.kv_cache.is_cuda and eng.kv_cache.dtype == torch.int8 and pa.decode_kernel(eng.kv_cache[0]) is cuda_ops
+    assert run_two_waves(eng, prompts, SamplingParams(max_tokens=10, temperature=0)) == ref
+    assert eng.stats["num_preemptions"] > 0 and eng.stats["prefix_hits"] > 0
+
+
+@gpu
+def test_gpu_int8_weights_match_transformers_on_the_dequantized_weights(cuda, tiny_llama, monkeypatch):
+    """--quantization int8 on the GPU: fp32 computes on the dequantized weights, so the greedy tokens
+    are Transformers' on them; bf16 runs its decode steps of up to INT8_GEMV_ROWS rows through
+    linear_int8 and its first tokens mostly agree."""
+    from test_int8 import dequantized_hf
+
+    cfg, sd = load_hf_dir(tiny_llama)
+    prompts = make_prompts(cfg.vocab_size)
+    ref = hf_greedy(_OnDevice(dequantized_hf(tiny_llama, tied=False).to(cuda)), prompts, 16, cfg.eos_token_ids)
+    model = LlamaModel.from_hf(cfg, sd, torch.float32, device="cuda", quantization="int8")
+    assert model.proj[0]["qkv"].q.is_cuda and model.proj[0]["qkv"].q.dtype == torch.int8
+    assert run_two_waves(small_pool_engine(model), prompts, SamplingParams(max_tokens=16, temperature=0)) == ref
+
+    calls = []
+    real = cuda_ops.linear_int8
+    monkeypatch.setattr(cuda_ops, "linear_int8", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
+    bf = LlamaModel.from_hf(cfg, sd, torch.bfloat16, device="cuda", quantization="int8")
+    got = small_pool_engine(bf).generate(prompts[:4], SamplingParams(max_tokens=16, temperature=0))
+    assert any(m <= cuda_ops.INT8_GEMV_ROWS for m in calls) and any(m > cuda_ops.INT8_GEMV_ROWS for m in calls)
+    assert all(len(g) == 16 or g[-1] in cfg.eos_token_ids for g in got)
+    assert sum(g[0] == r[0] for g, r in zip(got, ref)) >= 3
+
+
+@gpu
 def test_gpu_engine_bf16_runs(tiny_cuda):
     cfg, sd, prompts, ref = tiny_cuda
     model = LlamaModel.from_hf(cfg, sd, torch.bfloat16, device="cuda")

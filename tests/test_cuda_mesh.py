@@ -210,3 +210,21 @@ def test_kv_pool_swaps_and_serves_gpu_blocks(mesh):
     asyncio.run(go())
     # The mesh still serves after all that.
     assert complete(mesh, PROMPTS[0], 4)
+
+
+def test_int8_weights_and_int8_kv_through_the_mesh_equal_the_engine(tiny_llama, tmp_path):
+    """`meshserve up --device cuda --quantization int8 --kv-cache-dtype int8`: the loader's int8
+    weights and scales and the int8 arena (rows with their scales) shared by CUDA IPC handles; greedy
+    text through a prefill -> decode handoff equals the in-process engine on the same GPU."""
+    llm = LLM(str(tiny_llama), "float32", device="cuda", quantization="int8", kv_cache_dtype="int8")
+    assert llm.engine.kv_cache.dtype == torch.int8
+    m = Mesh(tiny_llama, tmp_path, prefill=1, decode=1,
+             extra=["--device", "cuda", "--quantization", "int8", "--kv-cache-dtype", "int8"])
+    try:
+        m.wait_ready(timeout=120)
+        jobs = [(p, 6 + 2 * i) for i, p in enumerate(PROMPTS)]
+        with concurrent.futures.ThreadPoolExecutor(len(jobs)) as ex:
+            got = list(ex.map(lambda j: complete(m, *j), jobs))
+        assert got == [expected(llm, p, n) for p, n in jobs]
+    finally:
+        m.stop()
