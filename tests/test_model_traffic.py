@@ -19,9 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshserve.services.scheduler.models import (NO_WORKER, TRAFFIC, Demand, ModelDemand, ModelTraffic, Move,
-                                                 Placement, TrafficPolicy, pick_donor, pick_worker, rebalance)
+                                                 Placement, TrafficPolicy, model_work, pick_donor, pick_worker,
+                                                 rebalance)
 from meshserve.services.scheduler.routing import WorkerView
-from meshserve.shared.schemas import Heartbeat
+from meshserve.shared.schemas import GenerateRequest, Heartbeat
 
 POLICY = TrafficPolicy(margin=1.5, min_per_worker=1.0, window_s=5.0, hold_s=2.0, cooldown_s=5.0)
 
@@ -57,6 +58,60 @@ def test_a_model_with_work_or_pinned_keeps_its_last_worker_a_cold_one_does_not()
     assert rebalance([m("a", 4, 1, receives=False), m("b", 0, 2)], POLICY) is None
     assert rebalance([m("a", 4, 0), m("b", 0, 2)], POLICY) is None
     assert rebalance([m("a", 4, 1), m("b", 0, 2, movable=0)], POLICY) is None
+
+
+def test_work_not_the_count_of_requests_decides_which_model_is_busier():
+    """Three long prompts outweigh twelve short chats: by requests b is the busier (6 per worker
+    against 1.5), by the work they hold a is (4500 token-equivalents per worker against 1260), and
+    the work decides; after the move the same rule would not move it back."""
+    a, b = m("a", 3, 2, work=9000.0), m("b", 12, 2, work=2520.0)
+    assert rebalance([m("a", 3, 2), m("b", 12, 2)], POLICY).dst == "b"  # requests alone
+    mv = rebalance([a, b], POLICY)
+    assert (mv.src, mv.dst) == ("b", "a") and "9000 token-equivalents" in mv.reason
+    assert rebalance([m("a", 3, 3, work=9000.0), m("b", 12, 1, work=2520.0)], POLICY) is None
+    # However much work one sequence holds, it runs on one worker: a model is never given more
+    # workers than it has requests.
+    assert rebalance([m("a", 1, 1, work=50000.0), m("b", 0, 2, keep=False, work=0.0)], POLICY) is None
+    assert rebalance([m("a", 2, 1, work=50000.0), m("b", 0, 2, keep=False, work=0.0)], POLICY).dst == "a"
+
+
+def test_model_work_adds_what_workers_report_to_what_no_worker_holds():
+    ws = [hb("w0", "a", pending_prefill_tokens=100, pending_decode_tokens=10),
+          hb("w1", "a", pending_prefill_tokens=0, pending_decode_tokens=5), hb("w2", "b")]
+
+    def req(model, prompt, out, max_tokens):
+        return GenerateRequest(request_id=f"{model}{prompt}", model=model, prompt_token_ids=list(range(prompt)),
+                               output_token_ids=list(range(out)), sampling={"max_tokens": max_tokens},
+                               stream_subject="s", arrival_time=0.0)
+
+    got = model_work(ws, [req("a", 30, 0, 4), req("c", 7, 2, 3)], decode_token_cost=8.0)
+    assert got == {"a": 100 + 8 * 10 + 8 * 5 + 30 + 8 * 4, "b": 0.0, "c": 9 + 8 * 1}
+
+
+work_demands = st.lists(st.tuples(st.floats(0, 50, allow_nan=False), st.floats(0, 5e4, allow_nan=False),
+                                  st.integers(0, 5), st.booleans()), min_size=1, max_size=5)
+
+
+@settings(max_examples=300, deadline=None)
+@given(work_demands)
+def test_steady_work_settles_without_flapping_or_stranding(ms):
+    """As with requests alone, when the work decides and the requests bound the receiver."""
+    models = [m(f"m{i}", d, n, keep, work=w) for i, (d, w, n, keep) in enumerate(ms)]
+    seen, last = set(), None
+    for _ in range(sum(x.workers for x in models) * len(models) + 1):
+        placement = tuple(x.workers for x in models)
+        assert placement not in seen
+        seen.add(placement)
+        mv = rebalance(models, POLICY)
+        if mv is None:
+            return
+        assert last is None or (mv.src, mv.dst) != (last.dst, last.src)
+        src, dst = (next(x for x in models if x.name == n) for n in (mv.src, mv.dst))
+        assert dst.workers >= 1 and src.workers >= (2 if src.keep else 1)
+        assert dst.demand / (dst.workers + 1) >= POLICY.min_per_worker
+        models = [m(x.name, x.demand, x.workers + (x is dst) - (x is src), x.keep, work=x.work) for x in models]
+        last = mv
+    raise AssertionError(f"no end to the moves from {ms}")
 
 
 demands = st.lists(st.tuples(st.floats(0, 50, allow_nan=False), st.integers(0, 5), st.booleans()), min_size=1,

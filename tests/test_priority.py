@@ -333,6 +333,11 @@ def test_the_best_class_and_interactive_prompt_work_a_worker_asks_before_a_step(
 # -- the mesh
 
 
+# Long enough that a pair of them outlasts the interactive request's way through the gateway and
+# the scheduler on a loaded machine (64 tokens did not, once, under a parallel test run).
+BG_TOKENS = 192
+
+
 def test_mesh_interactive_request_overtakes_a_background_batch(tiny_llama, tmp_path):
     """One worker that runs 2 sequences at once, 8 background requests: an interactive request
     sent while they occupy it gets its first token before most of them finish (FCFS would put it
@@ -361,7 +366,7 @@ def test_mesh_interactive_request_overtakes_a_background_batch(tiny_llama, tmp_p
             return text
 
         with concurrent.futures.ThreadPoolExecutor(9) as ex:
-            bg = [ex.submit(one, f"bg{i}", p, 64, "background") for i, p in enumerate(prompts)]
+            bg = [ex.submit(one, f"bg{i}", p, BG_TOKENS, "background") for i, p in enumerate(prompts)]
             # Sent once two background requests stream: the worker then runs two and holds the rest
             # waiting (a tiny model finishes the batch in about a second on a quiet machine, faster
             # than heartbeats could show the queue, so the streams themselves are the signal).
@@ -383,6 +388,6 @@ def test_mesh_interactive_request_overtakes_a_background_batch(tiny_llama, tmp_p
         mesh.stop()
     llm = LLM(str(tiny_llama), "float32")
     want = [c.text for c in llm.generate(prompts + ["Tell me a joke about computers."],
-                                         [SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)] * 8
+                                         [SamplingParams(max_tokens=BG_TOKENS, temperature=0, ignore_eos=True)] * 8
                                          + [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)])]
     assert texts == want

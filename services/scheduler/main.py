@@ -62,7 +62,7 @@ from meshserve.shared.tenants import load_tenants
 from meshserve.shared.manifest import Manifest, ServedModel, load_manifest
 
 from .admission import Admission, waiting_by_class
-from .models import (NO_WORKER, REMOVED, TRAFFIC, ModelDemand, ModelTraffic, Placement, idle, model_states,
+from .models import (NO_WORKER, REMOVED, TRAFFIC, ModelDemand, ModelTraffic, Placement, idle, model_states, model_work,
                      pick_donor, pick_worker, serving_counts, tiers_by_node)
 from .prewarm import MIN_RATE, Rates, plan, residents
 from .queues import ClassQueues
@@ -178,6 +178,7 @@ class Scheduler:
                 "model_switches_by_reason": {NO_WORKER: 0, TRAFFIC: 0} | self.placement.by_reason,
                 "model_workers_follow_traffic": self.traffic.enabled,
                 "model_demand": {m: round(d, 3) for m, d in sorted(self.traffic.demand.level.items())},
+                "model_work": {m: round(d, 1) for m, d in sorted(self.traffic.work.level.items())},
                 "request_rates": {m: round(r, 4) for m, r in self.rates.all().items()},
                 "recent_prewarms": self.prewarms,
                 "loaders": self.loaders,
@@ -300,8 +301,10 @@ class Scheduler:
         tracked: dict[str, int] = {}  # requests in the mesh: queued here, on a worker, or in a handoff
         for t in self.requests.values():
             tracked[t.req.model] = tracked.get(t.req.model, 0) + 1
-        self.traffic.demand.observe(tracked, now)
         workers = list(self.workers.values())
+        self.traffic.demand.observe(tracked, now)
+        self.traffic.work.observe(model_work(workers, [t.req for t in self.requests.values() if t.worker is None],
+                                             self.roles.policy.decode_token_cost), now)
         if not self.traffic.enabled or len(workers) < 2:
             return
         switching = self.placement.switching
@@ -310,7 +313,7 @@ class Scheduler:
                 | {w.hb.worker_id for w in workers if self.roles.in_flight(w.hb.worker_id)})
         heading = set(switching.values())
         models = [ModelDemand(
-            m.id, self.traffic.demand.get(m.id), serving.get(m.id, 0),
+            m.id, self.traffic.demand.get(m.id), serving.get(m.id, 0), work=self.traffic.work.get(m.id),
             movable=sum(1 for w in workers if w.hb.model == m.id and not w.hb.draining and w.hb.worker_id not in skip),
             keep=m.pinned or tracked.get(m.id, 0) > 0 or self.rates.rate(m.id, now) >= MIN_RATE,
             receives=m.id not in heading and self.placement.failure(m.id) is None) for m in self.manifest.models]

@@ -11,11 +11,15 @@ three reasons, each switch in its status with it ("removed": its model left the 
   busy one of a model that keeps another worker is told instead: it takes nothing new and switches
   once its sequences are done.
 - "traffic": a model's worker count follows its traffic (`rebalance`, `pick_donor`, `ModelTraffic`).
-  A model's demand is its requests in the mesh (queued here, on a worker, or in a handoff),
-  averaged over `window_s`. When a model's demand per worker exceeds another's by `margin` and the
-  move would not be undone by the same rule right after (see `rebalance`), one worker of the
-  over-served model moves to the under-served one, if the receiving model's workers would still
-  have `min_per_worker` requests each (light traffic moves nothing). A model keeps at least one
+  A model's load is the work its requests in the mesh still hold (queued here, on a worker, or in
+  a handoff), in the token-equivalents of the elastic roles (prompt tokens to compute, plus output
+  tokens still to generate weighed by `decode_token_cost`: `model_work`), averaged over `window_s`:
+  three long prompts outweigh thirty short chats, which a count of requests would not see. When a
+  model's load per worker exceeds another's by `margin` and the move would not be undone by the
+  same rule right after (see `rebalance`), one worker of the over-served model moves to the
+  under-served one, if the receiving model's workers would still have `min_per_worker` requests
+  each (light traffic moves nothing, and a worker is never moved to a model with fewer requests
+  than workers: one sequence runs on one worker). A model keeps at least one
   worker while it has requests, had one lately (prewarm's rate: about 35 s), or is pinned. The
   wish must hold for `hold_s`; one traffic move runs at a time, `cooldown_s` after the last one
   ended; a worker that changed model stays `min_interval_s` before traffic moves it again. The
@@ -38,7 +42,9 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from .roles import Held
+from meshserve.shared.schemas import GenerateRequest
+
+from .roles import Held, work
 from .routing import WorkerView
 
 NO_WORKER, TRAFFIC, REMOVED = "no worker", "traffic", "removed"  # why a worker switches model
@@ -100,6 +106,12 @@ class ModelDemand:
     movable: int = 0  # of those, workers traffic may move now (not just switched, no role switch in flight)
     keep: bool = False  # it keeps its last worker: it has requests, had one lately, or is pinned
     receives: bool = True  # it may be given a worker (nothing is switching to it, its loads do not fail)
+    work: float | None = None  # token-equivalents its requests still hold, averaged (None: compare requests)
+
+    @property
+    def load(self) -> float:
+        """What `rebalance` divides among the workers: the work, else the requests."""
+        return self.demand if self.work is None else self.work
 
 
 @dataclass(frozen=True)
@@ -112,37 +124,58 @@ class Move:
 
 
 def rebalance(models: list[ModelDemand], policy: TrafficPolicy) -> Move | None:
-    """The model pair whose traffic asks for a worker to move, or None. With d and w a model's demand
-    and workers, a worker of `src` goes to `dst` when
+    """The model pair whose traffic asks for a worker to move, or None. With L, r and w a model's
+    load (its work, or its requests where the work is not known), requests and workers, a worker of
+    `src` goes to `dst` when
 
-    - d_dst / w_dst > margin x d_src / w_src (dst is the busier per worker, by the margin),
-    - d_dst / (w_dst + 1) >= min_per_worker (dst's workers stay busy after the move), and
-    - not d_src / (w_src - 1) > margin x d_dst / (w_dst + 1): the same rule would not move it back
-      at once, so a steady demand never flaps. A src that keeps its last worker needs two.
+    - L_dst / w_dst > margin x L_src / w_src (dst is the busier per worker, by the margin),
+    - r_dst / (w_dst + 1) >= min_per_worker (dst's workers stay busy after the move), and
+    - not L_src / (w_src - 1) > margin x L_dst / (w_dst + 1): the same rule would not move it back
+      at once, so a steady load never flaps. A src that keeps its last worker needs two.
 
-    Among the pairs that qualify, the largest gap in demand per worker, then names."""
+    Among the pairs that qualify, the largest gap in load per worker, then names."""
     best = None
     for dst in models:
         if not dst.receives or dst.workers < 1:
             continue  # a model without workers gets one when it has requests queued (pick_worker)
-        after_dst = dst.demand / (dst.workers + 1)
-        if after_dst < policy.min_per_worker:
+        if dst.demand / (dst.workers + 1) < policy.min_per_worker:
             continue
+        after_dst = dst.load / (dst.workers + 1)
         for src in models:
             if src is dst or src.movable < 1 or src.workers < (2 if src.keep else 1):
                 continue
-            per_src = src.demand / src.workers
-            if not dst.demand / dst.workers > policy.margin * per_src:
+            per_src = src.load / src.workers
+            if not dst.load / dst.workers > policy.margin * per_src:
                 continue
-            if src.workers > 1 and src.demand / (src.workers - 1) > policy.margin * after_dst:
+            if src.workers > 1 and src.load / (src.workers - 1) > policy.margin * after_dst:
                 continue  # it would come straight back
-            gap = dst.demand / dst.workers - per_src
+            gap = dst.load / dst.workers - per_src
             key = (-gap, dst.name, src.name)
             if best is None or key < best[0]:
-                best = (key, Move(src.name, dst.name,
-                                  f"{dst.name}: {dst.demand:.1f} requests on {dst.workers} workers, {src.name}: "
-                                  f"{src.demand:.1f} on {src.workers}"))
+                best = (key, Move(src.name, dst.name, f"{_said(dst)}, {_said(src, short=True)}"))
     return None if best is None else best[1]
+
+
+def _said(x: ModelDemand, short: bool = False) -> str:
+    work = "" if x.work is None else f" ({x.work:.0f} token-equivalents)"
+    return f"{x.name}: {x.demand:.1f}{'' if short else ' requests'}{work} on {x.workers}{'' if short else ' workers'}"
+
+
+def model_work(workers: list[WorkerView], unplaced: list[GenerateRequest], decode_token_cost: float
+               ) -> dict[str, float]:
+    """The work each model's requests still hold, in token-equivalents (roles.py `work`): what its
+    workers' heartbeats report pending (their engines' sequences and inboxes), plus the requests no
+    worker holds (queued here, or between a prefill and a decode worker), each at its whole prompt
+    and max_tokens."""
+    out: dict[str, float] = {}
+    for w in workers:
+        out[w.hb.model] = out.get(w.hb.model, 0.0) + work(w.hb.pending_prefill_tokens, w.hb.pending_decode_tokens,
+                                                          decode_token_cost)
+    for r in unplaced:
+        out[r.model] = out.get(r.model, 0.0) + work(len(r.prompt_token_ids) + len(r.output_token_ids),
+                                                    max(0, r.sampling.max_tokens - len(r.output_token_ids)),
+                                                    decode_token_cost)
+    return out
 
 
 def pick_donor(workers: list[WorkerView], model: str, skip: set[str],
@@ -184,12 +217,14 @@ class ModelTraffic:
 
     policy: TrafficPolicy = field(default_factory=TrafficPolicy)
     enabled: bool = True
-    demand: Demand = field(init=False)  # made from the policy's window
+    demand: Demand = field(init=False)  # requests in the mesh, averaged over the policy's window
+    work: Demand = field(init=False)  # the work they hold (model_work), likewise
     _wish: Held = field(default_factory=Held)
     _last: float = -math.inf  # when the last traffic move was ordered
 
     def __post_init__(self):
         self.demand = Demand(self.policy.window_s)
+        self.work = Demand(self.policy.window_s)
 
     def observe(self, models: list[ModelDemand], in_flight: bool, now: float) -> Move | None:
         """The move to order now, or None. `models` carry this round's demand; `in_flight`: a

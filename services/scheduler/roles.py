@@ -76,6 +76,11 @@ class Switch:
     reason: str
 
 
+def work(prefill_tokens: float, decode_tokens: float, decode_token_cost: float) -> float:
+    """Pending work in token-equivalents: prompt tokens, plus output tokens weighed by their cost."""
+    return prefill_tokens + decode_token_cost * decode_tokens
+
+
 def drain_time(prefill_tokens: float, decode_tokens: float, n: int, k: int, policy: RolePolicy) -> float:
     """How long the pending work takes (in one worker's prompt tokens) with k of n workers
     prefilling only; k = 0: every worker prefills and decodes."""
@@ -114,7 +119,7 @@ def wanted(loads: list[Load], policy: RolePolicy, interactive: bool = False) -> 
         return None
     p = sum(w.pending_prefill_tokens for w in pool)
     d = sum(w.pending_decode_tokens for w in pool)
-    if p + policy.decode_token_cost * d < policy.min_work:
+    if work(p, d, policy.decode_token_cost) < policy.min_work:
         return None
     prefill = [w for w in pool if w.role == "prefill"]
     decode = [w for w in pool if w.role == "decode"]
