@@ -251,6 +251,7 @@ class Launcher:
         fixed += ["--fixed-model-workers"] if getattr(a, "fixed_model_workers", False) else []
         prewarm = [] if getattr(a, "prewarm", True) else ["--no-prewarm"]
         depth = ["--queue-depth", str(a.queue_depth)] if getattr(a, "queue_depth", None) is not None else []
+        depth += ["--decode-token-cost", str(a.decode_token_cost)] if getattr(a, "decode_token_cost", None) else []
         self.spawn_service("scheduler", "scheduler", "--scheduling", a.scheduling, *tenants, *fixed, *models, *prewarm,
                            *depth)
         self.spawn_service("gateway", "gateway", "--host", a.host, "--port", str(a.port),
@@ -530,6 +531,9 @@ def add_arguments(p) -> None:
     p.add_argument("--fixed-model-workers", action="store_true",
                    help="with --models: a worker changes model only when a model has requests and no worker "
                         "(default: a model's worker count also follows its traffic, docs/models.md)")
+    p.add_argument("--decode-token-cost", type=float, default=None, metavar="X",
+                   help="the scheduler's --decode-token-cost: an output token's weight in prompt tokens for the "
+                        "elastic roles (default: measured by the workers)")
     p.add_argument("--tenants", default=None, metavar="FILE",
                    help="tenants file (docs/tenants.md): API keys, classes, quotas and queue bounds, for the gateway "
                         "and the scheduler (default: none, the API is open)")

@@ -224,6 +224,11 @@ class Heartbeat(Message):
     # yet computed, and output tokens not yet generated (max_tokens less those done).
     pending_prefill_tokens: int = 0
     pending_decode_tokens: int = 0
+    # Its steps' measured rates (shared/engine/policy.py StepRates; 0: no such step yet): prompt
+    # tokens per second in prefill steps, output tokens per second in decode-only steps. Their ratio
+    # is what an output token weighs against a prompt token in the elastic roles' drain times.
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
     # SIGTERM: it takes nothing new, hands its sequences on (or finishes them) and exits.
     draining: bool = False
     # Node-level compute priority (services/worker/compute_claims.py): how many times, and for how

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from meshserve.services.scheduler.models import (NO_WORKER, TRAFFIC, Demand, ModelDemand, ModelTraffic, Move,
                                                  Placement, TrafficPolicy, model_work, pick_donor, pick_worker,
                                                  rebalance)
+from meshserve.services.scheduler.roles import RolePolicy
 from meshserve.services.scheduler.routing import WorkerView
 from meshserve.shared.schemas import GenerateRequest, Heartbeat
 
@@ -84,8 +85,12 @@ def test_model_work_adds_what_workers_report_to_what_no_worker_holds():
                                output_token_ids=list(range(out)), sampling={"max_tokens": max_tokens},
                                stream_subject="s", arrival_time=0.0)
 
-    got = model_work(ws, [req("a", 30, 0, 4), req("c", 7, 2, 3)], decode_token_cost=8.0)
+    got = model_work(ws, [req("a", 30, 0, 4), req("c", 7, 2, 3)], RolePolicy(decode_token_cost=8.0))
     assert got == {"a": 100 + 8 * 10 + 8 * 5 + 30 + 8 * 4, "b": 0.0, "c": 9 + 8 * 1}
+    # Rates the model's workers measured: an output token of a weighs 2000 / 100 = 20 prompt tokens.
+    ws[0].hb = ws[0].hb.model_copy(update={"prefill_tokens_per_s": 2000.0, "decode_tokens_per_s": 100.0})
+    got = model_work(ws, [req("a", 30, 0, 4)], RolePolicy(decode_token_cost=8.0))
+    assert got == {"a": 100 + 20 * 10 + 20 * 5 + 30 + 20 * 4, "b": 0.0}
 
 
 work_demands = st.lists(st.tuples(st.floats(0, 50, allow_nan=False), st.floats(0, 5e4, allow_nan=False),

@@ -69,6 +69,21 @@ def test_the_cheaper_way_is_chosen_from_measured_rates():
     assert c.choose("swap", nbytes=0, tokens=0, can_swap=True) == "recompute"  # nothing computed yet
 
 
+def test_the_engine_measures_its_prefill_and_decode_rates(tiny):
+    """Mostly-prefill steps give the prompt rate (what a recompute costs, and, through the
+    heartbeats, the elastic roles' weight of an output token), decode-only steps the output rate;
+    until a prefill step ran, recompute costs use the assumed rate."""
+    model, prompts = tiny
+    eng = engine(model)
+    rates = eng.scheduler.costs.rates
+    assert rates.prefill_tokens_per_s == rates.decode_tokens_per_s == 0.0
+    assert eng.scheduler.costs.prefill_tokens_per_s == 2000.0  # assumed
+    eng.generate(prompts[:3], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert rates.prefill_tokens_per_s > 0 and rates.decode_tokens_per_s > 0
+    assert eng.scheduler.costs.prefill_tokens_per_s == rates.prefill_tokens_per_s
+    assert eng.scheduler.costs.recompute_s(1000) == 1000 / rates.prefill_tokens_per_s
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_a_seeded_sampled_stream_continues_its_sequence_through_preemptions(tiny, mode):
     """A seeded, sampled background request preempted again and again by interactive ones (one

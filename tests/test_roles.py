@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, strategies as st
 
 from meshserve.services.scheduler.roles import (ElasticRoles, Load, RolePolicy, drain_time, split_score,
-                                               target_prefill_workers, wanted)
+                                               target_prefill_workers, token_cost, wanted)
 
 POLICY = RolePolicy(decode_token_cost=8.0, min_work=1000.0, split_worth=0.5, hysteresis=0.15, hold_s=0.5, cooldown_s=2.0)
 
@@ -48,6 +48,28 @@ def test_mixed_traffic_splits_off_the_least_busy_decoder():
     loads = [Load("a", "decode", 3000, 200, num_running=5), Load("b", "decode", 0, 200, num_running=1)]
     s = wanted(loads, POLICY)  # P 3000 vs 8 x 400: in proportion
     assert s is not None and (s.worker_id, s.to_role) == ("b", "prefill")
+
+
+def test_an_output_token_weighs_what_the_workers_measured():
+    """The weight of an output token is the measured prefill rate over the measured decode rate
+    (means over the workers that measured each), within bounds; 8 until both are known. The same
+    pending work splits a node where output tokens are dear and shares it where they are cheap."""
+    assert token_cost([], [], POLICY) == 8.0
+    assert token_cost([3000.0, 0.0], [0.0, 0.0], POLICY) == 8.0  # no decode step measured yet
+    assert token_cost([3000.0, 1000.0], [100.0, 0.0], POLICY) == 20.0
+    assert token_cost([100.0], [1000.0], POLICY) == 1.0 and token_cost([1e6], [1.0], POLICY) == 64.0
+
+    def measured(prefill_rate, decode_rate):
+        return [Load("w0", "decode", 3000, 100, 2, 0, prefill_rate, decode_rate),
+                Load("w1", "decode", 0, 100, 1, 0, prefill_rate, decode_rate)]
+
+    # P 3000 against D 200: at the assumed 8 the prompts outweigh the outputs, both workers share;
+    # where an output token measured 15 prompt tokens the two are in proportion, one worker splits
+    # off to prefill; where it costs 2 (a GPU-like machine) they share again.
+    assert wanted(measured(0.0, 0.0), POLICY) is None
+    s = wanted(measured(3000.0, 200.0), POLICY)
+    assert s is not None and s.to_role == "prefill" and "x 15:" in s.reason
+    assert wanted(measured(20000.0, 10000.0), POLICY) is None
 
 
 def test_hysteresis_and_light_traffic():

@@ -66,7 +66,7 @@ from .models import (NO_WORKER, REMOVED, TRAFFIC, ModelDemand, ModelTraffic, Pla
                      pick_donor, pick_worker, serving_counts, tiers_by_node)
 from .prewarm import MIN_RATE, Rates, plan, residents
 from .queues import ClassQueues
-from .roles import ElasticRoles, Load
+from .roles import ElasticRoles, Load, RolePolicy
 from .routing import (WorkerView, pick_admission, pick_decode, pick_idle_for_short_prompt, pick_soonest,
                       spill_candidates, waiting_there)
 
@@ -105,7 +105,9 @@ class Scheduler:
         self.tasks: set[asyncio.Task] = set()  # deliveries waiting for their acknowledgement
         tenants = getattr(args, "tenants", None)
         self.admission = Admission(load_tenants(tenants) if tenants else None)
-        self.roles = ElasticRoles(enabled=not getattr(args, "fixed_roles", False))
+        cost = getattr(args, "decode_token_cost", None)
+        self.roles = ElasticRoles(RolePolicy() if cost is None else RolePolicy(decode_token_cost=cost, measured=False),
+                                  enabled=not getattr(args, "fixed_roles", False))
         self.fcfs = getattr(args, "scheduling", "priority") == "fcfs"
         self.queues: dict[str, ClassQueues] = {}  # model -> its requests waiting for a worker
         self.queue_wait = {"count": 0, "total_s": 0.0, "max_s": 0.0}  # of the requests sent to workers
@@ -156,7 +158,9 @@ class Scheduler:
                              "tokens_streamed": w.hb.tokens_streamed,
                              "compute_yields": w.hb.compute_yields, "compute_yield_s": round(w.hb.compute_yield_s, 3),
                              "compute_claim": w.hb.compute_claim,
-                             "interrupted_steps": w.hb.interrupted_steps, "threads": w.hb.threads} for w in ws],
+                             "interrupted_steps": w.hb.interrupted_steps, "threads": w.hb.threads,
+                             "prefill_tokens_per_s": w.hb.prefill_tokens_per_s,
+                             "decode_tokens_per_s": w.hb.decode_tokens_per_s} for w in ws],
                 "scheduling": "fcfs" if self.fcfs else "priority",
                 "queue_wait": dict(self.queue_wait),
                 "queued_by_priority": {"interactive": 0, "normal": 0, "background": 0}
@@ -304,7 +308,7 @@ class Scheduler:
         workers = list(self.workers.values())
         self.traffic.demand.observe(tracked, now)
         self.traffic.work.observe(model_work(workers, [t.req for t in self.requests.values() if t.worker is None],
-                                             self.roles.policy.decode_token_cost), now)
+                                             self.roles.policy), now)
         if not self.traffic.enabled or len(workers) < 2:
             return
         switching = self.placement.switching
@@ -682,7 +686,8 @@ class Scheduler:
             nodes.setdefault((w.hb.model, w.hb.node_id), []).append(Load(
                 w.hb.worker_id, w.hb.role, w.hb.pending_prefill_tokens, w.hb.pending_decode_tokens,
                 w.hb.num_running, w.hb.running_by_priority.get("interactive", 0)
-                + w.hb.waiting_by_priority.get("interactive", 0)))
+                + w.hb.waiting_by_priority.get("interactive", 0), w.hb.prefill_tokens_per_s,
+                w.hb.decode_tokens_per_s))
         for (model, node), loads in nodes.items():
             s = self.roles.observe(_role_group(node, model), loads)
             if s is not None:
@@ -831,6 +836,10 @@ def add_arguments(p) -> None:
     p.add_argument("--fixed-model-workers", action="store_true",
                    help="with --models: move a worker to another model only when that model has requests and no "
                         "worker (default: a model's worker count also follows its traffic, docs/models.md)")
+    p.add_argument("--decode-token-cost", type=float, default=None, metavar="X",
+                   help="what an output token still to generate weighs in prompt tokens, for the elastic roles and "
+                        "the models' worker counts (default: the ratio of the rates the workers measure, 8 until "
+                        "they have)")
 
 
 async def main(args) -> None:

@@ -13,7 +13,8 @@ three reasons, each switch in its status with it ("removed": its model left the 
 - "traffic": a model's worker count follows its traffic (`rebalance`, `pick_donor`, `ModelTraffic`).
   A model's load is the work its requests in the mesh still hold (queued here, on a worker, or in
   a handoff), in the token-equivalents of the elastic roles (prompt tokens to compute, plus output
-  tokens still to generate weighed by `decode_token_cost`: `model_work`), averaged over `window_s`:
+  tokens still to generate weighed by what they cost next to a prompt token, as its workers
+  measured: `model_work`), averaged over `window_s`:
   three long prompts outweigh thirty short chats, which a count of requests would not see. When a
   model's load per worker exceeds another's by `margin` and the move would not be undone by the
   same rule right after (see `rebalance`), one worker of the over-served model moves to the
@@ -44,7 +45,7 @@ from dataclasses import dataclass, field
 
 from meshserve.shared.schemas import GenerateRequest
 
-from .roles import Held, work
+from .roles import Held, RolePolicy, token_cost, work
 from .routing import WorkerView
 
 NO_WORKER, TRAFFIC, REMOVED = "no worker", "traffic", "removed"  # why a worker switches model
@@ -161,20 +162,25 @@ def _said(x: ModelDemand, short: bool = False) -> str:
     return f"{x.name}: {x.demand:.1f}{'' if short else ' requests'}{work} on {x.workers}{'' if short else ' workers'}"
 
 
-def model_work(workers: list[WorkerView], unplaced: list[GenerateRequest], decode_token_cost: float
-               ) -> dict[str, float]:
-    """The work each model's requests still hold, in token-equivalents (roles.py `work`): what its
-    workers' heartbeats report pending (their engines' sequences and inboxes), plus the requests no
-    worker holds (queued here, or between a prefill and a decode worker), each at its whole prompt
-    and max_tokens."""
+def model_work(workers: list[WorkerView], unplaced: list[GenerateRequest], policy: RolePolicy) -> dict[str, float]:
+    """The work each model's requests still hold, in token-equivalents (roles.py `work`, an output
+    token weighed by the rates the model's workers measured, `token_cost`): what its workers'
+    heartbeats report pending (their engines' sequences and inboxes), plus the requests no worker
+    holds (queued here, or between a prefill and a decode worker), each at its whole prompt and
+    max_tokens."""
+    mine: dict[str, list[WorkerView]] = {}
+    for w in workers:
+        mine.setdefault(w.hb.model, []).append(w)
+    cost = {m: token_cost([w.hb.prefill_tokens_per_s for w in ws], [w.hb.decode_tokens_per_s for w in ws], policy)
+            for m, ws in mine.items()}
     out: dict[str, float] = {}
     for w in workers:
         out[w.hb.model] = out.get(w.hb.model, 0.0) + work(w.hb.pending_prefill_tokens, w.hb.pending_decode_tokens,
-                                                          decode_token_cost)
+                                                          cost[w.hb.model])
     for r in unplaced:
         out[r.model] = out.get(r.model, 0.0) + work(len(r.prompt_token_ids) + len(r.output_token_ids),
                                                     max(0, r.sampling.max_tokens - len(r.output_token_ids)),
-                                                    decode_token_cost)
+                                                    cost.get(r.model, policy.decode_token_cost))
     return out
 
 

@@ -3,7 +3,11 @@
 The demand on a node's workers is two numbers their heartbeats report: prompt tokens still to
 prefill (P) and output tokens still to generate (D). A remaining output token costs more time than
 a prompt token (prompt tokens are computed many to a step, output tokens one per sequence per
-step), so D is weighed by `decode_token_cost`.
+step), so D is weighed by the cost of an output token in prompt tokens: the ratio of the rates the
+workers measured (prompt tokens per second in their prefill steps over output tokens per second in
+their decode steps, `token_cost`), so the weight is this machine's and this batch size's (on a
+GPU, prompt tokens are far cheaper next to output tokens than on a CPU); `decode_token_cost` (8,
+measured on a CPU) until both rates are known.
 
 Decode workers prefill too when the node has no prefill worker, so a node of N workers can run
 in two ways: every worker does both (k = 0: the work is shared, it drains in (P + cost x D) / N),
@@ -39,14 +43,17 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 log = logging.getLogger("meshserve.scheduler")
 
 
 @dataclass(frozen=True)
 class RolePolicy:
-    decode_token_cost: float = 8.0  # one output token still to generate weighs this many prompt tokens
+    decode_token_cost: float = 8.0  # one output token still to generate weighs this many prompt tokens, until measured
+    measured: bool = True  # weigh output tokens by the workers' measured rates (False: always decode_token_cost)
+    min_decode_token_cost: float = 1.0  # the measured weight is kept within these bounds
+    max_decode_token_cost: float = 64.0
     min_work: float = 1024.0  # token-equivalents (P + cost x D) below which roles stay as they are
     split_worth: float = 0.5  # with prompts and outputs in proportion, a split may drain this much slower than sharing
     hysteresis: float = 0.15  # a switch must cut the estimate (drain time, split_worth counted) by this share
@@ -66,6 +73,8 @@ class Load:
     pending_decode_tokens: int
     num_running: int = 0
     interactive: int = 0  # interactive requests running or waiting there
+    prefill_tokens_per_s: float = 0.0  # its measured rates (0: not measured yet)
+    decode_tokens_per_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -79,6 +88,18 @@ class Switch:
 def work(prefill_tokens: float, decode_tokens: float, decode_token_cost: float) -> float:
     """Pending work in token-equivalents: prompt tokens, plus output tokens weighed by their cost."""
     return prefill_tokens + decode_token_cost * decode_tokens
+
+
+def token_cost(prefill_rates: list[float], decode_rates: list[float], policy: RolePolicy) -> float:
+    """What an output token weighs in prompt tokens: the mean measured prefill rate over the mean
+    measured decode rate (each over the workers that measured one: rates of 0 are left out), kept
+    within the policy's bounds; its decode_token_cost until both are measured, or always where
+    the policy is not `measured` (`--decode-token-cost`)."""
+    pre, dec = [r for r in prefill_rates if r > 0], [r for r in decode_rates if r > 0]
+    if not policy.measured or not pre or not dec:
+        return policy.decode_token_cost
+    ratio = (sum(pre) / len(pre)) / (sum(dec) / len(dec))
+    return min(policy.max_decode_token_cost, max(policy.min_decode_token_cost, ratio))
 
 
 def drain_time(prefill_tokens: float, decode_tokens: float, n: int, k: int, policy: RolePolicy) -> float:
@@ -119,6 +140,8 @@ def wanted(loads: list[Load], policy: RolePolicy, interactive: bool = False) -> 
         return None
     p = sum(w.pending_prefill_tokens for w in pool)
     d = sum(w.pending_decode_tokens for w in pool)
+    cost = token_cost([w.prefill_tokens_per_s for w in pool], [w.decode_tokens_per_s for w in pool], policy)
+    policy = replace(policy, decode_token_cost=cost)
     if work(p, d, policy.decode_token_cost) < policy.min_work:
         return None
     prefill = [w for w in pool if w.role == "prefill"]
@@ -129,7 +152,7 @@ def wanted(loads: list[Load], policy: RolePolicy, interactive: bool = False) -> 
     if target == now or (not forced and split_score(p, d, n, now, policy)
                          <= (1.0 + policy.hysteresis) * split_score(p, d, n, target, policy)):
         return None
-    why = (f"pending prefill {p} tokens vs decode {d} tokens x {policy.decode_token_cost:g}: "
+    why = (f"pending prefill {p} tokens vs decode {d} tokens x {policy.decode_token_cost:.3g}: "
            f"{target} of {n} workers should prefill only, {now} do "
            f"(drain {drain_time(p, d, n, target, policy):.0f} vs {drain_time(p, d, n, now, policy):.0f})"
            + ("; interactive requests on the node: long prompts kept off a decode worker" if keep_split else ""))
@@ -214,8 +237,7 @@ class ElasticRoles:
         if any(wid in ids for wid in self._in_flight) or now - self._last.get(node, -1e9) < self.policy.cooldown_s:
             self._wish.clear(node)
             return None
-        loads = [Load(w.worker_id, self.role_of(w.worker_id, w.role), w.pending_prefill_tokens,
-                      w.pending_decode_tokens, w.num_running, w.interactive) for w in loads]
+        loads = [replace(w, role=self.role_of(w.worker_id, w.role)) for w in loads]
         want = wanted(loads, self.policy, interactive)
         if not self._wish.ready(node, None if want is None else (want.worker_id, want.to_role), now,
                                 self.policy.hold_s):

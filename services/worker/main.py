@@ -629,6 +629,7 @@ class Worker:
         e, pool = self.engine, self.engine.block_pool
         stats = e.stats
         pending_prefill, pending_decode = self._pending_tokens()
+        rates = e.scheduler.costs.rates
         await self.bus.publish(self.bus.subjects.heartbeat, Heartbeat(
             worker_id=self.id, role=self.role, model=self.served, node_id=self.args.node_id,
             num_running=stats["num_running"], num_waiting=stats["num_waiting"] + len(self.inbox),
@@ -642,6 +643,7 @@ class Worker:
             received_by_priority=dict(self.received_by_priority), preemptions_by_mode=stats["preemptions_by_mode"],
             spec_decode=stats["spec_decode"], io_cpu_s=time.thread_time(), step_s=round(self.step_s, 4), tokens_streamed=self.tokens_streamed,
             pending_prefill_tokens=pending_prefill, pending_decode_tokens=pending_decode, draining=self.draining,
+            prefill_tokens_per_s=round(rates.prefill_tokens_per_s, 1), decode_tokens_per_s=round(rates.decode_tokens_per_s, 1),
             compute_yields=self.compute.yields, compute_yield_s=self.compute.yield_s,
             compute_claim=self.compute.claiming, interrupted_steps=stats["interrupted_steps"],
             threads=self.tuner.stats() if self.tuner is not None else {}, arena=self.pool.arena or "", time=time.time()))

@@ -335,8 +335,11 @@ class LLMEngine:
             self.owes_step = False  # the step owed ran
         prompt = sum(n for s, n in zip(batch.seqs, batch.num_tokens) if n > 1 and s.draft is None)
         self.last_step_decode_only = prompt == 0
+        rates = self.scheduler.costs.rates
         if 2 * prompt >= sum(batch.num_tokens):  # mostly prefill: what recomputing costs
-            self.scheduler.costs.observe_prefill(sum(batch.num_tokens), time.perf_counter() - t0)
+            rates.observe_prefill(sum(batch.num_tokens), time.perf_counter() - t0)
+        elif prompt == 0 and all(s.draft is None for s in batch.seqs):  # plain decodes, one token each
+            rates.observe_decode(len(batch.seqs), time.perf_counter() - t0)
         now = time.monotonic()
         outputs = []
         for seq, n, res in zip(batch.seqs, batch.num_tokens, results):

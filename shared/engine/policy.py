@@ -158,21 +158,46 @@ class Policy:
         return 4 * self.class_rank(seq) + (1.0 - progress) + held
 
 
+class StepRates:
+    """Tokens per second this engine's steps ran at, by kind (exponential moving averages; 0 until
+    a step of that kind ran): prompt tokens in mostly-prefill steps, output tokens in decode-only
+    steps. Recompute costs come from the first; the heartbeats carry both, and the mesh's elastic
+    roles weigh an output token against a prompt token by their ratio (services/scheduler/roles.py)."""
+
+    def __init__(self, alpha: float = 0.3):
+        self.alpha, self.prefill_tokens_per_s, self.decode_tokens_per_s = alpha, 0.0, 0.0
+
+    @staticmethod
+    def _ema(old: float, new: float, alpha: float) -> float:
+        return new if old == 0.0 else old + alpha * (new - old)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self.prefill_tokens_per_s = self._ema(self.prefill_tokens_per_s, tokens / seconds, self.alpha)
+
+    def observe_decode(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self.decode_tokens_per_s = self._ema(self.decode_tokens_per_s, tokens / seconds, self.alpha)
+
+
 class PreemptionCosts:
     """What a preemption would cost each way, from measured rates: swap moves the KV bytes to host
     memory and back (bytes over the measured copy bandwidth, twice); recompute prefills the
-    computed tokens again (tokens over the measured prefill rate). Exponential moving averages."""
+    computed tokens again (tokens over the measured prefill rate, `rates`; `prefill_tokens_per_s`
+    until a prefill step was measured). Exponential moving averages."""
 
     def __init__(self, copy_bytes_per_s: float = 2e9, prefill_tokens_per_s: float = 2000.0, alpha: float = 0.3):
-        self.copy_bytes_per_s, self.prefill_tokens_per_s, self.alpha = copy_bytes_per_s, prefill_tokens_per_s, alpha
+        self.copy_bytes_per_s, self.alpha = copy_bytes_per_s, alpha
+        self.assumed_prefill_tokens_per_s = prefill_tokens_per_s
+        self.rates = StepRates(alpha)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.rates.prefill_tokens_per_s or self.assumed_prefill_tokens_per_s
 
     def observe_copy(self, nbytes: int, seconds: float) -> None:
         if nbytes > 0 and seconds > 0:
             self.copy_bytes_per_s += self.alpha * (nbytes / seconds - self.copy_bytes_per_s)
-
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
-        if tokens > 0 and seconds > 0:
-            self.prefill_tokens_per_s += self.alpha * (tokens / seconds - self.prefill_tokens_per_s)
 
     def swap_s(self, nbytes: int) -> float:
         return 2 * nbytes / self.copy_bytes_per_s
