@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
     res["meshserve"]["batch1"] = engine_batch1(engine(ours, sched, 1 << 30), prompt1, b1_tokens)
     res["meshserve"]["mixed"] = engine_mixed(engine(ours, sched, 8 << 30), work)
     print(json.dumps(res["meshserve"]), file=sys.stderr, flush=True)
-    res["meshserve_int8"] = int8_runs(cfg, {k: v for k, v in hf.state_dict().items()}, device, dtype, sched, prompt1,
+    res["meshserve_int8"] = int8_runs(cfg, hf.state_dict(), device, dtype, sched, prompt1,
                                       b1_tokens, work)
     print(json.dumps(res["meshserve_int8"]), file=sys.stderr, flush=True)
     if not a.skip_hf:

@@ -312,8 +312,8 @@ def run(args) -> int:
         raise CLIError(str(e)) from None
     from meshserve.shared.kv_layout import check_kv_cache_dtype
 
-    try:  # --device cuda with an int8 KV cache: refused here, not by each service
-        check_kv_cache_dtype(getattr(args, "kv_cache_dtype", "auto"), getattr(args, "device", "cpu"))
+    try:  # an unknown KV cache dtype: refused here, not by each service
+        check_kv_cache_dtype(getattr(args, "kv_cache_dtype", "auto"))
     except ValueError as e:
         raise CLIError(str(e)) from None
     try:  # partitions this node cannot give (a core it lacks; --mps off CUDA): refused here

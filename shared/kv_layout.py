@@ -43,9 +43,9 @@ def kv_arena_dtype(kv_cache_dtype: str, model_dtype) -> str:
     return "int8" if kv_cache_dtype == "int8" else _name(model_dtype)
 
 
-def check_kv_cache_dtype(kv_cache_dtype: str, device: str) -> None:
-    """A KV cache dtype every backend runs: the CPU kernels and the CUDA ones (kernels/cuda/) read
-    int8 rows alike. `device` is kept for a dtype some backend lacks."""
+def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    """A known KV cache dtype (every backend runs each: the CPU kernels and the CUDA ones, kernels/cuda/,
+    read int8 rows alike); refused at start-up rather than at the arena's creation."""
     kv_arena_dtype(kv_cache_dtype, "float32")
 
 

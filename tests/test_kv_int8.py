@@ -38,9 +38,9 @@ def test_rows_hold_values_and_their_scale():
 
     assert kv_arena_shape(Cfg, 4, 16, torch.int8) == [30, 2, 64, 3, 68]
     assert kv_bytes_per_block(Cfg, 16, "int8") / kv_bytes_per_block(Cfg, 16, "bfloat16") == 68 / 128
-    check_kv_cache_dtype("int8", "cuda:0")  # the CUDA kernels read int8 rows too (tests/test_cuda_kernels.py)
+    check_kv_cache_dtype("int8")  # the CUDA kernels read int8 rows too (tests/test_cuda_kernels.py)
     with pytest.raises(ValueError, match="unknown KV cache dtype 'fp8'"):
-        check_kv_cache_dtype("fp8", "cpu")
+        check_kv_cache_dtype("fp8")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -539,7 +539,7 @@ async def make_arena(bus: Bus, args) -> tuple[ArenaDescriptor, object, ArenaBudg
     alive) and the budgets."""
     device = getattr(args, "device", "cpu")
     kv_cache_dtype = getattr(args, "kv_cache_dtype", "auto")
-    check_kv_cache_dtype(kv_cache_dtype, device)
+    check_kv_cache_dtype(kv_cache_dtype)
     budgets, shape = plan(args)
     if shape is None:
         # The variant the workers run (the loader keeps each one it is asked for: asking another would load it).

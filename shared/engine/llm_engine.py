@@ -90,7 +90,7 @@ class LLMEngine:
         cfg = model.cfg
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 32768)
         device = getattr(model, "device", None)
-        check_kv_cache_dtype(config.kv_cache_dtype, str(device or "cpu"))
+        check_kv_cache_dtype(config.kv_cache_dtype)
         kv_dtype = getattr(torch, kv_arena_dtype(config.kv_cache_dtype, model.dtype))
         if kv_cache is None:
             num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // kv_bytes_per_block(
@@ -335,11 +335,11 @@ class LLMEngine:
             self.owes_step = False  # the step owed ran
         prompt = sum(n for s, n in zip(batch.seqs, batch.num_tokens) if n > 1 and s.draft is None)
         self.last_step_decode_only = prompt == 0
-        rates = self.scheduler.costs.rates
+        rates, took = self.scheduler.costs.rates, time.perf_counter() - t0
         if 2 * prompt >= sum(batch.num_tokens):  # mostly prefill: what recomputing costs
-            rates.observe_prefill(sum(batch.num_tokens), time.perf_counter() - t0)
+            rates.observe_prefill(sum(batch.num_tokens), took)
         elif prompt == 0 and all(s.draft is None for s in batch.seqs):  # plain decodes, one token each
-            rates.observe_decode(len(batch.seqs), time.perf_counter() - t0)
+            rates.observe_decode(len(batch.seqs), took)
         now = time.monotonic()
         outputs = []
         for seq, n, res in zip(batch.seqs, batch.num_tokens, results):
