@@ -80,7 +80,9 @@ def test_role_switches_under_load_lose_nothing(mesh, tiny_llama):
     # Long prompts with few outputs beside the steady streams: prompts and outputs in proportion ->
     # a decode worker becomes a prefill worker, handing the sequences it decodes to the other.
     prefill_heavy, stop_b = start(range(100, 116), 55, 2)
-    until_switches(2, timeout=60)
+    # Both demands must stay within the split's band for two heartbeats, and the pending prompt
+    # tokens of 16 closed-loop clients swing widely: measured 5-45 s on a quiet machine, once over 60.
+    until_switches(2, timeout=150)
     stop_b.set()
     stop_steady.set()
     for t in decode_heavy + steady + prefill_heavy:
