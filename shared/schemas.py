@@ -315,6 +315,17 @@ class ArenaDescriptor(Message):
     num_blocks: int
     swap_blocks: int = 0  # capacity of the kv-pool's host swap tier (0: none)
     epoch: str = ""  # the kv-pool process's id: its hellos carry it, a new one means a new ledger
+    arena_id: str = ""  # this arena's own id: one retired and made again (same key) has a new one
+
+
+class ArenaRetired(Message):
+    """The kv-pool retired an arena nobody used (services/kv_pool/arenas.py `retirable`): workers
+    that still map it drop their mapping, so its memory goes back to the node."""
+
+    node_id: str
+    key: str
+    arena_id: str
+    reason: str = ""
 
 
 class LeaseRequest(Message):

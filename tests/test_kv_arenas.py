@@ -69,6 +69,32 @@ def test_budgets_split_by_quota_then_equal_parts_and_keep_a_reserve():
     assert ArenaBudgets(10).for_arena("any") == 10  # no manifest: the one arena gets it all
 
 
+def test_a_new_plan_retires_only_the_arenas_nobody_uses_that_it_wants_the_memory_of():
+    # made: k1 and k2 half each; a reload replaces k2's model by one of shape k3
+    b = ArenaBudgets(total=100, planned={"k1": 50, "k2": 50}, made={"k1": 50, "k2": 50}, block={"k1": 5, "k2": 5})
+    assert b.retirable(set()) == []  # the plan it was made by: nothing to give back
+    b.replan({"k1": 50, "k3": 50}, complete=True)
+    assert b.for_arena("k3") == 0  # k2 still holds the memory: k3 gets nothing yet
+    assert b.retirable({"k2"}) == []  # in use: kept
+    assert b.retirable(set()) == ["k2"]  # no model has its shape
+    b.retire("k2")
+    assert b.for_arena("k3") == 50 and b.describe()["reserve_bytes"] == 0
+    # a shape unknown to the plan (a model not pulled yet) may be that arena's: kept until known
+    u = ArenaBudgets(total=100, planned={"k1": 50}, made={"k1": 50, "x": 50}, complete=False)
+    assert u.retirable(set()) == []
+    # growth: the only model left may have the whole budget; its idle arena is made again bigger
+    b.replan({"k1": 100}, complete=True)
+    assert b.retirable({"k1"}) == [] and b.retirable(set()) == ["k1"]
+    # shrink only when another planned arena starves: k1 made with 80 of 100, k3 planned 50
+    c = ArenaBudgets(total=100, planned={"k1": 50, "k3": 50}, made={"k1": 80}, block={"k1": 5})
+    assert c.for_arena("k3") == 20 and c.retirable(set()) == ["k1"] and c.retirable({"k1"}) == []
+    c.retire("k1")
+    assert c.for_arena("k3") == 50 and c.for_arena("k1") == 50
+    # an arena a block short of its part (rounding) is not made again
+    d = ArenaBudgets(total=100, planned={"k1": 100}, made={"k1": 96}, block={"k1": 8})
+    assert d.retirable(set()) == []
+
+
 def test_arena_keys_follow_the_kv_shape_and_an_int8_arena_takes_any_model_dtype():
     small, deep = _cfg(2, 2, 16), _cfg(3, 1, 32)
     assert kv_shape(small, "float32").key == "2x2x16-float32" and kv_shape(deep, "float32").key == "3x1x32-float32"
@@ -119,8 +145,9 @@ def test_prefix_routing_never_matches_another_models_blocks():
 
 
 def _args(**kw) -> Namespace:
-    return Namespace(block_size=16, transfer_ttl=120.0, transfer_chunk_bytes=1 << 20, transfer_timeout=10.0,
-                     worker_timeout=60.0, models=None, device="cpu", kv_cache_dtype="auto", **kw)
+    return Namespace(**{"block_size": 16, "transfer_ttl": 120.0, "transfer_chunk_bytes": 1 << 20,
+                        "transfer_timeout": 10.0, "worker_timeout": 60.0, "models": None, "device": "cpu",
+                        "kv_cache_dtype": "auto", **kw})
 
 
 async def _pool(bus: Bus, node: str) -> KVPool:
@@ -257,6 +284,102 @@ def test_the_kv_pool_keeps_one_arena_per_shape_with_its_own_block_ids(small_nats
     assert status["swap"]["capacity_blocks"] == 100  # the tiers summed: 60 narrow + 40 deep
 
 
+def _config_dir(root, name: str, layers: int, heads: int, kv_heads: int):
+    """A model directory with only its config.json: all the kv-pool reads of a manifest's model."""
+    d = root / name
+    d.mkdir()
+    d.joinpath("config.json").write_text(orjson.dumps({
+        "vocab_size": 8, "hidden_size": 64, "intermediate_size": 8, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads}).decode())
+    return d
+
+
+def test_a_reload_gives_a_removed_shapes_arena_memory_to_the_new_shape_once_nobody_uses_it(small_nats, tmp_path,  # noqa: F811
+                                                                                            monkeypatch):
+    """narrow (a) and deep (b) have half of the node's KV memory each; a reload replaces b by c, of a
+    third shape. While deep's worker holds blocks and serves from it, c gets no room; once it has
+    switched away, deep is retired (its workers told) and c's arena is made with the whole half."""
+    monkeypatch.setenv("MESHSERVE_SHM_DIR", str(tmp_path))
+    from meshserve.services.kv_pool.main import make_arena
+    from meshserve.shared.schemas import ArenaRetired, Heartbeat
+
+    dirs = {"a": _config_dir(tmp_path, "narrow", 2, 4, 2), "b": _config_dir(tmp_path, "deep", 3, 2, 1),
+            "c": _config_dir(tmp_path, "wide", 4, 4, 2)}
+    wide = KVShape(num_hidden_layers=4, num_key_value_heads=2, head_dim=16, dtype="float32")  # 16 KiB blocks
+    manifest = tmp_path / "models.yaml"
+
+    def write(*names):
+        manifest.write_text("".join(f"- {{name: {n}, path: '{dirs[n]}', dtype: float32}}\n" for n in names))
+        os.utime(manifest, ns=(time.time_ns(), time.time_ns() + 10**9 * len(names)))  # a new mtime, whatever the clock
+
+    write("a", "b")
+    total = 60 * 8192 + 40 * 12288
+    args = _args(models=str(manifest), dtype="float32", kv_cache_gb=total / GB, swap_space=0.0,
+                 arena_retire_after=1000.0, node_id="node-r", model=None, quantization=None)
+
+    def heartbeat(worker: str, arena: str) -> Heartbeat:
+        return Heartbeat(worker_id=worker, role="mixed", model="b", node_id="node-r", num_running=0, num_waiting=0,
+                         free_blocks=0, held_blocks=0, total_blocks=0, block_size=16, max_model_len=64, arena=arena,
+                         time=time.time())
+
+    async def until(what, deadline_s: float = 10.0):
+        deadline = time.monotonic() + deadline_s
+        while not what():
+            assert time.monotonic() < deadline, pool.status()
+            await asyncio.sleep(0.02)
+
+    async def go():
+        nonlocal pool
+        bus = await Bus.connect(small_nats, namespace="retire")
+        desc, buf, budgets = await make_arena(bus, args)
+        pool = KVPool(bus, args, desc, buf, budgets)
+        await pool.serve()
+        retired: list[ArenaRetired] = []
+
+        async def on_retired(msg):
+            retired.append(ArenaRetired.decode(msg.data))
+
+        await bus.nc.subscribe(bus.subjects.kv("retired", "node-r"), cb=on_retired)
+        try:
+            assert desc.key == NARROW.key and desc.num_blocks == 60
+            wb, wc = KVPoolClient(bus, "node-r", "w-b"), KVPoolClient(bus, "node-r", "w-c")
+            deep = await wb.arena_of(DEEP, "b")
+            assert deep.num_blocks == 40
+            wb.arena = deep.key
+            held = (await wb.lease(5)).block_ids
+            await bus.publish(bus.subjects.heartbeat, heartbeat("w-b", DEEP.key))
+            await until(lambda: pool.arena_of.get("w-b") == DEEP.key)
+
+            write("a", "c")
+            pool.replan()
+            assert set(pool.budgets.planned) == {NARROW.key, wide.key}
+            pool.retire_unused()
+            assert DEEP.key in pool.arenas  # held, and served from
+            with pytest.raises(RuntimeError, match="no room for an arena of KV shape 4x2x16-float32"):
+                await wc.arena_of(wide, "c")
+
+            await wb.release(held)
+            await until(lambda: not any(pool.arenas[DEEP.key].ledger.held.values()))
+            pool.retire_unused()
+            assert DEEP.key in pool.arenas  # still served from (its worker's heartbeat)
+            await bus.publish(bus.subjects.heartbeat, heartbeat("w-b", NARROW.key))  # it switched to a
+            await until(lambda: DEEP.key not in pool.arenas and retired)
+            assert [(r.key, r.arena_id) for r in retired] == [(DEEP.key, deep.arena_id)]
+            assert not os.path.exists(deep.path)
+            made = await wc.arena_of(wide, "c")
+            assert made.num_blocks == 30 and made.arena_id not in (deep.arena_id, desc.arena_id)
+            return pool.status()
+        finally:
+            pool.close()
+            await bus.close()
+
+    pool = None
+    status = asyncio.run(go())
+    assert set(status["arenas"]) == {NARROW.key, wide.key}
+    assert [(r["key"], r["reason"]) for r in status["retired"]] == [(DEEP.key, "no model of the manifest has its KV shape")]
+    assert status["budgets"]["made_bytes"] == {NARROW.key: 60 * 8192, wide.key: 30 * 16384}
+
+
 # -- the mesh: two differently shaped models, one worker switching between them
 
 PROMPT, TOKENS = "The quick brown fox", 8
@@ -312,6 +435,47 @@ def test_one_worker_serves_two_kv_shapes_switching_arenas(shaped, tmp_path):
                 break
             assert time.monotonic() < deadline, kv
             time.sleep(0.2)
+
+
+def test_a_reload_that_replaces_a_shape_serves_the_new_one_in_the_removed_ones_memory(shaped, tmp_path):
+    """narrow and deep have half the node's KV memory each. A reload replaces deep by wide, a third
+    shape: with arenas sized once, wide would find no room; the idle deep arena is retired instead
+    and wide's is made with its half. Every model's text equals the model alone."""
+    import httpx
+
+    from meshserve.shared.engine.llm import LLM
+    from meshserve.shared.engine.sequence import SamplingParams
+
+    models = {**shaped, "wide": make_tiny_llama(tmp_path / "wide", seed=33, num_hidden_layers=4)}  # 4 x 2 x 16
+    params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+    oracle = {n: LLM(str(p), "float32").generate([PROMPT], params)[0].text for n, p in models.items()}
+    manifest = tmp_path / "models.yaml"
+
+    def write(*names):
+        manifest.write_text("".join(f"- {{name: {n}, path: '{models[n]}'}}\n" for n in names))
+
+    write("narrow", "deep")
+    with Mesh(shaped["narrow"], tmp_path, prefill=0, decode=1, extra=["--models", str(manifest)],
+              env={"MESHSERVE_CACHE": str(tmp_path / "cache")}) as mesh:
+        client = OpenAI(base_url=mesh.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def complete(model: str) -> str:
+            return client.completions.create(model=model, prompt=PROMPT, max_tokens=TOKENS, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+
+        assert [complete(n) for n in ("deep", "narrow")] == [oracle["deep"], oracle["narrow"]]
+        deep_key, wide_key = "3x1x32-float32", "4x2x16-float32"
+        assert deep_key in mesh.ask("kv.node0.status")["arenas"]
+        write("narrow", "wide")
+        r = httpx.post(mesh.url + "/admin/models/reload", timeout=30)
+        assert r.status_code == 200, r.text
+        assert [complete(n) for n in ("wide", "narrow", "wide")] == [oracle["wide"], oracle["narrow"], oracle["wide"]]
+        kv = mesh.ask("kv.node0.status")
+        assert set(kv["arenas"]) == {"2x2x16-float32", wide_key}, kv["arenas"]
+        assert [(x["key"], x["models"]) for x in kv["retired"]] == [(deep_key, ["deep"])], kv["retired"]
+        half = kv["budgets"]["total_bytes"] // 2
+        assert abs(kv["arenas"][wide_key]["bytes"] - half) <= kv["arenas"][wide_key]["block_bytes"], kv["arenas"]
+        assert "let go of KV arena 3x1x32-float32" in mesh.log.read_text()
 
 
 def test_two_meshes_on_one_host_never_share_an_arena_file():

@@ -83,7 +83,8 @@ class Source:
         self.blocks = arena(32, seed=1)
         self.ledger = BlockLedger(32)
         self.stats = transfer.TransferStats()
-        self.server = server_cls(bus, self.blocks, self.ledger.held, self.ledger.release, self.stats, ttl=ttl)
+        self.server = server_cls(bus, lambda key: (self.blocks, self.ledger.held, self.ledger.release), self.stats,
+                                 ttl=ttl)
         self.bus, self.node = bus, node
 
     async def serve(self) -> None:

@@ -4,11 +4,15 @@ Models whose KV has the same shape (layers x KV heads x head dim) and arena dtyp
 (its key: shared/kv_layout.py `arena_key`); a model of another shape gets its own. Block ids are
 ids within one arena, so every message that carries them names the arena too (shared/schemas.py).
 
-Sizes are planned at start, arenas made when first asked for. An arena cannot grow once workers
-map it (a mapped shared file, a CUDA allocation), so its size is decided before the first worker
-maps it; but its memory is taken only when a worker of that shape asks for it (the first model's
-arena at start, as before: the manifest's first model whose shape is known), so a manifest's models
-that never run cost no KV memory, which matters most for GPU memory on the CUDA backend.
+Sizes are planned from the manifest (at start, and again when a reload changes it), arenas made
+when first asked for. An arena cannot grow or shrink once workers map it (a mapped shared file, a
+CUDA allocation), so its size is decided before the first worker maps it; but its memory is taken
+only when a worker of that shape asks for it (the first model's arena at start, as before: the
+manifest's first model whose shape is known), so a manifest's models that never run cost no KV
+memory, which matters most for GPU memory on the CUDA backend. When the plan changes, an arena the
+new plan wants the memory of (no model has its shape any more, it is bigger than its part while
+another shape gets less than its part, or made again it would be bigger) is retired once nobody
+uses it, and made again at its new size if it is asked for again (`retirable`).
 
 The plan (`plan_budgets`): each model of the manifest gets a part of `--kv-cache-gb`: a model
 with a `memory_quota_gb` its quota (its KV blocks never exceed it, shared/partitions.py), every
@@ -16,8 +20,8 @@ other model an equal part of what the quotas leave, and at least an equal part o
 parts scaled down together when they then add up to more than the budget). An arena gets the parts
 of its models. What no planned arena takes (quotas smaller than the budget, models whose shape
 could not be read at start: a known model name not pulled yet, a broken config) is the reserve: an
-arena of a shape the plan did not know (a model added by a reload) is made from what is left of it,
-and when nothing is left a worker of that shape is refused with the reason. Without a manifest the
+arena of a shape the plan did not know is made from what is left of it, and when nothing is left a
+worker of that shape is refused with the reason. Without a manifest the
 node's one arena gets the whole budget, as before. The host swap tier (`--swap-space`) is divided in
 the same proportions: each arena has its own (its blocks' bytes are its shape's).
 """
@@ -52,28 +56,66 @@ def model_parts(total: int, quotas: dict[str, float | None]) -> dict[str, int]:
 @dataclass
 class ArenaBudgets:
     """The node's KV bytes (and host swap tier bytes) per arena key, and what is left for the shapes
-    the plan did not know. Pure bookkeeping."""
+    the plan did not know. Pure bookkeeping: the plan can change (a manifest reload: `replan`), the
+    arenas made cannot, but one nobody uses can be retired and made again (`retirable`)."""
 
     total: int
     swap: int = 0
     planned: dict[str, int] = field(default_factory=dict)  # arena key -> bytes
     made: dict[str, int] = field(default_factory=dict)  # arena key -> bytes it was made with
+    complete: bool = True  # the plan knows every model's shape (an arena outside it serves no model of it)
+    block: dict[str, int] = field(default_factory=dict)  # arena key -> its block's bytes (made ones)
+
+    def _free(self) -> tuple[int, int]:
+        """(bytes no arena was made with, of those the parts of the planned arenas not made yet)."""
+        unmade = sum(n for k, n in self.planned.items() if k not in self.made)
+        return self.total - sum(self.made.values()), unmade
 
     def for_arena(self, key: str) -> int:
-        """The bytes a new arena of this key gets: its planned part, or else the reserve left."""
-        if key in self.planned:
-            return self.planned[key]
-        unplanned = sum(n for k, n in self.made.items() if k not in self.planned)
-        return max(0, self.total - sum(self.planned.values()) - unplanned)
+        """The bytes a new arena of this key gets: its planned part (all such parts scaled down
+        together when the arenas made leave less), or else the reserve left."""
+        free, unmade = self._free()
+        if key in self.planned and key not in self.made:
+            return int(self.planned[key] * min(1.0, max(0, free) / unmade))
+        return max(0, free - unmade)
 
     def swap_for(self, nbytes: int) -> int:
         """The host swap tier bytes of an arena of nbytes: the same share of --swap-space."""
         return self.swap * nbytes // self.total if self.total else 0
 
+    def replan(self, planned: dict[str, int], complete: bool) -> None:
+        """A new plan (the manifest changed); the arenas made keep their size until retired."""
+        self.planned, self.complete = dict(planned), complete
+
+    def retirable(self, busy: set[str]) -> list[str]:
+        """Made arenas, none of them `busy`, whose memory the plan wants elsewhere: one of a shape no
+        model of the manifest has; one bigger than its part while a planned arena not made yet gets
+        less than its part; one that, made again, would get 5% (and a block) more than it has."""
+        free, unmade = self._free()
+        starved = unmade > free
+        out = []
+        for k, n in self.made.items():
+            if k in busy:
+                continue
+            if k not in self.planned:
+                if self.complete:
+                    out.append(k)
+                continue
+            block = self.block.get(k, 1)
+            again = ArenaBudgets(self.total, planned=self.planned,
+                                 made={j: m for j, m in self.made.items() if j != k}).for_arena(k) // block
+            if (starved and n > self.planned[k] + block) or again >= max(n // block + 1, n // block * 1.05):
+                out.append(k)
+        return out
+
+    def retire(self, key: str) -> None:
+        self.made.pop(key, None)
+        self.block.pop(key, None)
+
     def describe(self) -> dict:
+        free, unmade = self._free()
         return {"total_bytes": self.total, "planned_bytes": dict(self.planned), "made_bytes": dict(self.made),
-                "reserve_bytes": max(0, self.total - sum(self.planned.values())
-                                     - sum(n for k, n in self.made.items() if k not in self.planned))}
+                "reserve_bytes": max(0, free - unmade)}
 
 
 def plan_budgets(total: int, swap: int, models: list[tuple[str, str | None, float | None]]) -> ArenaBudgets:
@@ -83,7 +125,7 @@ def plan_budgets(total: int, swap: int, models: list[tuple[str, str | None, floa
     for m, key, _ in models:
         if key is not None:
             planned[key] = planned.get(key, 0) + parts[m]
-    return ArenaBudgets(total, swap, planned)
+    return ArenaBudgets(total, swap, planned, complete=all(key is not None for _, key, _ in models))
 
 
 def manifest_shapes(manifest, default_dtype: str,

@@ -42,7 +42,7 @@ from meshserve.shared.kv_layout import (arena_key, check_kv_cache_dtype, kv_aren
 from meshserve.shared.manifest import ManifestFile
 from meshserve.shared.model.config import ModelConfig
 from meshserve.shared.partitions import kv_quota_blocks
-from meshserve.shared.schemas import (ArenaDescriptor, ArenaRequest, BlockRefs, BlockTransfer, Heartbeat, KVEvent,
+from meshserve.shared.schemas import (ArenaDescriptor, ArenaRequest, ArenaRetired, BlockRefs, BlockTransfer, Heartbeat, KVEvent,
                                       KVImport, KVImportReply, KVShape, LeaseReply, LeaseRequest, LoadRequest,
                                       PoolPressure, ServiceHello, SwapReply, SwapRequest, TransferReply,
                                       WeightsDescriptor)
@@ -199,14 +199,18 @@ class KVPool:
         self.arenas: dict[str, Arena] = {first.key: first}
         self.budgets = budgets or ArenaBudgets(total=desc.num_blocks * first.blocks.block_bytes)
         self.budgets.made.setdefault(first.key, desc.num_blocks * first.blocks.block_bytes)
+        self.budgets.block[first.key] = first.blocks.block_bytes
         self.last_seen: dict[str, float] = {}
         self.prefix_index: dict[str, set[int]] = {}
         self.transfers = transfer.TransferStats()
-        self.fetch = transfer.FetchServer(bus, first.blocks, first.ledger.held, first.ledger.release, self.transfers,
-                                          ttl=args.transfer_ttl, arena=self._fetch_arena)
+        self.fetch = transfer.FetchServer(bus, self._fetch_arena, self.transfers, ttl=args.transfer_ttl)
         self.tasks: set[asyncio.Task] = set()
         self.quotas = KVQuotas(getattr(args, "models", None), first.blocks.block_bytes)
         self.model_of: dict[str, str] = {}  # worker -> the model of its last lease
+        self.arena_of: dict[str, str] = {}  # worker -> the arena its heartbeat names (the one it serves from)
+        self.asked: dict[str, tuple[str, float]] = {}  # worker -> (the arena it asked for, when), until it serves from it
+        self.planned_from = None  # the manifest the budgets were last planned from
+        self.retired: list[dict] = []  # the last arenas retired, for status
 
     def kv(self, verb: str) -> str:
         return self.bus.subjects.kv(verb, self.node)
@@ -227,7 +231,11 @@ class KVPool:
 
     def arena_for(self, req: ArenaRequest) -> Arena:
         """The arena of the asker's KV shape, made now if it is the first to ask (its size from the
-        budgets); ValueError saying why when the node's KV memory has no room for it."""
+        budgets, after retiring what the plan wants the memory of); ValueError saying why when the
+        node's KV memory has no room for it."""
+        if req.shape is not None and req.shape.key not in self.arenas:
+            self.replan()
+            self.retire_unused()
         if req.shape is None:
             a = self.arena(None)
         elif req.shape.key in self.arenas:
@@ -244,9 +252,55 @@ class KVPool:
                                      why=f"for model {req.model}", nats_url=getattr(self.bus, "url", ""))
             a = self.arenas[key] = Arena(desc, buf)
             self.budgets.made[key] = desc.num_blocks * a.blocks.block_bytes
+            self.budgets.block[key] = a.blocks.block_bytes
         if req.model:
             a.models.add(req.model)
+        if req.worker_id:
+            self.asked[req.worker_id] = a.key, time.monotonic()
         return a
+
+    def replan(self) -> None:
+        """Plans the KV memory again when the manifest changed (a reload): the parts of arenas not
+        made yet follow the new manifest at once, the arenas made keep theirs until retired."""
+        manifest = self.quotas.file.current() if self.quotas.file is not None else None
+        if manifest is None or manifest is self.planned_from:
+            return
+        self.planned_from = manifest
+        shapes = manifest_shapes(manifest, self.args.dtype, getattr(self.args, "kv_cache_dtype", "auto"))
+        p = plan_budgets(self.budgets.total, self.budgets.swap, [(m, s.key if s else None, q) for m, s, q in shapes])
+        if p.planned != self.budgets.planned or p.complete != self.budgets.complete:
+            log.info("KV memory planned again (the manifest changed): %s", p.planned)
+        self.budgets.replan(p.planned, p.complete)
+
+    def in_use(self, now: float) -> set[str]:
+        """Arenas someone uses: blocks held, a live worker serving from it (its heartbeat), or asked
+        for within --arena-retire-after seconds by a worker not yet serving from it (mapping it)."""
+        limit = getattr(self.args, "arena_retire_after", 30.0)
+        return ({k for k, a in self.arenas.items() if any(a.ledger.held.values())} | set(self.arena_of.values())
+                | {k for k, t in self.asked.values() if now - t < limit})
+
+    def retire_unused(self) -> None:
+        """Retires the arenas the plan wants the memory of (`ArenaBudgets.retirable`) that nobody
+        uses: the file loses its name, the memory goes back to the node's KV budget, and the workers
+        that still map it are told to let go (`retired`)."""
+        for key in self.budgets.retirable(self.in_use(time.monotonic())):
+            a = self.arenas.pop(key)
+            nbytes = a.desc.num_blocks * a.blocks.block_bytes
+            reason = ("no model of the manifest has its KV shape" if key not in self.budgets.planned
+                      else f"made with {nbytes} bytes, planned {self.budgets.planned[key]}")
+            self.budgets.retire(key)
+            node_memory.release(a.desc.backend, a.desc.path)
+            log.info("KV arena %s retired (%s): %d bytes back to the node's KV memory", key, reason, nbytes)
+            self.retired = (self.retired + [{"key": key, "bytes": nbytes, "models": sorted(a.models),
+                                             "reason": reason, "at": time.time()}])[-8:]
+            self._spawn(self.bus.publish(self.kv("retired"), ArenaRetired(node_id=self.node, key=key,
+                                                                          arena_id=a.desc.arena_id, reason=reason)))
+
+    def _spawn(self, coro) -> None:
+        """Runs coro as its own task, kept until it ends."""
+        t = asyncio.ensure_future(coro)
+        self.tasks.add(t)
+        t.add_done_callback(self.tasks.discard)
 
     # -- the host swap tier
 
@@ -341,18 +395,19 @@ class KVPool:
     def status(self) -> dict:
         """The node's first arena's numbers at the top (as before arenas per shape), each arena's in
         `arenas`; holders and the swap tier summed over them."""
-        first, arenas = self.arenas[self.first], list(self.arenas.values())
+        first, arenas = self.arenas.get(self.first), list(self.arenas.values())
         holders: Counter = Counter()
         for a in arenas:
             holders.update({w: sum(c.values()) for w, c in a.ledger.held.items()})
         swap: Counter = Counter()
         for a in arenas:
             swap.update(a.host.stats())
-        return {"node_id": self.node, "num_blocks": first.desc.num_blocks, "free_blocks": len(first.ledger.free),
-                "block_bytes": first.blocks.block_bytes, "models": self.models_status(),
+        return {"node_id": self.node, "num_blocks": first.desc.num_blocks if first else 0,
+                "free_blocks": len(first.ledger.free) if first else 0,
+                "block_bytes": first.blocks.block_bytes if first else 0, "models": self.models_status(),
                 "holders": dict(holders), "cached_blocks": {w: len(i) for w, i in self.prefix_index.items()},
                 "swap": dict(swap), "arenas": {k: a.status() for k, a in self.arenas.items()},
-                "budgets": self.budgets.describe(),
+                "budgets": self.budgets.describe(), "retired": self.retired,
                 "transfers": {**self.transfers.as_dict(), "open_pulls": len(self.fetch.pulls)}}
 
     async def serve(self) -> None:
@@ -414,6 +469,10 @@ class KVPool:
             hb = Heartbeat.decode(msg.data)
             if hb.node_id == self.node:
                 self.last_seen[hb.worker_id] = time.monotonic()
+                if hb.arena:
+                    self.arena_of[hb.worker_id] = hb.arena
+                    if self.asked.get(hb.worker_id, ("",))[0] == hb.arena:
+                        del self.asked[hb.worker_id]  # it serves from what it asked for: held by the heartbeat now
 
         async def on_event(msg):
             ev = KVEvent.decode(msg.data)
@@ -437,9 +496,7 @@ class KVPool:
         async def on_import(msg):
             async def run():  # its own task: transfers overlap, and the pool keeps answering meanwhile
                 await msg.respond((await self.import_blocks(KVImport.decode(msg.data))).encode())
-            t = asyncio.ensure_future(run())
-            self.tasks.add(t)
-            t.add_done_callback(self.tasks.discard)
+            self._spawn(run())
 
         for verb, cb in (("arena", on_arena), ("lease", on_lease), ("release", on_release),
                          ("retain", on_retain), ("transfer", on_transfer), ("status", on_status),
@@ -461,7 +518,8 @@ class KVPool:
             await asyncio.sleep(HELLO_INTERVAL)
 
     async def _reap(self) -> None:
-        """Takes back the blocks of workers that went silent (killed, crashed, partitioned)."""
+        """Takes back the blocks of workers that went silent (killed, crashed, partitioned); plans
+        the arenas again after a manifest reload and retires those the plan wants the memory of."""
         while True:
             await asyncio.sleep(0.5)
             now = time.monotonic()
@@ -471,8 +529,15 @@ class KVPool:
                     del self.last_seen[w]
                     self.prefix_index.pop(w, None)
                     self.model_of.pop(w, None)
+                    self.arena_of.pop(w, None)
+                    self.asked.pop(w, None)
                     log.warning("worker %s silent for %.1fs: reclaimed %d block references", w, now - seen, n)
             self.fetch.expire()
+            try:
+                self.replan()
+                self.retire_unused()
+            except Exception:  # noqa: BLE001 - never stop reaping for it
+                log.exception("KV arenas not planned again")
 
     def close(self) -> None:
         """The pool stops: the arenas' shared files lose their names (mappings stay valid)."""
@@ -488,6 +553,9 @@ def add_arguments(p) -> None:
                    "worker's blocks are reclaimed")
     p.add_argument("--swap-space", type=float, default=1.0, help="GiB of host memory for the swap tier of "
                    "evicted prefix-cache blocks (0: none), divided between the arenas as --kv-cache-gb is")
+    p.add_argument("--arena-retire-after", type=float, default=30.0, help="seconds a worker's ask for an arena "
+                   "keeps it from being retired until the worker serves from it (a reload can leave an arena without "
+                   "a model, or sized anew: docs/models.md, KV arenas)")
     p.add_argument("--transfer-chunk-bytes", type=int, default=1 << 20, help="largest chunk of a cross-node KV "
                    "transfer (also capped by the server's max_payload)")
     p.add_argument("--transfer-timeout", type=float, default=5.0, help="seconds to wait for one chunk (or the "
@@ -516,7 +584,8 @@ def create_arena(ns: str, node: str, cfg, dtype: str, block_size: int, nbytes: i
              f" ({why})" if why else "", num_blocks, block_size, dtype, num_blocks * block_bytes / (1 << 30), path,
              swap_blocks)
     return ArenaDescriptor(node_id=node, key=key, path=path, backend=device, ipc=ipc, dtype=dtype, shape=shape,
-                           block_size=block_size, num_blocks=num_blocks, swap_blocks=swap_blocks, epoch=epoch), buf
+                           block_size=block_size, num_blocks=num_blocks, swap_blocks=swap_blocks, epoch=epoch,
+                           arena_id=uuid.uuid4().hex), buf
 
 
 def plan(args) -> tuple[ArenaBudgets, KVShape | None]:

@@ -89,12 +89,10 @@ class _Pull:
 class FetchServer:
     """The source side: serves chunks of its arenas' blocks to other nodes' kv-pools."""
 
-    def __init__(self, bus: Bus, blocks: ArenaBlocks, held: dict[str, Counter], release, stats: TransferStats,
-                 ttl: float = 120.0, arena=None):
-        """blocks, held (holder -> its references), release(holder, ids): the node's first arena;
-        arena(key) -> (blocks, held, release) of the arena a pull names (LookupError: no such arena)."""
-        self.bus, self.blocks, self.held, self.release, self.stats = bus, blocks, held, release, stats
-        self.arena = arena
+    def __init__(self, bus: Bus, arena, stats: TransferStats, ttl: float = 120.0):
+        """arena(key) -> (blocks, held: holder -> its references, release(holder, ids)) of the arena a
+        pull names (None: the node's first; LookupError: no such arena)."""
+        self.bus, self.arena, self.stats = bus, arena, stats
         self.ttl = ttl
         self.pulls: dict[str, _Pull] = {}
 
@@ -106,8 +104,7 @@ class FetchServer:
     async def on_open(self, msg) -> None:
         o = KVFetchOpen.decode(msg.data)
         try:
-            b, held, release = (self.arena(o.arena) if self.arena is not None and o.arena
-                                else (self.blocks, self.held, self.release))
+            b, held, release = self.arena(o.arena)
         except LookupError as e:
             await msg.respond(KVFetchInfo(ok=False, error=str(e)).encode())
             return

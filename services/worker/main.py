@@ -42,8 +42,8 @@ from meshserve.shared.manifest import ManifestFile
 from meshserve.shared.lora import LoRAError
 from meshserve.shared.partitions import (PartitionError, apply_cpus, format_cpus, process_cores, resolve_cpus,
                                          threads_for)
-from meshserve.shared.schemas import (KEEPALIVE_S, Abort, Done, GenerateRequest, Handoff, Heartbeat, LoadRequest,
-                                      LoRARef, ModelSwitch, ModelSwitchReply, RoleSwitch, TokenChunk)
+from meshserve.shared.schemas import (KEEPALIVE_S, Abort, ArenaRetired, Done, GenerateRequest, Handoff, Heartbeat,
+                                      LoadRequest, LoRARef, ModelSwitch, ModelSwitchReply, RoleSwitch, TokenChunk)
 from meshserve.shared.service import run_service
 from meshserve.shared import telemetry
 
@@ -139,6 +139,7 @@ class Worker:
             await self.bus.nc.subscribe(s.worker(self.id, verb), cb=cb)
         await self.bus.nc.subscribe(s.abort, cb=self._on_superseded)
         await pool.watch_epoch(arena.epoch, self._pool_restarted)
+        await pool.subscribe("retired", self._on_arena_retired)
         self.tasks = [asyncio.ensure_future(self._heartbeats()), asyncio.ensure_future(self._run())]
         log.info("worker %s ready: %s, %d KV blocks of the arena leased", self.id, self.role,
                  self.engine.block_pool.num_free)
@@ -211,6 +212,11 @@ class Worker:
         thousands of tokens takes seconds on a CPU, and the scheduler already routes by the new role."""
         self._post("role", m)
         self.urgent.set()
+
+    async def _on_arena_retired(self, msg) -> None:
+        r = ArenaRetired.decode(msg.data)
+        if model_switch.forget_arena(self, r.key, r.arena_id):
+            log.info("worker %s let go of KV arena %s (retired: %s)", self.id, r.key, r.reason)
 
     async def _on_model(self, msg) -> None:
         self._post("model", (ModelSwitch.decode(msg.data), msg))

@@ -4,7 +4,8 @@ The scheduler sends `ModelSwitch` to a worker it has stopped routing to; the wor
 iteration boundary once its engine has nothing left to run (its sequences finish first), then:
 asks its node's loader for the model's weights (the loader counts it off the model it mapped
 before), maps the node's arena of the model's KV shape (the kv-pool makes it when this is its first
-model of that shape; one already mapped, e.g. the arena it has, is reused), builds the model and a
+model of that shape; one already mapped, e.g. the arena it has, is reused unless the pool retired
+it and made it again: docs/models.md "KV arenas"), builds the model and a
 new engine on it, gives the old engine's blocks back to the kv-pool (to the old arena) and leases
 new ones (from the new one). A switch
 that fails leaves the worker on the model it had (mapped again: the loader keeps it in use) and the
@@ -58,14 +59,16 @@ def kv_mismatch(cfg: ModelConfig, dtype: str, arena, kv_cache_dtype: str = "auto
 
 async def map_arena(worker, cfg: ModelConfig, dtype: str, served: str) -> tuple[ArenaDescriptor, object]:
     """The node's arena for this model's KV shape and its tensor over the same memory (no copy). The
-    worker keeps every arena it mapped (`worker.kv_arenas`, by key): a switch back maps nothing again
-    (and a CUDA IPC handle is opened once per process)."""
+    worker keeps every arena it mapped (`worker.kv_arenas`, by key) until the pool retires it: a switch
+    back maps nothing again (and a CUDA IPC handle is opened once per process). The pool is asked
+    each time: an arena retired and made again under the same key is new memory (its `arena_id`)."""
     a = worker.args
     kv_cache_dtype = getattr(a, "kv_cache_dtype", "auto")
     shape = kv_shape(cfg, dtype, kv_cache_dtype)
-    if shape.key in worker.kv_arenas:
-        return worker.kv_arenas[shape.key]
     arena = await worker.pool.arena_of(shape, served)
+    mapped = worker.kv_arenas.get(shape.key)
+    if mapped is not None and mapped[0].arena_id == arena.arena_id:
+        return mapped
     node_memory.check_backend("KV arena", arena.backend, getattr(a, "device", "cpu"))
     problem = kv_mismatch(cfg, dtype, arena, kv_cache_dtype)  # the pool answered another shape: a bug
     if problem:
@@ -73,6 +76,16 @@ async def map_arena(worker, cfg: ModelConfig, dtype: str, served: str) -> tuple[
     kv = shm.view(node_memory.open_buffer(arena.backend, arena.path, arena.ipc), 0, arena.dtype, arena.shape)
     worker.kv_arenas[shape.key] = arena, kv
     return arena, kv
+
+
+def forget_arena(worker, key: str, arena_id: str) -> bool:
+    """The pool retired an arena: drop the worker's mapping of it (its memory goes back to the node
+    once every process lets go), unless it is the one the worker serves from."""
+    mapped = worker.kv_arenas.get(key)
+    if mapped is None or mapped[0].arena_id != arena_id or worker.arena.arena_id == arena_id:
+        return False
+    del worker.kv_arenas[key]
+    return True
 
 
 async def open_weights(w: WeightsDescriptor) -> tuple[dict, LayerGate | None]:
