@@ -98,7 +98,7 @@ PYEOF
 set -o pipefail
 BASE=/tmp/meshserve-gpu-check
 rm -rf "$BASE" && mkdir -p "$BASE"
-timeout "$(limit 150)" "$PY" -m pytest -q -ra -p no:cacheprovider --basetemp "$BASE/mesh" -s \
+timeout "$(limit 180)" "$PY" -m pytest -q -ra -p no:cacheprovider --basetemp "$BASE/mesh" -s \
   tests/test_cuda_mesh.py 2>&1 | tee "$OUT/pytest-mesh.log"
 echo "pytest (mesh) exit: $?"
 find "$BASE" -name 'mesh-*.log' -exec cat {} + > "$OUT/mesh.log" 2>/dev/null

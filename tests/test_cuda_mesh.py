@@ -228,3 +228,43 @@ def test_int8_weights_and_int8_kv_through_the_mesh_equal_the_engine(tiny_llama, 
         assert got == [expected(llm, p, n) for p, n in jobs]
     finally:
         m.stop()
+
+
+def test_layered_loading_on_the_gpu_gives_the_tokens_of_loading_first(tmp_path):
+    """A worker switches to a cold model whose load is layered (the loader slowed per part): it
+    computes while the later layers are still copied to the GPU, and its greedy text equals the
+    same weights loaded whole (the readiness word in host memory orders the loader's copies before
+    the worker's kernels: docs/models.md "Layered loading")."""
+    import shutil
+
+    from meshserve.services.model_loader import loads
+    from tiny_model import make_tiny_llama
+
+    deep = make_tiny_llama(tmp_path / "deep", num_hidden_layers=4, seed=21)
+    paths = {n: shutil.copytree(deep, tmp_path / n) for n in ("first", "layered", "whole")}
+    manifest = tmp_path / "models.yaml"
+    manifest.write_text(f"- {{name: first, path: '{paths['first']}'}}\n"
+                        f"- {{name: layered, path: '{paths['layered']}', layered_loading: true}}\n"
+                        f"- {{name: whole, path: '{paths['whole']}', layered_loading: false}}\n")
+    want = expected(LLM(str(deep), "float32", device="cuda"), PROMPTS[0], 6)
+    m = Mesh(paths["first"], tmp_path, prefill=0, decode=1,
+             extra=["--device", "cuda", "--models", str(manifest), "--no-prewarm"],
+             env={loads.PART_DELAY_ENV: "0.4", "MESHSERVE_CACHE": str(tmp_path / "cache")})
+    try:
+        m.wait_ready(timeout=120)
+
+        def run(model: str) -> str:
+            r = httpx.post(m.url + "/v1/completions", timeout=120, json={
+                "model": model, "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        assert run("layered") == run("whole") == want
+        switches = {s["to"]: s for s in m.ask("scheduler.status")["recent_model_switches"]}
+        loaded = {x["name"]: x for x in m.ask("models.node0.status")["models"]}
+        took = {n: loaded[n]["load_s"]["source"] for n in ("layered", "whole")}
+        assert min(took.values()) > 2.0, took  # six parts at 0.4 s
+        assert switches["layered"]["ok"] and switches["layered"]["seconds"] < took["layered"] - 1.0, (switches, took)
+        assert switches["whole"]["ok"] and switches["whole"]["seconds"] >= took["whole"], (switches, took)
+    finally:
+        m.stop()

@@ -49,13 +49,16 @@ class Load:
     buffer: object | None = None  # cuda: the allocation, kept alive for the workers
     keep_to: Path | None = None  # source loads of a GGUF: where the prepared form is kept afterwards
     ready_path: str | None = None  # layered: the readiness word's file
+    name: str = ""  # the load's shared name (its file's on cpu; cuda's path is only the device)
     nbytes: int = 0
     _word: np.memmap | None = field(default=None, repr=False)
     _failed: bool = field(default=False, repr=False)
 
     def layered(self) -> None:
-        """Makes the readiness word (0 parts written): workers may map the buffer before `run` ends."""
-        self.ready_path = str(shm.create(Path(self.path).name + "-ready", 8))
+        """Makes the readiness word (0 parts written): workers may map the buffer before `run` ends.
+        It is host memory on either backend: on cuda a part's copies are synchronized before the word
+        says it is in, and a worker launches a layer's kernels only after reading the word."""
+        self.ready_path = str(shm.create((self.name or Path(self.path).name) + "-ready", 8))
         self._word = np.memmap(self.ready_path, dtype=np.int64, mode="r+", shape=(1,))
 
     def run(self) -> None:
@@ -131,7 +134,7 @@ def open_host(name: str, data: bytes, specs: list[TensorSpec], config: dict) -> 
         finally:
             os.close(fd)
 
-    return Load(str(path), specs, config, "host", "from host memory", write, nbytes=len(data))
+    return Load(str(path), specs, config, "host", "from host memory", write, nbytes=len(data), name=name)
 
 
 def open_prepared(name: str, src: Path, specs: list[TensorSpec], config: dict, how: str) -> Load:
@@ -151,7 +154,7 @@ def open_prepared(name: str, src: Path, specs: list[TensorSpec], config: dict, h
                         a += n
                 done(k)
 
-    return Load(str(path), specs, config, "disk", how, write, nbytes=size)
+    return Load(str(path), specs, config, "disk", how, write, nbytes=size, name=name)
 
 
 def open_source(model: str, dtype: str, quantization: str | None, name: str, device: str) -> Load:
@@ -216,4 +219,4 @@ def open_source(model: str, dtype: str, quantization: str | None, name: str, dev
 
     config = dataclasses.asdict(cfg)
     return Load(path, specs, config, "source", "prepared", write, ipc=ipc, buffer=buf if buf.is_cuda else None,
-                nbytes=offset)
+                nbytes=offset, name=name)

@@ -24,8 +24,8 @@ may exceed the budget (logged). Each load's tier and time are logged and kept in
 keeps its mapping until it unmaps it. GPU memory is kept until the loader stops (nothing tells it
 when the workers have closed their handles), so on CUDA the host tier is not used.
 
-Layered loading (`--layered-loading`, on by default; a manifest's `layered_loading` per model; CPU
-backend): a load is answered as soon as its buffer exists, and its parts are written afterwards in
+Layered loading (`--layered-loading`, on by default; a manifest's `layered_loading` per model; both
+backends): a load is answered as soon as its buffer exists, and its parts are written afterwards in
 the order a forward pass reads them, with a readiness word workers wait on per layer
 (loads.py, shared/model/layer_gate.py). Prewarm (`<ns>.models.<node>.prewarm`): the scheduler
 asks for a model ahead of its requests, up to the host or the mapped tier.
@@ -124,10 +124,9 @@ class ModelLoader:
         return self.manifest.by_weights(self.default_dtype).get(key) if self.manifest else None
 
     def _layered(self, spec) -> bool:
-        """Layered loading for this model: its manifest key, else --layered-loading; CPU backend only
-        (on CUDA the parts would need a cross-process ordering of GPU copies nobody has tested)."""
-        on = spec.layered_loading if spec is not None and spec.layered_loading is not None else self.layered
-        return on and self.device == "cpu"
+        """Layered loading for this model: its manifest key, else --layered-loading (either backend:
+        loads.py `Load.layered`)."""
+        return spec.layered_loading if spec is not None and spec.layered_loading is not None else self.layered
 
     async def get(self, req: LoadRequest) -> WeightsDescriptor:
         key = (req.model, req.dtype, req.quantization)
