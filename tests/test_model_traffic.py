@@ -201,13 +201,17 @@ def test_placement_keeps_reasons_and_a_failed_traffic_move_fails_nothing():
     assert p.traffic_in_flight()
     p.finished("w0", "a", "b", False, 0.5, None, "KV shape differs", detail="a: 4.0 requests on 1 workers")
     assert p.failure("a") is None and not p.traffic_in_flight()  # still served where it was
-    assert "w0" in p.recently_switched(30.0) and "w0" not in p.recently_switched(0.0)
+    assert "w0" in p.settling(POLICY)  # failed: it stays failed_stay_s
+    assert "w0" not in p.settling(TrafficPolicy(failed_stay_s=0.0))
     p.start("w1", "c", NO_WORKER)
     p.finished("w1", "c", "b", False, 0.5, None, "SafetensorError")
     assert p.failure("c") == "SafetensorError"
     p.start("w1", "a", TRAFFIC)
     p.finished("w1", "a", "b", True, 0.2, "mapped", None, detail="x")
     assert p.by_reason == {TRAFFIC: 1} and p.switches == 1
+    # A worker stays `amortize` times as long as its switch took, at least min_stay_s.
+    assert POLICY.stay_s(0.2) == 2.0 and POLICY.stay_s(1.5) == 15.0 and POLICY.stay_s(None) == 30.0
+    assert "w1" in p.settling(POLICY) and "w1" not in p.settling(TrafficPolicy(amortize=0.0, min_stay_s=0.0))
     assert [(h["reason"], h["ok"]) for h in p.history] == [(TRAFFIC, False), (NO_WORKER, False), (TRAFFIC, True)]
 
 

@@ -183,6 +183,7 @@ class Scheduler:
                 "model_workers_follow_traffic": self.traffic.enabled,
                 "model_demand": {m: round(d, 3) for m, d in sorted(self.traffic.demand.level.items())},
                 "model_work": {m: round(d, 1) for m, d in sorted(self.traffic.work.level.items())},
+                "settling_workers": sorted(self.placement.settling(self.traffic.policy)),
                 "request_rates": {m: round(r, 4) for m, r in self.rates.all().items()},
                 "recent_prewarms": self.prewarms,
                 "loaders": self.loaders,
@@ -313,7 +314,7 @@ class Scheduler:
             return
         switching = self.placement.switching
         serving = serving_counts(workers, switching)
-        skip = (set(switching) | self.placement.recently_switched(self.traffic.policy.min_interval_s)
+        skip = (set(switching) | self.placement.settling(self.traffic.policy)
                 | {w.hb.worker_id for w in workers if self.roles.in_flight(w.hb.worker_id)})
         heading = set(switching.values())
         models = [ModelDemand(

@@ -23,7 +23,9 @@ three reasons, each switch in its status with it ("removed": its model left the 
   than workers: one sequence runs on one worker). A model keeps at least one
   worker while it has requests, had one lately (prewarm's rate: about 35 s), or is pinned. The
   wish must hold for `hold_s`; one traffic move runs at a time, `cooldown_s` after the last one
-  ended; a worker that changed model stays `min_interval_s` before traffic moves it again. The
+  ended; a worker that changed model stays before traffic moves it again, `amortize` times as long
+  as its switch took (its measured cost: the switch then takes at most 1/amortize of its time), at
+  least `min_stay_s` (`failed_stay_s` after a switch that failed). The
   worker moved is the idle one, else the least busy, not a model's last decode-capable worker while
   a choice remains, on a node that holds the receiving model in the hottest tier. These are the
   ideas of the elastic roles (roles.py, whose `Held` this uses), which go on within each model.
@@ -94,7 +96,13 @@ class TrafficPolicy:
     window_s: float = 5.0  # the demand: requests in the mesh, averaged over about this long
     hold_s: float = 2.0  # a wish must hold this long before it becomes a move
     cooldown_s: float = 5.0  # between two traffic moves (the next one sees what the last one did)
-    min_interval_s: float = 30.0  # a worker that changed model stays that long before traffic moves it
+    amortize: float = 10.0  # a worker that changed model stays this many times as long as its switch took
+    min_stay_s: float = 2.0  # ... and at least this long (the hold: a wish outlives a heartbeat or two)
+    failed_stay_s: float = 30.0  # ... and this long after a switch that failed (its cost is not known)
+
+    def stay_s(self, switch_s: float | None) -> float:
+        """How long a worker whose last switch took switch_s (None: it failed) stays before traffic moves it."""
+        return self.failed_stay_s if switch_s is None else max(self.min_stay_s, self.amortize * switch_s)
 
 
 @dataclass(frozen=True)
@@ -260,6 +268,7 @@ class Placement:
     failed: dict[str, tuple[str, float]] = field(default_factory=dict)  # model -> (why, when)
     last_used: dict[str, float] = field(default_factory=dict)  # model -> last request sent to a worker
     switched_at: dict[str, float] = field(default_factory=dict)  # worker id -> when its last switch ended
+    switch_s: dict[str, float | None] = field(default_factory=dict)  # worker id -> its last switch's seconds (None: failed)
     switches: int = 0
     by_reason: dict[str, int] = field(default_factory=dict)  # completed switches by reason
     history: list[dict] = field(default_factory=list)  # the last switches, for status
@@ -284,9 +293,10 @@ class Placement:
     def traffic_in_flight(self) -> bool:
         return TRAFFIC in self.reasons.values()
 
-    def recently_switched(self, within_s: float) -> set[str]:
+    def settling(self, policy: TrafficPolicy) -> set[str]:
+        """Workers that changed model too recently for traffic to move them (`TrafficPolicy.stay_s`)."""
         now = time.monotonic()
-        return {w for w, t in self.switched_at.items() if now - t < within_s}
+        return {w for w, t in self.switched_at.items() if now - t < policy.stay_s(self.switch_s.get(w))}
 
     def finished(self, worker: str, model: str, from_model: str, ok: bool, seconds: float, tier: str | None,
                  error: str | None, detail: str = "") -> None:
@@ -295,6 +305,7 @@ class Placement:
         self.switching.pop(worker, None)
         reason = self.reasons.pop(worker, NO_WORKER)
         self.switched_at[worker] = time.monotonic()
+        self.switch_s[worker] = seconds if ok else None
         if ok:
             self.failed.pop(model, None)
             self.switches += 1
