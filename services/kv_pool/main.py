@@ -42,9 +42,9 @@ from meshserve.shared.kv_layout import (arena_key, check_kv_cache_dtype, kv_aren
 from meshserve.shared.manifest import ManifestFile
 from meshserve.shared.model.config import ModelConfig
 from meshserve.shared.partitions import kv_quota_blocks
-from meshserve.shared.schemas import (ArenaDescriptor, ArenaRequest, ArenaRetired, BlockRefs, BlockTransfer, Heartbeat, KVEvent,
-                                      KVImport, KVImportReply, KVShape, LeaseReply, LeaseRequest, LoadRequest,
-                                      PoolPressure, ServiceHello, SwapReply, SwapRequest, TransferReply,
+from meshserve.shared.schemas import (ArenaDescriptor, ArenaRequest, ArenaRetired, BlockRefs, BlockTransfer,
+                                      Heartbeat, KVEvent, KVImport, KVImportReply, KVShape, LeaseReply, LeaseRequest,
+                                      LoadRequest, PoolPressure, ServiceHello, SwapReply, SwapRequest, TransferReply,
                                       WeightsDescriptor)
 from meshserve.shared.service import run_service
 
@@ -208,7 +208,7 @@ class KVPool:
         self.quotas = KVQuotas(getattr(args, "models", None), first.blocks.block_bytes)
         self.model_of: dict[str, str] = {}  # worker -> the model of its last lease
         self.arena_of: dict[str, str] = {}  # worker -> the arena its heartbeat names (the one it serves from)
-        self.asked: dict[str, tuple[str, float]] = {}  # worker -> (the arena it asked for, when), until it serves from it
+        self.asked: dict[str, tuple[str, float]] = {}  # worker -> (arena it asked for, when) until it serves from it
         self.planned_from = None  # the manifest the budgets were last planned from
         self.retired: list[dict] = []  # the last arenas retired, for status
 

@@ -49,7 +49,7 @@ class Load:
     buffer: object | None = None  # cuda: the allocation, kept alive for the workers
     keep_to: Path | None = None  # source loads of a GGUF: where the prepared form is kept afterwards
     ready_path: str | None = None  # layered: the readiness word's file
-    name: str = ""  # the load's shared name (its file's on cpu; cuda's path is only the device)
+    name: str = ""  # the load's own name on the node (its file's on cpu; a cuda path names only the device)
     nbytes: int = 0
     _word: np.memmap | None = field(default=None, repr=False)
     _failed: bool = field(default=False, repr=False)
@@ -58,7 +58,7 @@ class Load:
         """Makes the readiness word (0 parts written): workers may map the buffer before `run` ends.
         It is host memory on either backend: on cuda a part's copies are synchronized before the word
         says it is in, and a worker launches a layer's kernels only after reading the word."""
-        self.ready_path = str(shm.create((self.name or Path(self.path).name) + "-ready", 8))
+        self.ready_path = str(shm.create(self.name + "-ready", 8))
         self._word = np.memmap(self.ready_path, dtype=np.int64, mode="r+", shape=(1,))
 
     def run(self) -> None:

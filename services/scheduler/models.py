@@ -268,7 +268,7 @@ class Placement:
     failed: dict[str, tuple[str, float]] = field(default_factory=dict)  # model -> (why, when)
     last_used: dict[str, float] = field(default_factory=dict)  # model -> last request sent to a worker
     switched_at: dict[str, float] = field(default_factory=dict)  # worker id -> when its last switch ended
-    switch_s: dict[str, float | None] = field(default_factory=dict)  # worker id -> its last switch's seconds (None: failed)
+    switch_s: dict[str, float | None] = field(default_factory=dict)  # worker id -> its last switch in s (None: failed)
     switches: int = 0
     by_reason: dict[str, int] = field(default_factory=dict)  # completed switches by reason
     history: list[dict] = field(default_factory=list)  # the last switches, for status
