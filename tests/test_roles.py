@@ -3,6 +3,8 @@ drain time, hysteresis, hold, cooldown, and the floor of one decode worker."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import given, strategies as st
 
 from meshserve.services.scheduler.roles import (ElasticRoles, Load, RolePolicy, drain_time, split_score,
@@ -107,7 +109,7 @@ def test_interactive_requests_beside_long_prompts_keep_a_prefill_worker():
 
 
 def test_hold_and_cooldown_prevent_flapping():
-    roles = ElasticRoles(POLICY)
+    roles = ElasticRoles(replace(POLICY, smooth_s=0.01))  # each observation as it is: the timing alone
     heavy_decode = node("PDD", [0, 0, 0], [0, 300, 300])
     assert roles.observe("n", heavy_decode, now=0.0) is None  # a wish, not yet held
     assert roles.observe("n", heavy_decode, now=0.3) is None
@@ -124,6 +126,21 @@ def test_hold_and_cooldown_prevent_flapping():
     assert roles.observe("n", mixed, now=2.9) is None  # cooled down (2.8): the wish starts afresh
     s = roles.observe("n", mixed, now=3.4)
     assert s is not None and (s.worker_id, s.to_role) == ("w0", "prefill")  # the least decode work
+
+
+def test_the_policy_weighs_pending_tokens_averaged_not_single_heartbeats():
+    """Pending prompt tokens sampled many times a second swing between none and a batch's worth (a
+    tiny model prefills a prompt in a step). In proportion on average, they ask for a split; a
+    decision on single samples would need a run of in-band samples as long as the hold."""
+    swing = [node("DD", [0, p], [0, d]) for p, d in ((0, 250), (2400, 10), (0, 260), (2600, 0))]  # mean 1250 : 130
+    roles = ElasticRoles(POLICY)
+    assert all(wanted(w, POLICY) is None or wanted(w, POLICY).to_role != "prefill" for w in swing[1::2])
+    got = [roles.observe("n", swing[i % 4], now=i * 0.05) for i in range(60)]
+    s = next(x for x in got if x is not None)
+    assert (s.from_role, s.to_role) == ("decode", "prefill") and got.index(s) * 0.05 < 3.0
+    # Each sample alone never holds its wish for the hold: switched by no single-sample policy.
+    single = ElasticRoles(replace(POLICY, smooth_s=1e-6))
+    assert all(single.observe("n", swing[i % 4], now=i * 0.05) is None for i in range(60))
 
 
 def test_fixed_roles_never_switch():

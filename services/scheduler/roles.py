@@ -42,6 +42,7 @@ stood for a while) is also what holds the model moves of models.py.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field, replace
 
@@ -58,6 +59,7 @@ class RolePolicy:
     split_worth: float = 0.5  # with prompts and outputs in proportion, a split may drain this much slower than sharing
     hysteresis: float = 0.15  # a switch must cut the estimate (drain time, split_worth counted) by this share
     hold_s: float = 0.5  # a wish must hold this long (two heartbeats) before it becomes a switch
+    smooth_s: float = 1.0  # the pending tokens the policy weighs: a moving average over about this long
     cooldown_s: float = 2.0  # between two switches on one node
     interactive_window_s: float = 10.0  # interactive requests seen this recently keep a prefill worker
     switch_timeout_s: float = 10.0  # a switch not confirmed by then is given up (the worker may be old or gone)
@@ -131,15 +133,22 @@ def target_prefill_workers(prefill_tokens: float, decode_tokens: float, n: int, 
                key=lambda k: (split_score(prefill_tokens, decode_tokens, n, k, policy), k))
 
 
-def wanted(loads: list[Load], policy: RolePolicy, interactive: bool = False) -> Switch | None:
+def pending(loads: list[Load]) -> tuple[int, int]:
+    """The prompt and output tokens pending on the workers whose roles the policy balances."""
+    pool = [w for w in loads if w.role in ("prefill", "decode")]
+    return sum(w.pending_prefill_tokens for w in pool), sum(w.pending_decode_tokens for w in pool)
+
+
+def wanted(loads: list[Load], policy: RolePolicy, interactive: bool = False,
+           demand: tuple[float, float] | None = None) -> Switch | None:
     """The switch one observation of a node's workers asks for, if any. interactive: the node has
-    served interactive requests lately (ElasticRoles keeps that memory)."""
+    served interactive requests lately (ElasticRoles keeps that memory). demand: the pending prompt
+    and output tokens to weigh (ElasticRoles' moving average; default: this observation's)."""
     pool = [w for w in loads if w.role in ("prefill", "decode")]
     n = len(pool)
     if n < 2:
         return None
-    p = sum(w.pending_prefill_tokens for w in pool)
-    d = sum(w.pending_decode_tokens for w in pool)
+    p, d = pending(loads) if demand is None else demand
     cost = token_cost([w.prefill_tokens_per_s for w in pool], [w.decode_tokens_per_s for w in pool], policy)
     policy = replace(policy, decode_token_cost=cost)
     if work(p, d, policy.decode_token_cost) < policy.min_work:
@@ -152,7 +161,7 @@ def wanted(loads: list[Load], policy: RolePolicy, interactive: bool = False) -> 
     if target == now or (not forced and split_score(p, d, n, now, policy)
                          <= (1.0 + policy.hysteresis) * split_score(p, d, n, target, policy)):
         return None
-    why = (f"pending prefill {p} tokens vs decode {d} tokens x {policy.decode_token_cost:.3g}: "
+    why = (f"pending prefill {p:.0f} tokens vs decode {d:.0f} tokens x {policy.decode_token_cost:.3g}: "
            f"{target} of {n} workers should prefill only, {now} do "
            f"(drain {drain_time(p, d, n, target, policy):.0f} vs {drain_time(p, d, n, now, policy):.0f})"
            + ("; interactive requests on the node: long prompts kept off a decode worker" if keep_split else ""))
@@ -211,6 +220,20 @@ class ElasticRoles:
     _last: dict[str, float] = field(default_factory=dict)  # node -> time of its last switch
     _in_flight: dict[str, _InFlight] = field(default_factory=dict)  # worker id -> its switch
     _interactive_seen: dict[str, float] = field(default_factory=dict)  # node -> when it last had any
+    _pending: dict[str, tuple[float, float, float]] = field(default_factory=dict)  # node -> averaged (p, d, when)
+
+    def _average(self, node: str, loads: list[Load], now: float) -> tuple[float, float]:
+        """The node's pending prompt and output tokens, averaged over about smooth_s (from its first
+        observation on). Heartbeats sample them many times a second and, with prompts prefilled in
+        a step or two, one sample can be far from the next: a decision on single samples would wait
+        for a run of lucky ones."""
+        p, d = pending(loads)
+        last = self._pending.get(node)
+        if last is not None:
+            a = 1.0 - math.exp(-max(0.0, now - last[2]) / self.policy.smooth_s)
+            p, d = last[0] + a * (p - last[0]), last[1] + a * (d - last[1])
+        self._pending[node] = p, d, now
+        return p, d
 
     def role_of(self, worker_id: str, reported: str) -> str:
         f = self._in_flight.get(worker_id)
@@ -233,12 +256,13 @@ class ElasticRoles:
         if any(w.interactive for w in loads):
             self._interactive_seen[node] = now
         interactive = now - self._interactive_seen.get(node, -1e9) < self.policy.interactive_window_s
+        demand = self._average(node, [replace(w, role=self.role_of(w.worker_id, w.role)) for w in loads], now)
         ids = {w.worker_id for w in loads}
         if any(wid in ids for wid in self._in_flight) or now - self._last.get(node, -1e9) < self.policy.cooldown_s:
             self._wish.clear(node)
             return None
         loads = [replace(w, role=self.role_of(w.worker_id, w.role)) for w in loads]
-        want = wanted(loads, self.policy, interactive)
+        want = wanted(loads, self.policy, interactive, demand)
         if not self._wish.ready(node, None if want is None else (want.worker_id, want.to_role), now,
                                 self.policy.hold_s):
             return None
