@@ -393,22 +393,41 @@ def shaped(tmp_path_factory):
                                     num_key_value_heads=1)}  # 3 layers x 1 KV head x 32
 
 
-def test_one_worker_serves_two_kv_shapes_switching_arenas(shaped, tmp_path):
+def _oracle(models: dict) -> dict[str, str]:
+    """Each model's greedy text alone, in process."""
     from meshserve.shared.engine.llm import LLM
     from meshserve.shared.engine.sequence import SamplingParams
 
     params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
-    oracle = {n: LLM(str(p), "float32").generate([PROMPT], params)[0].text for n, p in shaped.items()}
+    return {n: LLM(str(p), "float32").generate([PROMPT], params)[0].text for n, p in models.items()}
+
+
+def _write_manifest(manifest, models: dict, *names: str) -> None:
+    manifest.write_text("".join(f"- {{name: {n}, path: '{models[n]}'}}\n" for n in names))
+
+
+def _shapes_mesh(first, tmp_path, manifest) -> Mesh:
+    """One decode worker, starting on `first`, serving the manifest's models."""
+    return Mesh(first, tmp_path, prefill=0, decode=1, extra=["--models", str(manifest)],
+                env={"MESHSERVE_CACHE": str(tmp_path / "cache")})
+
+
+def _completer(mesh: Mesh):
+    client = OpenAI(base_url=mesh.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def complete(model: str) -> str:
+        return client.completions.create(model=model, prompt=PROMPT, max_tokens=TOKENS, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+
+    return complete
+
+
+def test_one_worker_serves_two_kv_shapes_switching_arenas(shaped, tmp_path):
+    oracle = _oracle(shaped)
     manifest = tmp_path / "models.yaml"
-    manifest.write_text("".join(f"- {{name: {n}, path: '{p}'}}\n" for n, p in shaped.items()))
-    with Mesh(shaped["narrow"], tmp_path, prefill=0, decode=1, extra=["--models", str(manifest)],
-              env={"MESHSERVE_CACHE": str(tmp_path / "cache")}) as mesh:
-        client = OpenAI(base_url=mesh.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-        def complete(model: str) -> str:
-            return client.completions.create(model=model, prompt=PROMPT, max_tokens=TOKENS, temperature=0,
-                                             extra_body={"ignore_eos": True}).choices[0].text
-
+    _write_manifest(manifest, shaped, *shaped)
+    with _shapes_mesh(shaped["narrow"], tmp_path, manifest) as mesh:
+        complete = _completer(mesh)
         assert [complete(n) for n in ("narrow", "deep", "narrow")] == [oracle["narrow"], oracle["deep"],
                                                                          oracle["narrow"]]
         with concurrent.futures.ThreadPoolExecutor(4) as ex:  # both at once: they wait their turn
@@ -443,30 +462,16 @@ def test_a_reload_that_replaces_a_shape_serves_the_new_one_in_the_removed_ones_m
     and wide's is made with its half. Every model's text equals the model alone."""
     import httpx
 
-    from meshserve.shared.engine.llm import LLM
-    from meshserve.shared.engine.sequence import SamplingParams
-
     models = {**shaped, "wide": make_tiny_llama(tmp_path / "wide", seed=33, num_hidden_layers=4)}  # 4 x 2 x 16
-    params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
-    oracle = {n: LLM(str(p), "float32").generate([PROMPT], params)[0].text for n, p in models.items()}
+    oracle = _oracle(models)
     manifest = tmp_path / "models.yaml"
-
-    def write(*names):
-        manifest.write_text("".join(f"- {{name: {n}, path: '{models[n]}'}}\n" for n in names))
-
-    write("narrow", "deep")
-    with Mesh(shaped["narrow"], tmp_path, prefill=0, decode=1, extra=["--models", str(manifest)],
-              env={"MESHSERVE_CACHE": str(tmp_path / "cache")}) as mesh:
-        client = OpenAI(base_url=mesh.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-        def complete(model: str) -> str:
-            return client.completions.create(model=model, prompt=PROMPT, max_tokens=TOKENS, temperature=0,
-                                             extra_body={"ignore_eos": True}).choices[0].text
-
+    _write_manifest(manifest, models, "narrow", "deep")
+    with _shapes_mesh(shaped["narrow"], tmp_path, manifest) as mesh:
+        complete = _completer(mesh)
         assert [complete(n) for n in ("deep", "narrow")] == [oracle["deep"], oracle["narrow"]]
         deep_key, wide_key = "3x1x32-float32", "4x2x16-float32"
         assert deep_key in mesh.ask("kv.node0.status")["arenas"]
-        write("narrow", "wide")
+        _write_manifest(manifest, models, "narrow", "wide")
         r = httpx.post(mesh.url + "/admin/models/reload", timeout=30)
         assert r.status_code == 200, r.text
         assert [complete(n) for n in ("wide", "narrow", "wide")] == [oracle["wide"], oracle["narrow"], oracle["wide"]]

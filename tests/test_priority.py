@@ -375,6 +375,7 @@ def test_mesh_interactive_request_overtakes_a_background_batch(tiny_llama, tmp_p
                 time.sleep(0.005)
             if not events:
                 pytest.fail(f"the background batch never started: {mesh.ask('scheduler.status')}")
+            events.append(("sent", "inter"))
             inter = ex.submit(one, "inter", "Tell me a joke about computers.", 8, "interactive")
             texts = [f.result(timeout=120) for f in bg] + [inter.result(timeout=120)]
         done_before = [w for what, w in events[:events.index(("first", "inter"))] if what == "done"]
@@ -383,7 +384,11 @@ def test_mesh_interactive_request_overtakes_a_background_batch(tiny_llama, tmp_p
         while time.monotonic() < deadline and not preempted:  # the heartbeats carry the counters (every 0.5 s)
             preempted = mesh.ask("scheduler.status")["num_priority_preemptions"]
             time.sleep(0.1)
-        assert preempted >= 1
+        # It took a running background sequence's place (a preemption), or, when one of the two
+        # running ones happened to finish as it came, the freed place ahead of the waiting ones.
+        freed = [w for what, w in events[events.index(("sent", "inter")):events.index(("first", "inter"))]
+                 if what == "done"]
+        assert preempted >= 1 or freed, events
     finally:
         mesh.stop()
     llm = LLM(str(tiny_llama), "float32")
