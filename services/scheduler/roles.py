@@ -256,12 +256,12 @@ class ElasticRoles:
         if any(w.interactive for w in loads):
             self._interactive_seen[node] = now
         interactive = now - self._interactive_seen.get(node, -1e9) < self.policy.interactive_window_s
-        demand = self._average(node, [replace(w, role=self.role_of(w.worker_id, w.role)) for w in loads], now)
         ids = {w.worker_id for w in loads}
+        loads = [replace(w, role=self.role_of(w.worker_id, w.role)) for w in loads]
+        demand = self._average(node, loads, now)
         if any(wid in ids for wid in self._in_flight) or now - self._last.get(node, -1e9) < self.policy.cooldown_s:
             self._wish.clear(node)
             return None
-        loads = [replace(w, role=self.role_of(w.worker_id, w.role)) for w in loads]
         want = wanted(loads, self.policy, interactive, demand)
         if not self._wish.ready(node, None if want is None else (want.worker_id, want.to_role), now,
                                 self.policy.hold_s):
