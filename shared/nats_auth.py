@@ -112,7 +112,8 @@ def permissions(namespace: str, workers: tuple[str, ...] = ()) -> dict[str, dict
                         *(kv(v) for v in ("arena", "lease", "release", "retain", "events", "swap", "import")),
                         s.compute("claim", "*")],  # its compute claims, to the other workers of its node
             "subscribe": [*(s.worker(f"{user}.*", v) for v in WORKER_VERBS), s.abort,
-                          *(kv(v) for v in ("hello", "pressure", "host_events", "retired")), s.compute("claim", "*"),
+                          *(kv(v) for v in ("hello", "pressure", "host_events", "retired", "resized")),
+                          s.compute("claim", "*"),
                           own(user)],
             "allow_responses": True}  # it acknowledges the scheduler's deliveries (Bus.ack), answers model switches
     return perms

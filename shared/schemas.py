@@ -312,7 +312,8 @@ class ArenaDescriptor(Message):
     dtype: str
     shape: list[int]  # [layers, 2, num_slots, kv_heads, row]; row: head_dim (+ 4 for int8, kv_layout.py)
     block_size: int
-    num_blocks: int
+    num_blocks: int  # the blocks leased now (the arena's size when the worker asked; `ArenaResized`)
+    capacity_blocks: int = 0  # the blocks `shape` has room for (0: num_blocks): a shared file's can grow to it
     swap_blocks: int = 0  # capacity of the kv-pool's host swap tier (0: none)
     epoch: str = ""  # the kv-pool process's id: its hellos carry it, a new one means a new ledger
     arena_id: str = ""  # this arena's own id: one retired and made again (same key) has a new one
@@ -326,6 +327,18 @@ class ArenaRetired(Message):
     key: str
     arena_id: str
     reason: str = ""
+
+
+class ArenaResized(Message):
+    """The kv-pool resized an arena in use (services/kv_pool/arenas.py `resizes`): it leases only
+    ids below num_blocks now, so workers of that arena give back the blocks at or beyond it as they
+    become free (spilling cached ones to the host tier first), and a request that needs more than
+    num_blocks is refused."""
+
+    node_id: str
+    key: str
+    arena_id: str
+    num_blocks: int
 
 
 class LeaseRequest(Message):
@@ -343,6 +356,7 @@ class LeaseReply(Message):
     free_blocks: int
     quota_blocks: int | None = None  # the most blocks the model may hold on the node (None: no quota)
     model_blocks: int = 0  # the blocks the model's workers hold now, these included
+    arena_blocks: int | None = None  # the arena's size now (ArenaResized)
 
 
 class PoolPressure(Message):

@@ -97,6 +97,34 @@ def aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+def punch(path: str | Path, ranges: list[tuple[int, int]]) -> bool:
+    """Gives back the memory of byte ranges (offset, length) of a shared file: the whole pages inside
+    them leave the file (it keeps its size; they read as zeros, and cost memory again only when
+    written), the bytes of a page only partly inside are zeroed. The kv-pool shrinks an arena in use
+    this way (services/kv_pool/arenas.py). False where the file system cannot (nothing changed)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fd = os.open(path, os.O_RDWR)
+    try:
+        for off, n in ranges:
+            if n > 0 and libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, off, n) != 0:
+                return False
+        return True
+    finally:
+        os.close(fd)
+
+
+def resident_bytes(path: str | Path) -> int:
+    """The memory (or disk) a shared file takes now: its allocated blocks, not its size (a sparse
+    file costs only what was written)."""
+    return os.stat(path).st_blocks * 512
+
+
 def unlink(path: str | Path) -> None:
     """Removes the name; processes that map the file keep their mapping until they unmap it."""
     try:

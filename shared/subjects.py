@@ -45,7 +45,8 @@ SchedulerEndpoint = Literal["submit", "handoff", "abort", "done", "status", "usa
 WorkerEndpoint = Literal["prefill", "adopt", "abort", "role", "model"]
 WorkersEndpoint = Literal["heartbeat"]
 KVEndpoint = Literal["arena", "lease", "release", "retain", "transfer", "status", "swap", "import", "fetch",
-                     "chunk", "close", "events", "pressure", "host_events", "hello", "retired"]
+                     "chunk", "close", "events", "pressure", "host_events", "hello", "retired",
+                     "resized"]
 ModelsEndpoint = Literal["load", "list", "status", "reload", "prewarm"]
 ComputeEndpoint = Literal["claim"]
 

@@ -95,6 +95,46 @@ def test_a_new_plan_retires_only_the_arenas_nobody_uses_that_it_wants_the_memory
     assert d.retirable(set()) == []
 
 
+def test_a_new_plan_resizes_shared_memory_arenas_in_place_in_use_or_not():
+    both = {"k1", "k2"}
+    b = ArenaBudgets(total=120, planned={"k1": 60, "k2": 60}, made={"k1": 60, "k2": 60}, block={"k1": 5, "k2": 5})
+    assert b.resizes(both) == {}
+    b.replan({"k1": 40, "k2": 40, "k3": 40}, complete=True)  # a third shape: each part shrinks
+    assert b.resizes(both) == {"k1": 40, "k2": 40}
+    assert b.retirable(set(), both) == []  # resized in place, not retired (a GPU arena would be)
+    assert b.retirable(set()) == ["k1", "k2"]
+    assert b.for_arena("k3") == 0  # until the blocks beyond their new sizes are freed
+    b.made.update(k1=40, k2=40)
+    assert b.for_arena("k3") == 40 and b.resizes(both) == {}
+    # growth takes only what no arena made and no unmade planned arena's part takes
+    b.replan({"k1": 120}, complete=True)  # k2's model went: retired once unused; k1 grows meanwhile
+    assert b.resizes(both) == {"k1": 80} and b.retirable({"k2"}, both) == [] and b.retirable(set(), both) == ["k2"]
+    c = ArenaBudgets(total=120, planned={"k1": 60, "k3": 60}, made={"k1": 30}, block={"k1": 5})
+    assert c.resizes({"k1"}) == {"k1": 60}
+    c.made["x"] = 50  # an arena of a shape the plan does not know took the reserve
+    assert c.resizes({"k1"}) == {}
+    # within the slack (5%, at least a block) nothing changes
+    d = ArenaBudgets(total=100, planned={"k1": 100}, made={"k1": 96}, block={"k1": 8})
+    assert d.resizes({"k1"}) == {}
+
+
+def test_the_ledger_shrinks_while_blocks_are_held_and_grows_back():
+    from meshserve.services.kv_pool.main import BlockLedger
+
+    led = BlockLedger(8, capacity=16)
+    assert led.lease("w", 8) == list(range(8))
+    led.release("w", [1, 6, 7])
+    assert led.resize(4) == [6, 7]  # free beyond the new size: their memory can go now
+    assert led.outside == {4, 5} and led.num_blocks == 4
+    assert led.lease("w", 10) == [1]  # ids below 4 only
+    led.release("w", [5])
+    assert led.to_punch == [5] and led.outside == {4} and 5 not in led.free
+    assert led.resize(12) == [] and led.outside == set()
+    assert sorted(led.free) == list(range(5, 12))  # 4 is still held; capacity caps any growth
+    led.release("w", [4])
+    assert 4 in led.free and led.resize(99) == [] and led.num_blocks == 16
+
+
 def test_arena_keys_follow_the_kv_shape_and_an_int8_arena_takes_any_model_dtype():
     small, deep = _cfg(2, 2, 16), _cfg(3, 1, 32)
     assert kv_shape(small, "float32").key == "2x2x16-float32" and kv_shape(deep, "float32").key == "3x1x32-float32"
@@ -201,7 +241,10 @@ def test_the_kv_pool_keeps_one_arena_per_shape_with_its_own_block_ids(small_nats
         assert first.key == NARROW.key and (await a.arena_of(NARROW, "narrow")).path == first.path
         deep = await b.arena_of(DEEP, "deep")  # made now, on the first ask
         assert deep.key == DEEP.key and deep.path != first.path and deep.epoch == first.epoch
-        assert deep.shape == [3, 2, 40 * 16, 1, 32] and deep.num_blocks == 40 and deep.swap_blocks == 40
+        assert deep.num_blocks == 40 and deep.swap_blocks == 40
+        # its file has room for the node's whole KV memory (it can grow in place), costing only what is written
+        assert deep.capacity_blocks == 80 and deep.shape == [3, 2, 80 * 16, 1, 32]
+        assert os.path.getsize(deep.path) == 80 * 12288 and node_memory.shm.resident_bytes(deep.path) < 12288
         assert (await b2.arena_of(DEEP, "deep")).path == deep.path  # one arena per shape
         with pytest.raises(RuntimeError, match="no room for an arena of KV shape 4x2x16-float32"):
             await a.arena_of(KVShape(num_hidden_layers=4, num_key_value_heads=2, head_dim=16, dtype="float32"), "x")
@@ -380,6 +423,88 @@ def test_a_reload_gives_a_removed_shapes_arena_memory_to_the_new_shape_once_nobo
     assert status["budgets"]["made_bytes"] == {NARROW.key: 60 * 8192, wide.key: 30 * 16384}
 
 
+def test_a_reload_shrinks_an_arena_in_use_in_place_and_grows_it_back(small_nats, tmp_path, monkeypatch):  # noqa: F811
+    """narrow alone has the node's whole KV memory and its worker holds (and wrote) every block. A
+    reload adds deep: narrow's arena shrinks to half while in use (its worker told), deep's ask waits
+    for the blocks beyond the half to be freed and gets its whole half, and their memory leaves
+    narrow's file. A reload back to narrow alone retires deep once unused and grows narrow in place."""
+    monkeypatch.setenv("MESHSERVE_SHM_DIR", str(tmp_path))
+    from meshserve.services.kv_pool.main import make_arena
+    from meshserve.shared import shm
+    from meshserve.shared.schemas import ArenaResized
+
+    dirs = {"a": _config_dir(tmp_path, "narrow", 2, 4, 2), "b": _config_dir(tmp_path, "deep", 3, 2, 1)}
+    manifest = tmp_path / "models.yaml"
+
+    def write(*names):
+        manifest.write_text("".join(f"- {{name: {n}, path: '{dirs[n]}', dtype: float32}}\n" for n in names))
+        os.utime(manifest, ns=(time.time_ns(), time.time_ns() + 10**9 * len(names)))
+
+    write("a")
+    total = 64 * 8192  # 64 narrow blocks; half: 32 of them, or 21 deep ones (12 KiB)
+    args = _args(models=str(manifest), dtype="float32", kv_cache_gb=total / GB, swap_space=0.0,
+                 arena_retire_after=0.5, node_id="node-s", model=None, quantization=None)
+
+    async def until(what, deadline_s: float = 10.0):
+        deadline = time.monotonic() + deadline_s
+        while not what():
+            assert time.monotonic() < deadline, pool.status()
+            await asyncio.sleep(0.02)
+
+    async def go():
+        nonlocal pool
+        bus = await Bus.connect(small_nats, namespace="resize")
+        desc, buf, budgets = await make_arena(bus, args)
+        pool = KVPool(bus, args, desc, buf, budgets)
+        await pool.serve()
+        resized: list[ArenaResized] = []
+
+        async def on_resized(msg):
+            resized.append(ArenaResized.decode(msg.data))
+
+        await bus.nc.subscribe(bus.subjects.kv("resized", "node-s"), cb=on_resized)
+        try:
+            assert desc.key == NARROW.key and desc.num_blocks == desc.capacity_blocks == 64
+            wa, wb = KVPoolClient(bus, "node-s", "w-a"), KVPoolClient(bus, "node-s", "w-b")
+            wa.arena, wa.model = NARROW.key, "a"
+            held = (await wa.lease(64)).block_ids
+            assert sorted(held) == list(range(64))
+            blocks = pool.arenas[NARROW.key].blocks
+            for b in held:  # KV in every block: the file's memory is all taken
+                blocks.write(b, np.full(blocks.block_bytes, b % 250 + 1, dtype=np.uint8))
+            assert shm.resident_bytes(desc.path) >= total
+
+            write("a", "b")
+            deep_ask = asyncio.ensure_future(wb.arena_of(DEEP, "b"))  # waits: narrow holds deep's half
+            await until(lambda: resized)
+            assert [(r.key, r.num_blocks, r.arena_id) for r in resized] == [(NARROW.key, 32, desc.arena_id)]
+            lease = await wa.lease(4)
+            assert lease.block_ids == [] and lease.arena_blocks == 32  # nothing free below 32 (all held)
+            assert _status(pool, NARROW.key)["outside_blocks"] == 32 and not deep_ask.done()
+            await wa.release(held[32:])  # what its worker does with the free blocks beyond the new size
+            deep = await asyncio.wait_for(deep_ask, 10)
+            assert deep.num_blocks == total // 2 // 12288 == 21  # its whole half, not a scaled-down part
+            await until(lambda: shm.resident_bytes(desc.path) <= total // 2 + 4096)  # the memory went back
+            assert all(blocks.read(b)[0] == b % 250 + 1 for b in range(32))  # the KV in use kept
+
+            write("a")
+            await until(lambda: DEEP.key not in pool.arenas and len(resized) == 2)  # deep unused: retired
+            assert (resized[1].key, resized[1].num_blocks) == (NARROW.key, 64)
+            regrown = (await wa.lease(40)).block_ids
+            assert sorted(regrown) == list(range(32, 64))  # the ids beyond the old size, leased again
+            return pool.status()
+        finally:
+            pool.close()
+            await bus.close()
+
+    pool = None
+    status = asyncio.run(go())
+    narrow = status["arenas"][NARROW.key]
+    assert (narrow["num_blocks"], narrow["outside_blocks"], narrow["bytes"]) == (64, 0, total)
+    assert [(r["key"], r["from_blocks"], r["to_blocks"]) for r in status["resized"]] == [(NARROW.key, 64, 32),
+                                                                                          (NARROW.key, 32, 64)]
+
+
 # -- the mesh: two differently shaped models, one worker switching between them
 
 PROMPT, TOKENS = "The quick brown fox", 8
@@ -481,6 +606,37 @@ def test_a_reload_that_replaces_a_shape_serves_the_new_one_in_the_removed_ones_m
         half = kv["budgets"]["total_bytes"] // 2
         assert abs(kv["arenas"][wide_key]["bytes"] - half) <= kv["arenas"][wide_key]["block_bytes"], kv["arenas"]
         assert "let go of KV arena 3x1x32-float32" in mesh.log.read_text()
+
+
+def test_a_reload_that_adds_a_shape_shrinks_the_arena_in_use_and_serves_both(shaped, tmp_path):
+    """narrow alone has the node's whole KV memory (256 blocks), and two workers serve it: the
+    first leased every block at its start. A reload adds deep: narrow's arena shrinks to half while
+    both workers are on it, the first gives back the blocks beyond the half, and a worker that takes
+    up deep gets deep's half. With arenas sized once (or resized only when idle) deep's arena would
+    find no room and its request a 503. Every model's text equals the model alone."""
+    import httpx
+
+    oracle = _oracle(shaped)
+    manifest = tmp_path / "models.yaml"
+    _write_manifest(manifest, shaped, "narrow")
+    with Mesh(shaped["narrow"], tmp_path, prefill=0, decode=2, env={"MESHSERVE_CACHE": str(tmp_path / "cache")},
+              extra=["--models", str(manifest), "--kv-cache-gb", str(256 * 8192 / GB)]) as mesh:
+        complete = _completer(mesh)
+        assert complete("narrow") == oracle["narrow"]
+        narrow_key, deep_key = "2x2x16-float32", "3x1x32-float32"
+        kv = mesh.ask("kv.node0.status")
+        assert kv["arenas"][narrow_key]["num_blocks"] == 256 and max(kv["holders"].values()) > 0, kv
+        _write_manifest(manifest, shaped, "narrow", "deep")
+        r = httpx.post(mesh.url + "/admin/models/reload", timeout=30)
+        assert r.status_code == 200, r.text
+        with concurrent.futures.ThreadPoolExecutor(4) as ex:
+            got = list(ex.map(complete, ["deep", "narrow", "deep", "narrow"]))
+        assert got == [oracle["deep"], oracle["narrow"]] * 2
+        kv = mesh.ask("kv.node0.status")
+        assert [(x["key"], x["from_blocks"], x["to_blocks"]) for x in kv["resized"]] == [(narrow_key, 256, 128)], kv
+        assert kv["retired"] == [] and kv["arenas"][narrow_key]["num_blocks"] == 128
+        assert kv["arenas"][deep_key]["num_blocks"] == 128 * 8192 // 12288, kv["arenas"]  # its whole half
+        assert "gave back" in mesh.log.read_text() and "beyond arena 2x2x16-float32's new size" in mesh.log.read_text()
 
 
 def test_two_meshes_on_one_host_never_share_an_arena_file():

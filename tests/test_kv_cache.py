@@ -89,6 +89,30 @@ def test_pool_leases_and_gives_back_the_least_useful_blocks_first():
     pool.check()
 
 
+def test_blocks_beyond_a_shrunk_arena_leave_when_free_and_the_rest_once_freed():
+    """The node's arena shrank to 4 blocks (services/worker/kv_blocks.py `release_outside`): the
+    free and idle shared blocks from 4 on leave now, cached ones with their keys; referenced ones
+    leave once freed; blocks below 4 stay, cached or not."""
+    pool = BlockPool(8, free_blocks=[])
+    pool.add_free(range(8))
+    taken = {pool.take() for _ in range(8)}
+    assert taken == set(range(8))
+    pool.cache(2, 20)
+    pool.cache(5, 50)
+    pool.cache(6, 60)
+    for b in (2, 5, 7):
+        pool.unref(b)  # free: 2 (cached), 5 (cached), 7
+    assert pool.hand_over(6)  # 6: cached and handed over: idle shared here
+    pool.drain_events()
+    assert pool.cached_from(4) == [(5, 50)]
+    assert pool.release_from(4) == 1  # 4 is still referenced
+    assert sorted(pool.drain_releases()) == [5, 6, 7] and pool.drain_events() == ([], [50, 60])
+    assert pool.lookup(20) == 2 and pool.is_free(2) and pool.num_held == 5
+    pool.unref(4)
+    assert pool.release_from(4) == 0 and pool.drain_releases() == [4]
+    pool.check()
+
+
 def test_handed_over_blocks_shared_cached_ones_stay_read_only_until_released():
     pool = BlockPool(8, max_shared_cached=1)
     blocks = [pool.take() for _ in range(3)]

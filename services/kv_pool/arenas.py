@@ -5,14 +5,19 @@ Models whose KV has the same shape (layers x KV heads x head dim) and arena dtyp
 ids within one arena, so every message that carries them names the arena too (shared/schemas.py).
 
 Sizes are planned from the manifest (at start, and again when a reload changes it), arenas made
-when first asked for. An arena cannot grow or shrink once workers map it (a mapped shared file, a
-CUDA allocation), so its size is decided before the first worker maps it; but its memory is taken
-only when a worker of that shape asks for it (the first model's arena at start, as before: the
-manifest's first model whose shape is known), so a manifest's models that never run cost no KV
-memory, which matters most for GPU memory on the CUDA backend. When the plan changes, an arena the
-new plan wants the memory of (no model has its shape any more, it is bigger than its part while
-another shape gets less than its part, or made again it would be bigger) is retired once nobody
-uses it, and made again at its new size if it is asked for again (`retirable`).
+when first asked for: an arena's memory is taken only when a worker of that shape asks for it (the
+first model's arena at start, as before: the manifest's first model whose shape is known), so a
+manifest's models that never run cost no KV memory, which matters most for GPU memory on the CUDA
+backend. When the plan changes:
+- an arena in shared memory (the CPU backend) is resized in place, in use or not (`resizes`): its
+  file was made sparse with room for the whole budget, so growing only lets the ledger lease more
+  ids; shrinking stops it leasing the ids beyond the new size, its workers give those back as they
+  become free (services/worker/kv_blocks.py), and their pages leave the file (shm.punch);
+- an arena on the GPU (one CUDA allocation every worker opened by its IPC handle) cannot change
+  size: when the new plan wants its memory (it is bigger than its part while another shape gets
+  less than its part, or made again it would be bigger) it is retired once nobody uses it and made
+  again at its new size if it is asked for again (`retirable`);
+- an arena of a shape no model has any more is retired once nobody uses it, on either backend.
 
 The plan (`plan_budgets`): each model of the manifest gets a part of `--kv-cache-gb`: a model
 with a `memory_quota_gb` its quota (its KV blocks never exceed it, shared/partitions.py), every
@@ -87,10 +92,15 @@ class ArenaBudgets:
         """A new plan (the manifest changed); the arenas made keep their size until retired."""
         self.planned, self.complete = dict(planned), complete
 
-    def retirable(self, busy: set[str]) -> list[str]:
+    def _slack(self, k: str, n: int) -> int:
+        """The difference in size not worth a change: 5% of n, and at least a block."""
+        return max(self.block.get(k, 1), n // 20)
+
+    def retirable(self, busy: set[str], resizable: set[str] = frozenset()) -> list[str]:
         """Made arenas, none of them `busy`, whose memory the plan wants elsewhere: one of a shape no
-        model of the manifest has; one bigger than its part while a planned arena not made yet gets
-        less than its part; one that, made again, would get 5% (and a block) more than it has."""
+        model of the manifest has; and, unless it can be resized in place (`resizes`), one bigger than
+        its part while a planned arena not made yet gets less than its part, or one that, made again,
+        would get 5% (and a block) more than it has."""
         free, unmade = self._free()
         starved = unmade > free
         out = []
@@ -101,11 +111,31 @@ class ArenaBudgets:
                 if self.complete:
                     out.append(k)
                 continue
+            if k in resizable:
+                continue
             block = self.block.get(k, 1)
             again = ArenaBudgets(self.total, planned=self.planned,
                                  made={j: m for j, m in self.made.items() if j != k}).for_arena(k) // block
             if (starved and n > self.planned[k] + block) or again >= max(n // block + 1, n // block * 1.05):
                 out.append(k)
+        return out
+
+    def resizes(self, resizable: set[str]) -> dict[str, int]:
+        """New sizes (bytes) for made arenas that can change size in place, in use or not: one bigger
+        than its part by more than the slack shrinks to its part (the memory beyond goes back as its
+        blocks are freed), one smaller grows toward its part from the memory that neither another
+        arena made nor the part of a planned one not made yet takes."""
+        out = {}
+        for k in resizable & self.made.keys() & self.planned.keys():
+            if self.made[k] > self.planned[k] + self._slack(k, self.planned[k]):
+                out[k] = self.planned[k]
+        free, unmade = self._free()
+        room = free - unmade  # what a shrink gives back counts once its blocks are freed (`made` follows)
+        for k in sorted(resizable & self.made.keys() & self.planned.keys() - out.keys()):
+            want = self.planned[k] - self.made[k]
+            if want > self._slack(k, self.planned[k]) and room > self._slack(k, self.planned[k]):
+                out[k] = self.made[k] + min(want, room)
+                room -= out[k] - self.made[k]
         return out
 
     def retire(self, key: str) -> None:

@@ -61,6 +61,20 @@ class ArenaBlocks:
             raise IndexError(f"block {b} is outside the arena (0..{self.num_blocks - 1})")
         return self.rows[:, b * self.seg:(b + 1) * self.seg]
 
+    def byte_ranges(self, blocks: list[int]) -> list[tuple[int, int]]:
+        """(offset, length) in the arena's memory of those blocks' bytes: per run of consecutive ids,
+        one range in each plane."""
+        plane, out = self.rows.shape[1], []
+        ids = sorted(set(blocks))
+        i = 0
+        while i < len(ids):
+            j = i
+            while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+                j += 1
+            out += [(p * plane + ids[i] * self.seg, (j - i + 1) * self.seg) for p in range(self.planes)]
+            i = j + 1
+        return out
+
     def read(self, b: int):
         """Block b's bytes (a contiguous copy, in host memory), as an array of the arena's kind."""
         if self._numpy:

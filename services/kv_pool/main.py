@@ -42,7 +42,7 @@ from meshserve.shared.kv_layout import (arena_key, check_kv_cache_dtype, kv_aren
 from meshserve.shared.manifest import ManifestFile
 from meshserve.shared.model.config import ModelConfig
 from meshserve.shared.partitions import kv_quota_blocks
-from meshserve.shared.schemas import (ArenaDescriptor, ArenaRequest, ArenaRetired, BlockRefs, BlockTransfer,
+from meshserve.shared.schemas import (ArenaDescriptor, ArenaRequest, ArenaResized, ArenaRetired, BlockRefs, BlockTransfer,
                                       Heartbeat, KVEvent, KVImport, KVImportReply, KVShape, LeaseReply, LeaseRequest,
                                       LoadRequest, PoolPressure, ServiceHello, SwapReply, SwapRequest, TransferReply,
                                       WeightsDescriptor)
@@ -56,21 +56,51 @@ from .swap import HostTier
 log = logging.getLogger("meshserve.kv_pool")
 
 HELLO_INTERVAL = 1.0
+# A new arena whose part is still held by arenas shrinking in place waits this long for their blocks
+# to be freed (their workers give back the free ones between steps) before it is made smaller.
+DRAIN_WAIT_S = 10.0
 
 
 class BlockLedger:
     """References per block and per worker, and the blocks each model holds (a block counts for the
     model whose worker leased it until it is free again: a handoff moves it only between workers
-    of that model). Pure bookkeeping: the service around it does I/O."""
+    of that model). Pure bookkeeping: the service around it does I/O.
 
-    def __init__(self, num_blocks: int):
-        self.num_blocks = num_blocks
+    Block ids go up to the arena's `capacity`; only those below `limit` are leased (the arena's
+    size now, which `resize` changes while blocks are held: arenas.py). A block at or beyond the
+    limit that is still held (`outside`) is not leased again once free: it waits in `to_punch` for
+    the pool to give its memory back."""
+
+    def __init__(self, num_blocks: int, capacity: int | None = None):
+        self.capacity = max(num_blocks, capacity or 0)
+        self.limit = num_blocks
         self.free: deque[int] = deque(range(num_blocks))
-        self.refs = [0] * num_blocks
+        self.refs = [0] * self.capacity
         self.held: dict[str, Counter] = {}
-        self.model_of: list[str | None] = [None] * num_blocks
+        self.model_of: list[str | None] = [None] * self.capacity
         self.by_model: Counter = Counter()  # model -> blocks in use
         self.peak: Counter = Counter()  # model -> the most it held at once
+        self.outside: set[int] = set()  # held blocks at or beyond the limit
+        self.to_punch: list[int] = []  # blocks beyond the limit freed since the pool last gave their memory back
+
+    @property
+    def num_blocks(self) -> int:
+        return self.limit
+
+    def resize(self, n: int) -> list[int]:
+        """The arena now has n blocks (at most its capacity): growing frees the new ids nobody holds;
+        shrinking stops leasing ids at or beyond n. Returns the free blocks beyond n (their memory
+        can go back now); those still held follow into `to_punch` as they are freed."""
+        n = max(1, min(n, self.capacity))
+        old, self.limit = self.limit, n
+        if n >= old:
+            self.free.extend(b for b in range(old, n) if not self.refs[b])
+            self.outside = {b for b in self.outside if b >= n}
+            return []
+        gone = [b for b in self.free if b >= n]
+        self.free = deque(b for b in self.free if b < n)
+        self.outside |= {b for b in range(n, old) if self.refs[b]}
+        return gone
 
     def lease(self, worker: str, n: int, model: str | None = None, limit: int | None = None) -> list[int]:
         """Up to n free blocks, and no more than leave the model within `limit` blocks."""
@@ -90,7 +120,11 @@ class BlockLedger:
     def _unref(self, b: int, n: int = 1) -> None:
         self.refs[b] -= n
         if self.refs[b] == 0:
-            self.free.append(b)
+            if b < self.limit:
+                self.free.append(b)
+            else:
+                self.outside.discard(b)
+                self.to_punch.append(b)
             self.by_model[self.model_of[b]] -= 1
             self.model_of[b] = None
 
@@ -172,14 +206,41 @@ class Arena:
             self.blocks = ArenaBlocks.of_bytes(buf, desc.dtype, desc.shape, desc.block_size)
         else:  # a GPU arena's blocks are staged through host memory
             self.blocks = ArenaBlocks(shm.view(buf, 0, desc.dtype, desc.shape), desc.block_size)
-        self.ledger = BlockLedger(desc.num_blocks)
+        self.ledger = BlockLedger(desc.num_blocks, desc.capacity_blocks)
         self.host = HostTier(desc.swap_blocks, self.blocks.block_bytes)
         self.models: set[str] = set()  # the models whose workers asked for it
+        self.punch_failed = False
+
+    @property
+    def resizable(self) -> bool:
+        """A shared file (made with room to grow); a GPU allocation cannot change size in place."""
+        return self.desc.backend == "cpu"
+
+    @property
+    def nbytes(self) -> int:
+        """The memory the arena may take: its blocks, and those beyond a shrink still held."""
+        return (self.ledger.limit + len(self.ledger.outside)) * self.blocks.block_bytes
+
+    def resize(self, n: int) -> None:
+        """n blocks from now on (arenas.py `resizes`); the memory of the blocks beyond n goes back
+        as soon as nobody holds them."""
+        self.give_back(self.ledger.resize(n))
+
+    def give_back(self, blocks: list[int] | None = None) -> None:
+        """The memory of free blocks beyond the limit (`blocks`, else those freed since the last
+        call) leaves the shared file: the node gets it back."""
+        if blocks is None:
+            blocks, self.ledger.to_punch = self.ledger.to_punch, []
+        if blocks and not self.punch_failed and not shm.punch(self.desc.path, self.blocks.byte_ranges(blocks)):
+            self.punch_failed = True
+            log.warning("KV arena %s: this file system cannot give back the memory of blocks beyond a shrink "
+                        "(fallocate PUNCH_HOLE); they keep their memory until the arena is retired", self.key)
 
     def status(self) -> dict:
-        return {"dtype": self.desc.dtype, "shape": self.desc.shape, "num_blocks": self.desc.num_blocks,
+        return {"dtype": self.desc.dtype, "shape": self.desc.shape, "num_blocks": self.ledger.limit,
+                "capacity_blocks": self.ledger.capacity, "outside_blocks": len(self.ledger.outside),
                 "free_blocks": len(self.ledger.free), "block_bytes": self.blocks.block_bytes,
-                "bytes": self.desc.num_blocks * self.blocks.block_bytes, "models": sorted(self.models),
+                "bytes": self.nbytes, "models": sorted(self.models),
                 "holders": {w: n for w, c in self.ledger.held.items() if (n := sum(c.values()))},
                 "swap": self.host.stats()}
 
@@ -198,7 +259,7 @@ class KVPool:
         self.first = first.key
         self.arenas: dict[str, Arena] = {first.key: first}
         self.budgets = budgets or ArenaBudgets(total=desc.num_blocks * first.blocks.block_bytes)
-        self.budgets.made.setdefault(first.key, desc.num_blocks * first.blocks.block_bytes)
+        self.budgets.made.setdefault(first.key, first.nbytes)
         self.budgets.block[first.key] = first.blocks.block_bytes
         self.last_seen: dict[str, float] = {}
         self.prefix_index: dict[str, set[int]] = {}
@@ -211,6 +272,7 @@ class KVPool:
         self.asked: dict[str, tuple[str, float]] = {}  # worker -> (arena it asked for, when) until it serves from it
         self.planned_from = None  # the manifest the budgets were last planned from
         self.retired: list[dict] = []  # the last arenas retired, for status
+        self.resized: list[dict] = []  # the last arenas resized in place, for status
 
     def kv(self, verb: str) -> str:
         return self.bus.subjects.kv(verb, self.node)
@@ -236,6 +298,7 @@ class KVPool:
         if req.shape is not None and req.shape.key not in self.arenas:
             self.replan()
             self.retire_unused()
+            self.resize_in_place()
         if req.shape is None:
             a = self.arena(None)
         elif req.shape.key in self.arenas:
@@ -249,15 +312,33 @@ class KVPool:
             desc, buf = create_arena(self.bus.subjects.ns, self.node, req.shape, req.shape.dtype,
                                      self.args.block_size, nbytes, self.budgets.swap_for(nbytes),
                                      getattr(self.args, "device", "cpu"), self.desc.epoch,
-                                     why=f"for model {req.model}", nats_url=getattr(self.bus, "url", ""))
+                                     why=f"for model {req.model}", nats_url=getattr(self.bus, "url", ""),
+                                     capacity_bytes=self.budgets.total)
             a = self.arenas[key] = Arena(desc, buf)
-            self.budgets.made[key] = desc.num_blocks * a.blocks.block_bytes
+            self.budgets.made[key] = a.nbytes
             self.budgets.block[key] = a.blocks.block_bytes
         if req.model:
             a.models.add(req.model)
         if req.worker_id:
             self.asked[req.worker_id] = a.key, time.monotonic()
         return a
+
+    async def wait_for_room(self, req: ArenaRequest) -> None:
+        """Before a new shape's arena is made: plans again, and while arenas shrinking in place still
+        hold its part (blocks in use beyond their new size), waits up to DRAIN_WAIT_S for them to be
+        freed rather than make it smaller (it would grow later) or refuse it."""
+        key = req.shape.key if req.shape is not None else None
+        if key is None or key in self.arenas:
+            return
+        self.replan()
+        self.retire_unused()
+        self.resize_in_place()
+        deadline = time.monotonic() + DRAIN_WAIT_S
+        while (key not in self.arenas and key in self.budgets.planned and time.monotonic() < deadline
+               and any(a.ledger.outside for a in self.arenas.values())
+               and self.budgets.for_arena(key) < self.budgets.planned[key]):
+            await asyncio.sleep(0.05)
+            self.resize_in_place()
 
     def replan(self) -> None:
         """Plans the KV memory again when the manifest changed (a reload): the parts of arenas not
@@ -283,9 +364,9 @@ class KVPool:
         """Retires the arenas the plan wants the memory of (`ArenaBudgets.retirable`) that nobody
         uses: the file loses its name, the memory goes back to the node's KV budget, and the workers
         that still map it are told to let go (`retired`)."""
-        for key in self.budgets.retirable(self.in_use(time.monotonic())):
+        for key in self.budgets.retirable(self.in_use(time.monotonic()), self.resizable()):
             a = self.arenas.pop(key)
-            nbytes = a.desc.num_blocks * a.blocks.block_bytes
+            nbytes = a.nbytes
             reason = ("no model of the manifest has its KV shape" if key not in self.budgets.planned
                       else f"made with {nbytes} bytes, planned {self.budgets.planned[key]}")
             self.budgets.retire(key)
@@ -295,6 +376,31 @@ class KVPool:
                                              "reason": reason, "at": time.time()}])[-8:]
             self._spawn(self.bus.publish(self.kv("retired"), ArenaRetired(node_id=self.node, key=key,
                                                                           arena_id=a.desc.arena_id, reason=reason)))
+
+    def resizable(self) -> set[str]:
+        return {k for k, a in self.arenas.items() if a.resizable}
+
+    def resize_in_place(self) -> None:
+        """Moves the arenas that can change size in place (shared files) toward their parts of the
+        plan, in use or not (`ArenaBudgets.resizes`): one shrunk leases only the ids below its new
+        size, and the memory of those beyond goes back as their holders free them (its workers are
+        told: `resized`); one grown leases the new ids at once."""
+        for k, a in self.arenas.items():
+            a.give_back()
+            self.budgets.made[k] = a.nbytes
+        for key, nbytes in self.budgets.resizes(self.resizable()).items():
+            a = self.arenas[key]
+            old, n = a.ledger.limit, nbytes // a.blocks.block_bytes
+            a.resize(n)
+            if a.ledger.limit == old:
+                continue
+            self.budgets.made[key] = a.nbytes
+            log.info("KV arena %s resized in place: %d -> %d blocks (%d held beyond the new size)", key, old,
+                     a.ledger.limit, len(a.ledger.outside))
+            self.resized = (self.resized + [{"key": key, "from_blocks": old, "to_blocks": a.ledger.limit,
+                                             "at": time.time()}])[-8:]
+            self._spawn(self.bus.publish(self.kv("resized"), ArenaResized(
+                node_id=self.node, key=key, arena_id=a.desc.arena_id, num_blocks=a.ledger.limit)))
 
     def _spawn(self, coro) -> None:
         """Runs coro as its own task, kept until it ends."""
@@ -378,7 +484,7 @@ class KVPool:
         limit = self.quotas.limit(req.model, a.blocks.block_bytes)
         blocks = a.ledger.lease(req.worker_id, req.num_blocks, req.model, limit)
         return LeaseReply(block_ids=blocks, free_blocks=len(a.ledger.free), quota_blocks=limit,
-                          model_blocks=a.ledger.by_model[req.model])
+                          model_blocks=a.ledger.by_model[req.model], arena_blocks=a.ledger.limit)
 
     def models_status(self) -> dict[str, dict]:
         """Per model: the blocks its workers hold now, the most they held at once, its quota (in
@@ -402,12 +508,12 @@ class KVPool:
         swap: Counter = Counter()
         for a in arenas:
             swap.update(a.host.stats())
-        return {"node_id": self.node, "num_blocks": first.desc.num_blocks if first else 0,
+        return {"node_id": self.node, "num_blocks": first.ledger.limit if first else 0,
                 "free_blocks": len(first.ledger.free) if first else 0,
                 "block_bytes": first.blocks.block_bytes if first else 0, "models": self.models_status(),
                 "holders": dict(holders), "cached_blocks": {w: len(i) for w, i in self.prefix_index.items()},
                 "swap": dict(swap), "arenas": {k: a.status() for k, a in self.arenas.items()},
-                "budgets": self.budgets.describe(), "retired": self.retired,
+                "budgets": self.budgets.describe(), "retired": self.retired, "resized": self.resized,
                 "transfers": {**self.transfers.as_dict(), "open_pulls": len(self.fetch.pulls)}}
 
     async def serve(self) -> None:
@@ -416,6 +522,7 @@ class KVPool:
         async def on_arena(msg):
             try:
                 req = ArenaRequest.decode(msg.data) if msg.data.strip() else ArenaRequest()
+                await self.wait_for_room(req)
                 a = self.arena_for(req)
             except (ValueError, UnknownArena) as e:
                 log.warning("arena refused: %s", e)
@@ -536,6 +643,7 @@ class KVPool:
             try:
                 self.replan()
                 self.retire_unused()
+                self.resize_in_place()
             except Exception:  # noqa: BLE001 - never stop reaping for it
                 log.exception("KV arenas not planned again")
 
@@ -565,9 +673,12 @@ def add_arguments(p) -> None:
 
 
 def create_arena(ns: str, node: str, cfg, dtype: str, block_size: int, nbytes: int, swap_bytes: int,
-                 device: str, epoch: str, why: str = "", nats_url: str = "") -> tuple[ArenaDescriptor, object]:
+                 device: str, epoch: str, why: str = "", nats_url: str = "",
+                 capacity_bytes: int = 0) -> tuple[ArenaDescriptor, object]:
     """An arena of `nbytes` (whole blocks) for KV of cfg's shape in `dtype` (the arena's element dtype),
-    in shared memory or on the GPU (`device`); ValueError when nbytes holds no block."""
+    in shared memory or on the GPU (`device`); ValueError when nbytes holds no block. A shared file
+    is made with room for `capacity_bytes` (the node's whole KV budget), which costs no memory until
+    written (a sparse file), so the arena can grow in place; a GPU allocation has exactly nbytes."""
     block_bytes = kv_bytes_per_block(cfg, block_size, dtype)
     num_blocks = nbytes // block_bytes
     key = arena_key(cfg, dtype)
@@ -576,16 +687,17 @@ def create_arena(ns: str, node: str, cfg, dtype: str, block_size: int, nbytes: i
                          f"{' ' + why if why else ''}: "
                          f"{nbytes} bytes left for it, a block takes {block_bytes} (the manifest's models share "
                          "--kv-cache-gb, docs/models.md)")
-    shape = kv_arena_shape(cfg, num_blocks, block_size, dtype)
-    buf, path, ipc = node_memory.create(f"{shm.mesh_prefix(ns, node, nats_url)}-kv-{key}", num_blocks * block_bytes, device,
-                                        numpy=device == "cpu")
+    capacity = max(num_blocks, capacity_bytes // block_bytes) if device == "cpu" else num_blocks
+    shape = kv_arena_shape(cfg, capacity, block_size, dtype)
+    buf, path, ipc = node_memory.create(f"{shm.mesh_prefix(ns, node, nats_url)}-kv-{key}", capacity * block_bytes,
+                                        device, numpy=device == "cpu")
     swap_blocks = swap_bytes // block_bytes
     log.info("KV arena %s%s: %d blocks of %d tokens in %s, %.3f GiB at %s; host swap tier: %d blocks", key,
              f" ({why})" if why else "", num_blocks, block_size, dtype, num_blocks * block_bytes / (1 << 30), path,
              swap_blocks)
     return ArenaDescriptor(node_id=node, key=key, path=path, backend=device, ipc=ipc, dtype=dtype, shape=shape,
-                           block_size=block_size, num_blocks=num_blocks, swap_blocks=swap_blocks, epoch=epoch,
-                           arena_id=uuid.uuid4().hex), buf
+                           block_size=block_size, num_blocks=num_blocks, capacity_blocks=capacity,
+                           swap_blocks=swap_blocks, epoch=epoch, arena_id=uuid.uuid4().hex), buf
 
 
 def plan(args) -> tuple[ArenaBudgets, KVShape | None]:
@@ -620,7 +732,8 @@ async def make_arena(bus: Bus, args) -> tuple[ArenaDescriptor, object, ArenaBudg
                         head_dim=cfg.head_dim, dtype=dtype)
     nbytes = budgets.for_arena(shape.key)
     desc, buf = create_arena(bus.subjects.ns, args.node_id, shape, shape.dtype, args.block_size, nbytes,
-                             budgets.swap_for(nbytes), device, uuid.uuid4().hex, why="made at start", nats_url=getattr(bus, "url", ""))
+                             budgets.swap_for(nbytes), device, uuid.uuid4().hex, why="made at start",
+                             nats_url=getattr(bus, "url", ""), capacity_bytes=budgets.total)
     return desc, buf, budgets
 
 

@@ -24,6 +24,11 @@ public API only:
   preempted as when the arena is full; once this worker alone holds the quota it asks only every
   QUOTA_RECHECK_S (the quota may grow), and a request that could never fit in it is refused
   (`LLMEngine.block_limit`);
+- the arena's size (services/kv_pool/arenas.py `resizes`): the engine's pool has room for ids up
+  to the arena's capacity, the kv-pool leases ids below its size now. When a reload shrinks the
+  arena in use (`resized`), the blocks this worker holds at or beyond the new size leave as they
+  become free (cached ones spilled to the host tier first), before every step until none is left,
+  and a request that needs more blocks than the arena has is refused (`LLMEngine.block_limit`);
 - spill and restore (the host swap tier): cached blocks about to be overwritten or given back are
   copied to the tier first (`make_room`); a prompt whose prefix continues in the tier gets those
   blocks copied back into free blocks here and registered as cached (`prepare`), so the engine
@@ -53,7 +58,7 @@ import nats.errors
 from meshserve.shared.engine import wire
 from meshserve.shared.engine.llm_engine import LLMEngine
 from meshserve.shared.kv_layout import kv_bytes_per_block
-from meshserve.shared.schemas import Handoff, KVEvent, PoolPressure
+from meshserve.shared.schemas import ArenaResized, Handoff, KVEvent, PoolPressure
 
 from .kv_pool_client import KVPoolClient
 
@@ -68,7 +73,8 @@ RESERVE_PROMPTS = 2
 
 class KVBlocks:
     def __init__(self, engine: LLMEngine, client: KVPoolClient, lease_blocks: int, swap_blocks: int,
-                 report: Callable[[str, Handoff | None], None]):
+                 report: Callable[[str, Handoff | None], None], arena_blocks: int | None = None):
+        """arena_blocks: the arena's size when the worker asked for it (its descriptor's num_blocks)."""
         self.engine, self.pool, self.client = engine, engine.block_pool, client
         self.lease_blocks, self.swap_enabled, self.report = lease_blocks, swap_blocks > 0, report
         self.swap_blocks = swap_blocks
@@ -80,6 +86,9 @@ class KVBlocks:
         self.quota_blocks: int | None = None  # the model's KV quota on this node, as the pool's leases say
         self.quota_asked = 0.0  # when it last asked the pool
         self.arena = client.arena  # the key of the arena its engine's block ids are of
+        self.arena_blocks = arena_blocks  # the arena's size now: ids at or beyond it go back to the pool
+        self.outside = False  # it may hold blocks at or beyond arena_blocks (the arena shrank)
+        self._limit()
         self.subscriptions = []  # to the pool's broadcasts, ended at close (a model switch makes a new KVBlocks)
 
     async def start(self) -> None:
@@ -91,6 +100,7 @@ class KVBlocks:
         await self.lease(self.lease_blocks)
         await self.client.publish_events(cleared=True)
         self.subscriptions.append(await self.client.subscribe("pressure", self._on_pressure))
+        self.subscriptions.append(await self.client.subscribe("resized", self._on_resized))
 
     async def close(self) -> None:
         """Gives every block back (the worker stops, or switches model) and stops listening."""
@@ -124,6 +134,41 @@ class KVBlocks:
         self.pool_dry_until = time.monotonic() + PRESSURE_S
         self.report("reclaim", None)
 
+    async def _on_resized(self, msg) -> None:
+        r = ArenaResized.decode(msg.data)
+        if r.key == self.arena:
+            self._sized(r.num_blocks)
+            self.report("reclaim", None)  # blocks beyond the new size go back between steps
+
+    def _sized(self, n: int | None) -> None:
+        """The arena has n blocks now (a resize, or a lease reply that says so)."""
+        if n is None or n == self.arena_blocks:
+            return
+        shrunk = self.arena_blocks is None or n < self.arena_blocks
+        self.arena_blocks = n
+        self.outside = self.outside or shrunk
+        self._limit()
+
+    def _limit(self) -> None:
+        """The most blocks one request may need: the arena's size, and the model's quota."""
+        caps = [(c, why) for c, why in ((self.quota_blocks, "the model's memory quota"),
+                                        (self.arena_blocks, "the node's KV arena of its shape")) if c is not None]
+        self.engine.block_limit, self.engine.block_limit_why = min(caps) if caps else (None, "")
+
+    async def release_outside(self) -> None:
+        """Gives back the blocks at or beyond the arena's size that are free here (after a shrink),
+        spilling the cached ones to the host tier first; the ones still in use follow when freed."""
+        if not self.outside or self.arena_blocks is None:
+            return
+        victims = self.pool.cached_from(self.arena_blocks)
+        if victims and self.swap_enabled and await self.client.swap(victims) is not None:
+            self._spilled(victims)
+        self.outside = self.pool.release_from(self.arena_blocks) > 0
+        n = await self.publish_changes()
+        if n:
+            log.info("%s gave back %d KV blocks beyond arena %s's new size (%d blocks)%s", self.client.worker_id, n,
+                     self.arena, self.arena_blocks, "; more once freed" if self.outside else "")
+
     # -- leasing and giving back
 
     async def lease(self, n: int) -> int:
@@ -137,12 +182,14 @@ class KVBlocks:
         r = await self.client.lease(n)
         self.pool.add_free(r.block_ids)
         self.quota_blocks = r.quota_blocks
-        self.engine.block_limit = r.quota_blocks
+        self._limit()
+        self._sized(r.arena_blocks)
         return len(r.block_ids)
 
     async def before_step(self) -> None:
         """Free blocks for the next step, uncached ones where the arena has them, and the cached ones
         the step would still overwrite spilled to the host tier."""
+        await self.release_outside()
         pool, lease, sched = self.pool, self.lease_blocks, self.engine.scheduler
         want, need = sched.blocks_next_step(RESERVE_PROMPTS), sched.blocks_next_step()
         if pool.num_free < want:
@@ -159,7 +206,9 @@ class KVBlocks:
         await self.make_room(need)  # ... and those the step would still overwrite
 
     async def reclaim(self) -> None:
-        """Another worker of the node is short of blocks: give back all beyond the reserve."""
+        """Another worker of the node is short of blocks (or the arena shrank): give back all beyond
+        the reserve."""
+        await self.release_outside()
         await self.give_back(self.pool.num_free - self.engine.scheduler.blocks_next_step(RESERVE_PROMPTS))
 
     async def give_back(self, n: int, keep_uncached: int = 0) -> None:
@@ -176,14 +225,16 @@ class KVBlocks:
         self.pool.release_surplus(n)
         await self.publish_changes()
 
-    async def publish_changes(self) -> None:
-        """The KV events of the last step (or give-back), and the blocks that left the engine's pool."""
+    async def publish_changes(self) -> int:
+        """The KV events of the last step (or give-back), and the blocks that left the engine's pool
+        (how many it returns)."""
         stored, removed = self.pool.drain_events()
         if stored or removed:
             await self.client.publish_events(stored, removed)
         released = self.pool.drain_releases()
         if released:
             await self.client.release(released)
+        return len(released)
 
     # -- the host swap tier
 

@@ -131,7 +131,8 @@ class Worker:
             log.info("worker %s memory: weights=%s weights_handle=%s weights_bytes=%d arena=%s arena_handle=%s "
                      "own_gpu_bytes=%d", self.id, w.path, w.ipc["handle"][:16], w.ipc["alloc_bytes"], arena.path,
                      arena.ipc["handle"][:16], torch.cuda.memory_allocated(kv.device))
-        self.blocks = KVBlocks(self.engine, pool, a.lease_blocks, arena.swap_blocks, report=self._post)
+        self.blocks = KVBlocks(self.engine, pool, a.lease_blocks, arena.swap_blocks, report=self._post,
+                               arena_blocks=arena.num_blocks)
         await self.blocks.start()
         await self.compute.start()
         for verb, cb in (("prefill", self._on_request), ("adopt", self._on_adopt), ("abort", self._on_abort),
@@ -242,7 +243,8 @@ class Worker:
         await self.blocks.close()
         self.engine, self.served, self.load, self.arena = engine, served, load, arena
         self.pool.model, self.pool.weights_bytes, self.pool.arena = served, weights_bytes, arena.key
-        self.blocks = KVBlocks(engine, self.pool, self.args.lease_blocks, self.arena.swap_blocks, report=self._post)
+        self.blocks = KVBlocks(engine, self.pool, self.args.lease_blocks, self.arena.swap_blocks, report=self._post,
+                               arena_blocks=self.arena.num_blocks)
         await self.blocks.start()
         await self.apply_partition()
 
@@ -639,7 +641,8 @@ class Worker:
         await self.bus.publish(self.bus.subjects.heartbeat, Heartbeat(
             worker_id=self.id, role=self.role, model=self.served, node_id=self.args.node_id,
             num_running=stats["num_running"], num_waiting=stats["num_waiting"] + len(self.inbox),
-            free_blocks=pool.num_free, held_blocks=pool.num_held, total_blocks=pool.num_blocks,
+            free_blocks=pool.num_free, held_blocks=pool.num_held,
+            total_blocks=min(pool.num_blocks, self.blocks.arena_blocks or pool.num_blocks),
             block_size=e.config.block_size, max_model_len=e.max_model_len,
             max_num_seqs=e.config.scheduler.max_num_seqs,
             max_num_batched_tokens=e.config.scheduler.max_num_batched_tokens,

@@ -216,6 +216,23 @@ class BlockPool:
         self._released.extend(out)
         return len(out)
 
+    def cached_from(self, n: int) -> list[tuple[int, int]]:
+        """(block, key) of the free cached blocks with ids n and beyond."""
+        return [(b, self._key[b]) for b in self._lru if b >= n]
+
+    def release_from(self, n: int) -> int:
+        """The free and idle shared blocks with ids n and beyond leave the pool (for drain_releases):
+        the node's arena shrank below them. Returns how many blocks beyond n are still referenced
+        (they leave the same way once freed and this is called again)."""
+        for b in [b for b in self._free_queue() if b >= n]:
+            self.forget(b)  # a free cached block moves to the empty ones ...
+            self._empty.pop(b)  # ... and leaves
+            self._released.append(b)
+        for b in [b for b in self._idle_shared if b >= n]:
+            self._idle_shared.pop(b)
+            self._release_shared(b)
+        return sum(1 for b in range(n, self.num_blocks) if self._ref[b])
+
     def hand_over(self, bid: int) -> bool:
         """One reference goes to another worker with its sequence. A block cached here, or still in
         another sequence here, is then held by both (read-only here from now on: True); any other

@@ -107,9 +107,11 @@ class LLMEngine:
         self.kv_cache = kv_cache
         use_decode_kernel(kv_cache[0])  # builds the compiled attention kernel now, not on the first request
         self.block_pool = BlockPool(num_blocks, free_blocks=free)
-        # The most blocks its owner may ever hold (the mesh: its model's KV quota on the node), when
-        # below the arena: a request that needs more can never run.
+        # The most blocks its owner may ever hold (the mesh: the node's arena's size now, or its
+        # model's KV quota on the node), and why, when below the pool's: a request that needs more
+        # can never run.
         self.block_limit: int | None = None
+        self.block_limit_why = ""
         self.kv_cache_manager = KVCacheManager(self.block_pool, config.block_size, config.enable_prefix_caching,
                                                model_name)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
@@ -200,7 +202,7 @@ class LLMEngine:
         if self.kv_cache_manager.blocks_needed(n + params.max_tokens) > cap:
             raise RequestError(f"the request needs {n + params.max_tokens} tokens of KV cache; "
                                f"the pool holds {cap * self.config.block_size}"
-                               + (" (the model's memory quota)" if cap < self.block_pool.num_blocks else ""))
+                               + (f" ({self.block_limit_why})" if cap < self.block_pool.num_blocks else ""))
         seq = self.new_sequence(request_id, prompt_token_ids, params, arrival_time, output_token_ids, priority, lora)
         self.requests[request_id] = seq
         self.scheduler.add(seq, self.requests.get(after) if after is not None else None)
