@@ -249,6 +249,8 @@ class Launcher:
         tenants = ["--tenants", str(Path(a.tenants).expanduser().resolve())] if getattr(a, "tenants", None) else []
         fixed = ["--fixed-roles"] if getattr(a, "fixed_roles", False) else []
         fixed += ["--fixed-model-workers"] if getattr(a, "fixed_model_workers", False) else []
+        fixed += (["--model-traffic-policy", a.model_traffic_policy] if getattr(a, "model_traffic_policy", None)
+                  else [])
         prewarm = [] if getattr(a, "prewarm", True) else ["--no-prewarm"]
         depth = ["--queue-depth", str(a.queue_depth)] if getattr(a, "queue_depth", None) is not None else []
         depth += ["--decode-token-cost", str(a.decode_token_cost)] if getattr(a, "decode_token_cost", None) else []
@@ -479,6 +481,14 @@ def add_kv_cache_dtype_argument(p) -> None:
                         "(about half the bytes decode attention reads; CPU only; docs/quantization.md)")
 
 
+def _traffic_policy_text(text: str) -> str:
+    """--model-traffic-policy, checked here (a bad value is an error now, not a scheduler that fails to start)."""
+    from meshserve.services.scheduler.main import traffic_policy
+
+    traffic_policy(text)
+    return text
+
+
 def add_arguments(p) -> None:
     add_device_argument(p)
     p.add_argument("--mps", action="store_true",
@@ -531,6 +541,9 @@ def add_arguments(p) -> None:
     p.add_argument("--fixed-model-workers", action="store_true",
                    help="with --models: a worker changes model only when a model has requests and no worker "
                         "(default: a model's worker count also follows its traffic, docs/models.md)")
+    p.add_argument("--model-traffic-policy", type=_traffic_policy_text, default=None, metavar="KEY=VALUE,...",
+                   help="the scheduler's --model-traffic-policy: how a model's worker count follows its traffic, "
+                        "e.g. margin=2,hold_s=5,cooldown_s=10 (docs/models.md)")
     p.add_argument("--decode-token-cost", type=float, default=None, metavar="X",
                    help="the scheduler's --decode-token-cost: an output token's weight in prompt tokens for the "
                         "elastic roles (default: measured by the workers)")

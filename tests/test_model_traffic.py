@@ -154,6 +154,30 @@ def test_hold_cooldown_and_one_move_at_a_time():
     assert all(off.observe(busy, False, now=x) is None for x in (0.0, 3.0, 9.0))
 
 
+def test_the_traffic_policy_is_set_by_key_and_a_bad_one_is_refused():
+    import argparse
+
+    import pytest
+
+    from meshserve.services.scheduler.main import traffic_policy
+
+    p = TrafficPolicy.parse("margin=2, hold_s=5,cooldown_s=0")
+    assert (p.margin, p.hold_s, p.cooldown_s, p.window_s) == (2.0, 5.0, 0.0, TrafficPolicy().window_s)
+    assert TrafficPolicy.parse("") == TrafficPolicy()
+    for bad, why in (("margin=1", "above 1"), ("hold_s=-1", ">= 0"), ("hold=2", "key one of margin"),
+                     ("margin", "key=value"), ("window_s=soon", "not a number"), ("amortize=inf", ">= 0")):
+        with pytest.raises(ValueError, match=why):
+            TrafficPolicy.parse(bad)
+    with pytest.raises(argparse.ArgumentTypeError, match="above 1"):
+        traffic_policy("margin=0.5")
+    # the hold and the cooldown it sets are the ones observed: a wish seen twice moves at once
+    busy = [m("a", 9, 2), m("b", 1, 2)]
+    for policy, moves in ((TrafficPolicy.parse("hold_s=0,cooldown_s=0"), [None, "a", None, "a"]),
+                          (TrafficPolicy(), [None] * 4)):
+        t = ModelTraffic(policy)
+        assert [getattr(t.observe(busy, False, now=x), "dst", None) for x in (0.0, 0.1, 0.2, 0.3)] == moves
+
+
 def test_demand_is_a_moving_average_from_zero():
     d = Demand(window_s=5.0)
     d.observe({"a": 4}, now=0.0)
@@ -237,7 +261,11 @@ def test_traffic_to_one_model_moves_workers_to_it(tiny_llama, tmp_path_factory):
     manifest = root / "models.yaml"
     manifest.write_text("".join(f"- {{name: {n}, path: '{p}'}}\n" for n, p in paths.items()))
     # Worker i starts on model i mod 2: alpha has two workers, beta one. Only beta is asked for.
-    with Mesh(paths["alpha"], root, prefill=0, decode=3, extra=["--models", str(manifest)]) as mesh:
+    with Mesh(paths["alpha"], root, prefill=0, decode=3,
+              extra=["--models", str(manifest), "--model-traffic-policy", "hold_s=1,cooldown_s=3"]) as mesh:
+        policy = mesh.ask("scheduler.status")["model_traffic_policy"]
+        assert (policy["hold_s"], policy["cooldown_s"], policy["margin"]) == (1.0, 3.0, 1.5), policy
+
         def workers() -> dict[str, int]:
             return {n: s["workers"] for n, s in mesh.ask("scheduler.status")["models"].items()}
 

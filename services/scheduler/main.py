@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import random
 import signal
@@ -62,8 +63,8 @@ from meshserve.shared.tenants import load_tenants
 from meshserve.shared.manifest import Manifest, ServedModel, load_manifest
 
 from .admission import Admission, waiting_by_class
-from .models import (NO_WORKER, REMOVED, TRAFFIC, ModelDemand, ModelTraffic, Placement, idle, model_states, model_work,
-                     pick_donor, pick_worker, serving_counts, tiers_by_node)
+from .models import (NO_WORKER, REMOVED, TRAFFIC, ModelDemand, ModelTraffic, Placement, TrafficPolicy, idle,
+                     model_states, model_work, pick_donor, pick_worker, serving_counts, tiers_by_node)
 from .prewarm import MIN_RATE, Rates, plan, residents
 from .queues import ClassQueues
 from .roles import ElasticRoles, Load, RolePolicy
@@ -114,7 +115,8 @@ class Scheduler:
         self.manifest_path = getattr(args, "models", None)
         self.manifest: Manifest | None = load_manifest(self.manifest_path) if self.manifest_path else None
         self.placement = Placement()  # which worker serves which model (models.py)
-        self.traffic = ModelTraffic(enabled=not getattr(args, "fixed_model_workers", False))
+        self.traffic = ModelTraffic(getattr(args, "model_traffic_policy", None) or TrafficPolicy(),
+                                    enabled=not getattr(args, "fixed_model_workers", False))
         self.loaders: dict[str, dict] = {}  # node -> its model-loader's status (tiers)
         self._loaders_at = 0.0  # when the loaders' status was last asked
         self._kept_alive_at = time.monotonic()  # when the queued requests' gateways last heard of them
@@ -181,6 +183,7 @@ class Scheduler:
                 "model_switches": self.placement.switches, "recent_model_switches": self.placement.history,
                 "model_switches_by_reason": {NO_WORKER: 0, TRAFFIC: 0} | self.placement.by_reason,
                 "model_workers_follow_traffic": self.traffic.enabled,
+                "model_traffic_policy": dataclasses.asdict(self.traffic.policy),
                 "model_demand": {m: round(d, 3) for m, d in sorted(self.traffic.demand.level.items())},
                 "model_work": {m: round(d, 1) for m, d in sorted(self.traffic.work.level.items())},
                 "settling_workers": sorted(self.placement.settling(self.traffic.policy)),
@@ -814,6 +817,18 @@ class Scheduler:
             await asyncio.sleep(HELLO_INTERVAL)
 
 
+def traffic_policy(text: str) -> TrafficPolicy:
+    """--model-traffic-policy's value (argparse: a clear error for a bad one)."""
+    try:
+        return TrafficPolicy.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def traffic_policy_defaults() -> str:
+    return ", ".join(f"{f.name}={getattr(TrafficPolicy(), f.name):g}" for f in dataclasses.fields(TrafficPolicy))
+
+
 def add_arguments(p) -> None:
     p.add_argument("--worker-timeout", type=float, default=3.0,
                    help="seconds without a heartbeat before a worker's requests are re-dispatched")
@@ -837,6 +852,9 @@ def add_arguments(p) -> None:
     p.add_argument("--fixed-model-workers", action="store_true",
                    help="with --models: move a worker to another model only when that model has requests and no "
                         "worker (default: a model's worker count also follows its traffic, docs/models.md)")
+    p.add_argument("--model-traffic-policy", type=traffic_policy, default=None, metavar="KEY=VALUE,...",
+                   help="with --models: the numbers by which a model's worker count follows its traffic, over "
+                        f"their defaults ({traffic_policy_defaults()}; docs/models.md)")
     p.add_argument("--decode-token-cost", type=float, default=None, metavar="X",
                    help="what an output token still to generate weighs in prompt tokens, for the elastic roles and "
                         "the models' worker counts (default: the ratio of the rates the workers measure, 8 until "

@@ -41,6 +41,7 @@ failures and the last use, `ModelTraffic` the demand and the timing of traffic m
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -103,6 +104,26 @@ class TrafficPolicy:
     def stay_s(self, switch_s: float | None) -> float:
         """How long a worker whose last switch took switch_s (None: it failed) stays before traffic moves it."""
         return self.failed_stay_s if switch_s is None else max(self.min_stay_s, self.amortize * switch_s)
+
+    @classmethod
+    def parse(cls, text: str) -> "TrafficPolicy":
+        """`key=value,...` over the defaults (`--model-traffic-policy`); ValueError saying which key
+        or value is wrong. The margin must be above 1 (else two models could trade a worker back and
+        forth), the rest at least 0."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        values = {}
+        for item in filter(None, (i.strip() for i in text.split(","))):
+            key, sep, value = item.partition("=")
+            key = key.strip()
+            if not sep or key not in names:
+                raise ValueError(f"{item!r}: expected key=value with key one of {', '.join(names)}")
+            try:
+                values[key] = float(value)
+            except ValueError:
+                raise ValueError(f"{key}={value!r}: not a number") from None
+            if values[key] < 0 or (key == "margin" and values[key] <= 1.0) or not math.isfinite(values[key]):
+                raise ValueError(f"{key}={value}: must be {'above 1' if key == 'margin' else 'a number >= 0'}")
+        return cls(**values)
 
 
 @dataclass(frozen=True)
