@@ -424,10 +424,10 @@ def test_a_reload_gives_a_removed_shapes_arena_memory_to_the_new_shape_once_nobo
 
 
 def test_a_reload_shrinks_an_arena_in_use_in_place_and_grows_it_back(small_nats, tmp_path, monkeypatch):  # noqa: F811
-    """narrow alone has the node's whole KV memory and its worker holds (and wrote) every block. A
-    reload adds deep: narrow's arena shrinks to half while in use (its worker told), deep's ask waits
-    for the blocks beyond the half to be freed and gets its whole half, and their memory leaves
-    narrow's file. A reload back to narrow alone retires deep once unused and grows narrow in place."""
+    """narrow alone has the node's whole KV memory and its two workers hold (and wrote) every block.
+    A reload adds deep: narrow's arena shrinks to half while in use (its workers told); one worker
+    switching to deep asks for its arena, which waits for the other's blocks beyond the half to be
+    freed (not for the asker's own) and gets its whole half, and their memory leaves narrow's file. A reload back to narrow alone retires deep once unused and grows narrow in place."""
     monkeypatch.setenv("MESHSERVE_SHM_DIR", str(tmp_path))
     from meshserve.services.kv_pool.main import make_arena
     from meshserve.shared import shm
@@ -466,24 +466,28 @@ def test_a_reload_shrinks_an_arena_in_use_in_place_and_grows_it_back(small_nats,
         try:
             assert desc.key == NARROW.key and desc.num_blocks == desc.capacity_blocks == 64
             wa, wb = KVPoolClient(bus, "node-s", "w-a"), KVPoolClient(bus, "node-s", "w-b")
-            wa.arena, wa.model = NARROW.key, "a"
-            held = (await wa.lease(64)).block_ids
-            assert sorted(held) == list(range(64))
+            wa.arena, wa.model, wb.arena, wb.model = NARROW.key, "a", NARROW.key, "a"
+            held = (await wa.lease(48)).block_ids + (await wb.lease(16)).block_ids
+            assert held == list(range(64))
             blocks = pool.arenas[NARROW.key].blocks
             for b in held:  # KV in every block: the file's memory is all taken
                 blocks.write(b, np.full(blocks.block_bytes, b % 250 + 1, dtype=np.uint8))
             assert shm.resident_bytes(desc.path) >= total
 
             write("a", "b")
-            deep_ask = asyncio.ensure_future(wb.arena_of(DEEP, "b"))  # waits: narrow holds deep's half
+            # w-b switches to b: its ask waits for w-a's blocks beyond narrow's new half, not for its
+            # own (it gives those back once its new arena is made)
+            deep_ask = asyncio.ensure_future(wb.arena_of(DEEP, "b"))
             await until(lambda: resized)
             assert [(r.key, r.num_blocks, r.arena_id) for r in resized] == [(NARROW.key, 32, desc.arena_id)]
             lease = await wa.lease(4)
             assert lease.block_ids == [] and lease.arena_blocks == 32  # nothing free below 32 (all held)
             assert _status(pool, NARROW.key)["outside_blocks"] == 32 and not deep_ask.done()
-            await wa.release(held[32:])  # what its worker does with the free blocks beyond the new size
+            await wa.release(held[32:48])  # what its worker does with the free blocks beyond the new size
             deep = await asyncio.wait_for(deep_ask, 10)
             assert deep.num_blocks == total // 2 // 12288 == 21  # its whole half, not a scaled-down part
+            assert _status(pool, NARROW.key)["outside_blocks"] == 16  # w-b's, until its switch ends
+            await wb.release(held[48:])
             await until(lambda: shm.resident_bytes(desc.path) <= total // 2 + 4096)  # the memory went back
             assert all(blocks.read(b)[0] == b % 250 + 1 for b in range(32))  # the KV in use kept
 
@@ -636,7 +640,11 @@ def test_a_reload_that_adds_a_shape_shrinks_the_arena_in_use_and_serves_both(sha
         assert [(x["key"], x["from_blocks"], x["to_blocks"]) for x in kv["resized"]] == [(narrow_key, 256, 128)], kv
         assert kv["retired"] == [] and kv["arenas"][narrow_key]["num_blocks"] == 128
         assert kv["arenas"][deep_key]["num_blocks"] == 128 * 8192 // 12288, kv["arenas"]  # its whole half
-        assert "gave back" in mesh.log.read_text() and "beyond arena 2x2x16-float32's new size" in mesh.log.read_text()
+        deadline = time.monotonic() + 10  # every block beyond the half comes back (the idle workers' too)
+        while kv["arenas"][narrow_key]["outside_blocks"]:
+            assert time.monotonic() < deadline, kv["arenas"]
+            time.sleep(0.1)
+            kv = mesh.ask("kv.node0.status")
 
 
 def test_two_meshes_on_one_host_never_share_an_arena_file():

@@ -96,6 +96,7 @@ class BlockLedger:
         if n >= old:
             self.free.extend(b for b in range(old, n) if not self.refs[b])
             self.outside = {b for b in self.outside if b >= n}
+            self.to_punch = [b for b in self.to_punch if b >= n]  # leasable again: never punched under a holder
             return []
         gone = [b for b in self.free if b >= n]
         self.free = deque(b for b in self.free if b < n)
@@ -219,7 +220,16 @@ class Arena:
     @property
     def nbytes(self) -> int:
         """The memory the arena may take: its blocks, and those beyond a shrink still held."""
-        return (self.ledger.limit + len(self.ledger.outside)) * self.blocks.block_bytes
+        return self.nbytes_but(None)
+
+    def nbytes_but(self, worker: str | None) -> int:
+        """nbytes, less the blocks beyond a shrink that only `worker` holds: a worker switching away
+        from this arena gives them back once its new arena is made."""
+        outside = self.ledger.outside
+        if worker is not None and worker in self.ledger.held:
+            others = {b for w, c in self.ledger.held.items() if w != worker for b in c}
+            outside = {b for b in outside if b in others or b not in self.ledger.held[worker]}
+        return (self.ledger.limit + len(outside)) * self.blocks.block_bytes
 
     def resize(self, n: int) -> None:
         """n blocks from now on (arenas.py `resizes`); the memory of the blocks beyond n goes back
@@ -298,7 +308,7 @@ class KVPool:
         if req.shape is not None and req.shape.key not in self.arenas:
             self.replan()
             self.retire_unused()
-            self.resize_in_place()
+            self.resize_in_place(but=req.worker_id)
         if req.shape is None:
             a = self.arena(None)
         elif req.shape.key in self.arenas:
@@ -332,13 +342,14 @@ class KVPool:
             return
         self.replan()
         self.retire_unused()
-        self.resize_in_place()
+        self.resize_in_place(but=req.worker_id)
         deadline = time.monotonic() + DRAIN_WAIT_S
         while (key not in self.arenas and key in self.budgets.planned and time.monotonic() < deadline
-               and any(a.ledger.outside for a in self.arenas.values())
+               and any(a.nbytes_but(req.worker_id) > a.ledger.limit * a.blocks.block_bytes
+                       for a in self.arenas.values())
                and self.budgets.for_arena(key) < self.budgets.planned[key]):
             await asyncio.sleep(0.05)
-            self.resize_in_place()
+            self.resize_in_place(but=req.worker_id)
 
     def replan(self) -> None:
         """Plans the KV memory again when the manifest changed (a reload): the parts of arenas not
@@ -380,21 +391,22 @@ class KVPool:
     def resizable(self) -> set[str]:
         return {k for k, a in self.arenas.items() if a.resizable}
 
-    def resize_in_place(self) -> None:
+    def resize_in_place(self, but: str | None = None) -> None:
         """Moves the arenas that can change size in place (shared files) toward their parts of the
         plan, in use or not (`ArenaBudgets.resizes`): one shrunk leases only the ids below its new
         size, and the memory of those beyond goes back as their holders free them (its workers are
-        told: `resized`); one grown leases the new ids at once."""
+        told: `resized`); one grown leases the new ids at once. but: a worker asking for a new
+        arena, whose blocks beyond a shrink do not count (it is switching away from them)."""
         for k, a in self.arenas.items():
             a.give_back()
-            self.budgets.made[k] = a.nbytes
+            self.budgets.made[k] = a.nbytes_but(but)
         for key, nbytes in self.budgets.resizes(self.resizable()).items():
             a = self.arenas[key]
             old, n = a.ledger.limit, nbytes // a.blocks.block_bytes
             a.resize(n)
             if a.ledger.limit == old:
                 continue
-            self.budgets.made[key] = a.nbytes
+            self.budgets.made[key] = a.nbytes_but(but)
             log.info("KV arena %s resized in place: %d -> %d blocks (%d held beyond the new size)", key, old,
                      a.ledger.limit, len(a.ledger.outside))
             self.resized = (self.resized + [{"key": key, "from_blocks": old, "to_blocks": a.ledger.limit,

@@ -225,6 +225,12 @@ class KVBlocks:
         self.pool.release_surplus(n)
         await self.publish_changes()
 
+    async def after_step(self) -> None:
+        """The step's KV events and the blocks that left, and blocks beyond a shrunk arena that its
+        finished sequences freed (the worker may go idle now: no next step would give them back)."""
+        await self.release_outside()
+        await self.publish_changes()
+
     async def publish_changes(self) -> int:
         """The KV events of the last step (or give-back), and the blocks that left the engine's pool
         (how many it returns)."""

@@ -454,7 +454,7 @@ class Worker:
             self.step_s = took if not self.step_s else 0.8 * self.step_s + 0.2 * took
             self.compute.stepped()
             await self._claim_compute()  # an interactive prompt just computed: the claim ends at once
-            await self.blocks.publish_changes()
+            await self.blocks.after_step()
             if waited and not self.engine.scheduler.num_waiting:  # room now: the scheduler hears it at once
                 await self._heartbeat()
             if self.role == "prefill":
