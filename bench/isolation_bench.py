@@ -43,16 +43,16 @@ from meshserve.bench.report import stats
 from meshserve.shared.models_repo import DEFAULT_MODEL
 
 
-def write_random_model(like: str, into: Path, width: float, seed: int = 0) -> Path:
-    """A random-weight Llama (Hugging Face layout, bf16) with `like`'s KV shape and tokenizer and
-    `width` times its hidden and MLP sizes."""
+def write_random_model(like: str, into: Path, width: float, seed: int = 0, layers: int | None = None) -> Path:
+    """A random-weight Llama (Hugging Face layout, bf16) with `like`'s KV shape (or another number of
+    `layers`: another KV shape) and tokenizer and `width` times its hidden and MLP sizes."""
     import torch
     from safetensors.torch import save_file
 
     from meshserve.shared.models_repo import load_model_files
 
     cfg, _, tok = load_model_files(like)
-    hd, kv = cfg.head_dim, cfg.num_key_value_heads
+    hd, kv, num_layers = cfg.head_dim, cfg.num_key_value_heads, layers or cfg.num_hidden_layers
     heads = max(kv, round(cfg.num_attention_heads * width / kv) * kv)  # a multiple of the KV heads (GQA)
     hidden, inter = heads * hd, int(cfg.intermediate_size * width)
     g = torch.Generator().manual_seed(seed)
@@ -62,7 +62,7 @@ def write_random_model(like: str, into: Path, width: float, seed: int = 0) -> Pa
 
     sd = {"model.embed_tokens.weight": rand(cfg.vocab_size, hidden),
           "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
-    for i in range(cfg.num_hidden_layers):
+    for i in range(num_layers):
         p = f"model.layers.{i}."
         sd |= {p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
                p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
@@ -77,7 +77,7 @@ def write_random_model(like: str, into: Path, width: float, seed: int = 0) -> Pa
     tok.save_hf_dir(into)
     (into / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "vocab_size": cfg.vocab_size, "hidden_size": hidden,
-        "intermediate_size": inter, "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": heads,
+        "intermediate_size": inter, "num_hidden_layers": num_layers, "num_attention_heads": heads,
         "num_key_value_heads": kv, "head_dim": hd, "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
         "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": True,
         "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_ids, "torch_dtype": "bfloat16"}))

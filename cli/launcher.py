@@ -226,7 +226,8 @@ class Launcher:
             + ([] if getattr(a, "layered_loading", True) else ["--no-layered-loading"])
         self.spawn_service("model-loader", "model-loader", "--preload", *models, *budgets)
         self.spawn_service("kv-pool", "kv-pool", "--kv-cache-gb", str(a.kv_cache_gb),
-                           "--swap-space", str(a.swap_space), *models)  # the models' memory quotas
+                           "--swap-space", str(a.swap_space), *models,  # the models' memory quotas
+                           *([] if getattr(a, "arena_resize", True) else ["--no-arena-resize"]))
         worker_opts = ["--max-num-batched-tokens", str(a.max_num_batched_tokens), "--max-num-seqs", str(a.max_num_seqs),
                        "--scheduling", a.scheduling, "--preemption-mode", a.preemption_mode]
         from meshserve.shared.engine.speculative import speculative_options
@@ -508,6 +509,9 @@ def add_arguments(p) -> None:
                    "KV arenas (one per KV shape of the models: docs/models.md)")
     p.add_argument("--swap-space", type=float, default=1.0, help="GiB of host memory for evicted prefix-cache "
                    "blocks (the kv-pool's swap tier; 0: none)")
+    p.add_argument("--arena-resize", action=argparse.BooleanOptionalAction, default=True,
+                   help="the kv-pool's --arena-resize: KV arenas in shared memory follow a reload's plan in place, "
+                        "in use or not (default); --no-arena-resize: only idle ones are retired and made again")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences a worker runs at once")
     from meshserve.shared.engine.policy import add_scheduling_arguments

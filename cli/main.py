@@ -210,6 +210,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
             ("bench-models", "bench.models_bench", "many models on one mesh: a weights budget against every model "
                                                    "resident and a one-model server restarted per switch (hit rate, "
                                                    "loads, evictions, TTFT per model)"),
+            ("bench-reload", "bench.reload_bench", "a model added by a manifest reload beside a busy model of another "
+                                                   "KV shape: KV arenas resized in place against sized once"),
             ("bench-isolation", "bench.isolation_bench", "a small model's TTFT and inter-token latency alone, beside a "
                                                          "busy larger model, and beside it with partitions (cpus)"),
             ("bench-spec", "bench.spec_bench", "speculative decoding: batch-1 decode with and without prompt "

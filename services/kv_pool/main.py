@@ -27,6 +27,7 @@ and torch is never imported; with `--device cuda` torch is imported (lazily) for
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import time
@@ -251,6 +252,7 @@ class Arena:
                 "capacity_blocks": self.ledger.capacity, "outside_blocks": len(self.ledger.outside),
                 "free_blocks": len(self.ledger.free), "block_bytes": self.blocks.block_bytes,
                 "bytes": self.nbytes, "models": sorted(self.models),
+                "resident_bytes": shm.resident_bytes(self.desc.path) if self.desc.backend == "cpu" else None,
                 "holders": {w: n for w, c in self.ledger.held.items() if (n := sum(c.values()))},
                 "swap": self.host.stats()}
 
@@ -389,6 +391,8 @@ class KVPool:
                                                                           arena_id=a.desc.arena_id, reason=reason)))
 
     def resizable(self) -> set[str]:
+        if not getattr(self.args, "arena_resize", True):
+            return set()
         return {k for k, a in self.arenas.items() if a.resizable}
 
     def resize_in_place(self, but: str | None = None) -> None:
@@ -676,6 +680,10 @@ def add_arguments(p) -> None:
     p.add_argument("--arena-retire-after", type=float, default=30.0, help="seconds a worker's ask for an arena "
                    "keeps it from being retired until the worker serves from it (a reload can leave an arena without "
                    "a model, or sized anew: docs/models.md, KV arenas)")
+    p.add_argument("--arena-resize", action=argparse.BooleanOptionalAction, default=True,
+                   help="resize the node's shared-memory KV arenas in place when a reload changes their parts, even "
+                        "while in use (default); --no-arena-resize: only retire idle ones, as with --device cuda "
+                        "(docs/models.md, KV arenas)")
     p.add_argument("--transfer-chunk-bytes", type=int, default=1 << 20, help="largest chunk of a cross-node KV "
                    "transfer (also capped by the server's max_payload)")
     p.add_argument("--transfer-timeout", type=float, default=5.0, help="seconds to wait for one chunk (or the "
