@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import time
 from argparse import Namespace
@@ -337,53 +338,75 @@ def _config_dir(root, name: str, layers: int, heads: int, kv_heads: int):
     return d
 
 
+def _manifest_writer(manifest, dirs: dict):
+    """write(*names): the manifest lists those models (float32), with a new mtime whatever the clock."""
+    def write(*names):
+        manifest.write_text("".join(f"- {{name: {n}, path: '{dirs[n]}', dtype: float32}}\n" for n in names))
+        os.utime(manifest, ns=(time.time_ns(), time.time_ns() + 10**9 * len(names)))
+    return write
+
+
+def _reload_args(manifest, total: int, node: str, retire_after: float) -> Namespace:
+    return _args(models=str(manifest), dtype="float32", kv_cache_gb=total / GB, swap_space=0.0,
+                 arena_retire_after=retire_after, node_id=node, model=None, quantization=None)
+
+
+async def _until(what, pool, deadline_s: float = 10.0):
+    deadline = time.monotonic() + deadline_s
+    while not what():
+        assert time.monotonic() < deadline, pool.status()
+        await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def _pool_hearing(nats_url: str, args: Namespace, verb: str, message):
+    """A kv-pool made as at its start (make_arena) over a real nats-server, and the list of the
+    `message`s it publishes on its `verb` subject: (bus, pool, first arena's descriptor, heard)."""
+    from meshserve.services.kv_pool.main import make_arena
+
+    bus = await Bus.connect(nats_url, namespace=f"reload-{verb}")
+    desc, buf, budgets = await make_arena(bus, args)
+    pool = KVPool(bus, args, desc, buf, budgets)
+    await pool.serve()
+    heard = []
+
+    async def on(msg):
+        heard.append(message.decode(msg.data))
+
+    await bus.nc.subscribe(bus.subjects.kv(verb, args.node_id), cb=on)
+    try:
+        yield bus, pool, desc, heard
+    finally:
+        pool.close()
+        await bus.close()
+
+
 def test_a_reload_gives_a_removed_shapes_arena_memory_to_the_new_shape_once_nobody_uses_it(small_nats, tmp_path,  # noqa: F811
                                                                                             monkeypatch):
     """narrow (a) and deep (b) have half of the node's KV memory each; a reload replaces b by c, of a
     third shape. While deep's worker holds blocks and serves from it, c gets no room; once it has
     switched away, deep is retired (its workers told) and c's arena is made with the whole half."""
     monkeypatch.setenv("MESHSERVE_SHM_DIR", str(tmp_path))
-    from meshserve.services.kv_pool.main import make_arena
     from meshserve.shared.schemas import ArenaRetired, Heartbeat
 
     dirs = {"a": _config_dir(tmp_path, "narrow", 2, 4, 2), "b": _config_dir(tmp_path, "deep", 3, 2, 1),
             "c": _config_dir(tmp_path, "wide", 4, 4, 2)}
     wide = KVShape(num_hidden_layers=4, num_key_value_heads=2, head_dim=16, dtype="float32")  # 16 KiB blocks
     manifest = tmp_path / "models.yaml"
-
-    def write(*names):
-        manifest.write_text("".join(f"- {{name: {n}, path: '{dirs[n]}', dtype: float32}}\n" for n in names))
-        os.utime(manifest, ns=(time.time_ns(), time.time_ns() + 10**9 * len(names)))  # a new mtime, whatever the clock
-
+    write = _manifest_writer(manifest, dirs)
     write("a", "b")
-    total = 60 * 8192 + 40 * 12288
-    args = _args(models=str(manifest), dtype="float32", kv_cache_gb=total / GB, swap_space=0.0,
-                 arena_retire_after=1000.0, node_id="node-r", model=None, quantization=None)
+    args = _reload_args(manifest, 60 * 8192 + 40 * 12288, "node-r", retire_after=1000.0)
 
     def heartbeat(worker: str, arena: str) -> Heartbeat:
         return Heartbeat(worker_id=worker, role="mixed", model="b", node_id="node-r", num_running=0, num_waiting=0,
                          free_blocks=0, held_blocks=0, total_blocks=0, block_size=16, max_model_len=64, arena=arena,
                          time=time.time())
 
-    async def until(what, deadline_s: float = 10.0):
-        deadline = time.monotonic() + deadline_s
-        while not what():
-            assert time.monotonic() < deadline, pool.status()
-            await asyncio.sleep(0.02)
-
     async def go():
-        nonlocal pool
-        bus = await Bus.connect(small_nats, namespace="retire")
-        desc, buf, budgets = await make_arena(bus, args)
-        pool = KVPool(bus, args, desc, buf, budgets)
-        await pool.serve()
-        retired: list[ArenaRetired] = []
+        async with _pool_hearing(small_nats, args, "retired", ArenaRetired) as (bus, pool, desc, retired):
+            async def until(what):
+                await _until(what, pool)
 
-        async def on_retired(msg):
-            retired.append(ArenaRetired.decode(msg.data))
-
-        await bus.nc.subscribe(bus.subjects.kv("retired", "node-r"), cb=on_retired)
-        try:
             assert desc.key == NARROW.key and desc.num_blocks == 60
             wb, wc = KVPoolClient(bus, "node-r", "w-b"), KVPoolClient(bus, "node-r", "w-c")
             deep = await wb.arena_of(DEEP, "b")
@@ -412,11 +435,7 @@ def test_a_reload_gives_a_removed_shapes_arena_memory_to_the_new_shape_once_nobo
             made = await wc.arena_of(wide, "c")
             assert made.num_blocks == 30 and made.arena_id not in (deep.arena_id, desc.arena_id)
             return pool.status()
-        finally:
-            pool.close()
-            await bus.close()
 
-    pool = None
     status = asyncio.run(go())
     assert set(status["arenas"]) == {NARROW.key, wide.key}
     assert [(r["key"], r["reason"]) for r in status["retired"]] == [(DEEP.key, "no model of the manifest has its KV shape")]
@@ -427,43 +446,24 @@ def test_a_reload_shrinks_an_arena_in_use_in_place_and_grows_it_back(small_nats,
     """narrow alone has the node's whole KV memory and its two workers hold (and wrote) every block.
     A reload adds deep: narrow's arena shrinks to half while in use (its workers told); one worker
     switching to deep asks for its arena, which waits for the other's blocks beyond the half to be
-    freed (not for the asker's own) and gets its whole half, and their memory leaves narrow's file. A reload back to narrow alone retires deep once unused and grows narrow in place."""
+    freed (not for the asker's own) and gets its whole half, and their memory leaves narrow's file.
+    A reload back to narrow alone retires deep once unused and grows narrow in place."""
     monkeypatch.setenv("MESHSERVE_SHM_DIR", str(tmp_path))
-    from meshserve.services.kv_pool.main import make_arena
     from meshserve.shared import shm
     from meshserve.shared.schemas import ArenaResized
 
-    dirs = {"a": _config_dir(tmp_path, "narrow", 2, 4, 2), "b": _config_dir(tmp_path, "deep", 3, 2, 1)}
     manifest = tmp_path / "models.yaml"
-
-    def write(*names):
-        manifest.write_text("".join(f"- {{name: {n}, path: '{dirs[n]}', dtype: float32}}\n" for n in names))
-        os.utime(manifest, ns=(time.time_ns(), time.time_ns() + 10**9 * len(names)))
-
+    write = _manifest_writer(manifest, {"a": _config_dir(tmp_path, "narrow", 2, 4, 2),
+                                        "b": _config_dir(tmp_path, "deep", 3, 2, 1)})
     write("a")
     total = 64 * 8192  # 64 narrow blocks; half: 32 of them, or 21 deep ones (12 KiB)
-    args = _args(models=str(manifest), dtype="float32", kv_cache_gb=total / GB, swap_space=0.0,
-                 arena_retire_after=0.5, node_id="node-s", model=None, quantization=None)
-
-    async def until(what, deadline_s: float = 10.0):
-        deadline = time.monotonic() + deadline_s
-        while not what():
-            assert time.monotonic() < deadline, pool.status()
-            await asyncio.sleep(0.02)
+    args = _reload_args(manifest, total, "node-s", retire_after=0.5)
 
     async def go():
-        nonlocal pool
-        bus = await Bus.connect(small_nats, namespace="resize")
-        desc, buf, budgets = await make_arena(bus, args)
-        pool = KVPool(bus, args, desc, buf, budgets)
-        await pool.serve()
-        resized: list[ArenaResized] = []
+        async with _pool_hearing(small_nats, args, "resized", ArenaResized) as (bus, pool, desc, resized):
+            async def until(what):
+                await _until(what, pool)
 
-        async def on_resized(msg):
-            resized.append(ArenaResized.decode(msg.data))
-
-        await bus.nc.subscribe(bus.subjects.kv("resized", "node-s"), cb=on_resized)
-        try:
             assert desc.key == NARROW.key and desc.num_blocks == desc.capacity_blocks == 64
             wa, wb = KVPoolClient(bus, "node-s", "w-a"), KVPoolClient(bus, "node-s", "w-b")
             wa.arena, wa.model, wb.arena, wb.model = NARROW.key, "a", NARROW.key, "a"
@@ -497,11 +497,7 @@ def test_a_reload_shrinks_an_arena_in_use_in_place_and_grows_it_back(small_nats,
             regrown = (await wa.lease(40)).block_ids
             assert sorted(regrown) == list(range(32, 64))  # the ids beyond the old size, leased again
             return pool.status()
-        finally:
-            pool.close()
-            await bus.close()
 
-    pool = None
     status = asyncio.run(go())
     narrow = status["arenas"][NARROW.key]
     assert (narrow["num_blocks"], narrow["outside_blocks"], narrow["bytes"]) == (64, 0, total)
