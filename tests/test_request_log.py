@@ -49,9 +49,20 @@ def stop_gateway(proc, out):
 
 
 def read_log(directory) -> list[dict]:
-    """Every line of requests.jsonl and its rotations, oldest first."""
-    files = sorted(directory.glob("requests.jsonl*"), key=lambda p: -int(p.suffix[1:]) if p.suffix[1:].isdigit() else 0)
-    return [orjson.loads(line) for f in files for line in f.read_bytes().splitlines()]
+    """Every line of requests.jsonl and its rotations, oldest first. A rotation between listing the
+    files and reading them (a name gone, or moved on) makes it read them all again."""
+    def listing():
+        return sorted(directory.glob("requests.jsonl*"), key=lambda p: -int(p.suffix[1:]) if p.suffix[1:].isdigit()
+                      else 0)
+
+    while True:
+        files = listing()
+        try:
+            data = [f.read_bytes() for f in files]
+        except FileNotFoundError:
+            continue
+        if files == listing():
+            return [orjson.loads(line) for d in data for line in d.splitlines()]
 
 
 def test_gateway_writes_the_request_log(nats_url, tiny_llama, tokenizer, tmp_path):  # noqa: F811

@@ -536,15 +536,17 @@ class KVPool:
         s, nc = self.bus.subjects, self.bus.nc
 
         async def on_arena(msg):
-            try:
-                req = ArenaRequest.decode(msg.data) if msg.data.strip() else ArenaRequest()
-                await self.wait_for_room(req)
-                a = self.arena_for(req)
-            except (ValueError, UnknownArena) as e:
-                log.warning("arena refused: %s", e)
-                await self.bus.respond_error(msg, str(e))
-                return
-            await msg.respond(a.desc.encode())
+            async def answer():  # its own task: an ask that waits for room holds up no other
+                try:
+                    req = ArenaRequest.decode(msg.data) if msg.data.strip() else ArenaRequest()
+                    await self.wait_for_room(req)
+                    a = self.arena_for(req)
+                except (ValueError, UnknownArena) as e:
+                    log.warning("arena refused: %s", e)
+                    await self.bus.respond_error(msg, str(e))
+                    return
+                await msg.respond(a.desc.encode())
+            self._spawn(answer())
 
         async def on_lease(msg):
             req = LeaseRequest.decode(msg.data)
