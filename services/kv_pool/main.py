@@ -43,10 +43,10 @@ from meshserve.shared.kv_layout import (arena_key, check_kv_cache_dtype, kv_aren
 from meshserve.shared.manifest import ManifestFile
 from meshserve.shared.model.config import ModelConfig
 from meshserve.shared.partitions import kv_quota_blocks
-from meshserve.shared.schemas import (ArenaDescriptor, ArenaRequest, ArenaResized, ArenaRetired, BlockRefs, BlockTransfer,
-                                      Heartbeat, KVEvent, KVImport, KVImportReply, KVShape, LeaseReply, LeaseRequest,
-                                      LoadRequest, PoolPressure, ServiceHello, SwapReply, SwapRequest, TransferReply,
-                                      WeightsDescriptor)
+from meshserve.shared.schemas import (ArenaDescriptor, ArenaRequest, ArenaResized, ArenaRetired, BlockRefs,
+                                      BlockTransfer, Heartbeat, KVEvent, KVImport, KVImportReply, KVShape, LeaseReply,
+                                      LeaseRequest, LoadRequest, PoolPressure, ServiceHello, SwapReply, SwapRequest,
+                                      TransferReply, WeightsDescriptor)
 from meshserve.shared.service import run_service
 
 from . import transfer
@@ -226,11 +226,10 @@ class Arena:
     def nbytes_but(self, worker: str | None) -> int:
         """nbytes, less the blocks beyond a shrink that only `worker` holds: a worker switching away
         from this arena gives them back once its new arena is made."""
-        outside = self.ledger.outside
-        if worker is not None and worker in self.ledger.held:
-            others = {b for w, c in self.ledger.held.items() if w != worker for b in c}
-            outside = {b for b in outside if b in others or b not in self.ledger.held[worker]}
-        return (self.ledger.limit + len(outside)) * self.blocks.block_bytes
+        led = self.ledger
+        mine = led.held.get(worker) if worker is not None else None
+        outside = sum(1 for b in led.outside if mine[b] < led.refs[b]) if mine else len(led.outside)
+        return (led.limit + outside) * self.blocks.block_bytes
 
     def resize(self, n: int) -> None:
         """n blocks from now on (arenas.py `resizes`); the memory of the blocks beyond n goes back
@@ -308,9 +307,7 @@ class KVPool:
         budgets, after retiring what the plan wants the memory of); ValueError saying why when the
         node's KV memory has no room for it."""
         if req.shape is not None and req.shape.key not in self.arenas:
-            self.replan()
-            self.retire_unused()
-            self.resize_in_place(but=req.worker_id)
+            self.plan_again(req.worker_id)
         if req.shape is None:
             a = self.arena(None)
         elif req.shape.key in self.arenas:
@@ -342,9 +339,7 @@ class KVPool:
         key = req.shape.key if req.shape is not None else None
         if key is None or key in self.arenas:
             return
-        self.replan()
-        self.retire_unused()
-        self.resize_in_place(but=req.worker_id)
+        self.plan_again(req.worker_id)
         deadline = time.monotonic() + DRAIN_WAIT_S
         while (key not in self.arenas and key in self.budgets.planned and time.monotonic() < deadline
                and any(a.nbytes_but(req.worker_id) > a.ledger.limit * a.blocks.block_bytes
@@ -352,6 +347,14 @@ class KVPool:
                and self.budgets.for_arena(key) < self.budgets.planned[key]):
             await asyncio.sleep(0.05)
             self.resize_in_place(but=req.worker_id)
+
+    def plan_again(self, asker: str | None = None) -> None:
+        """The plan from the manifest as it is now, and the arenas retired and resized after it
+        (before an arena is made; the reaper does the same every half second). asker: the worker
+        asking for a new arena (`resize_in_place`'s `but`)."""
+        self.replan()
+        self.retire_unused()
+        self.resize_in_place(but=asker)
 
     def replan(self) -> None:
         """Plans the KV memory again when the manifest changed (a reload): the parts of arenas not
@@ -659,9 +662,7 @@ class KVPool:
                     log.warning("worker %s silent for %.1fs: reclaimed %d block references", w, now - seen, n)
             self.fetch.expire()
             try:
-                self.replan()
-                self.retire_unused()
-                self.resize_in_place()
+                self.plan_again()
             except Exception:  # noqa: BLE001 - never stop reaping for it
                 log.exception("KV arenas not planned again")
 
