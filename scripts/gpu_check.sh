@@ -60,6 +60,7 @@ unset OTEL_TRACES_EXPORTER MESHSERVE_TRACE_FILE
   command -v nvidia-smi >/dev/null && nvidia-smi || echo "nvidia-smi: not found"
   command -v nvcc >/dev/null && nvcc --version | tail -2 || echo "nvcc: not found"
   command -v nats-server || echo "nats-server: not on PATH"
+  command -v nvidia-cuda-mps-control || echo "nvidia-cuda-mps-control: not on PATH"
   timeout "$(limit 60)" "$PY" - <<'PYEOF'
 import sys, torch
 print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,

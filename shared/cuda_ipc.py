@@ -29,10 +29,11 @@ import torch
 
 from .shm import dtype_name, torch_dtype
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # reentrant: a mapping closed by the garbage collector inside a locked region takes it again
 _owned: dict[int, tuple[int, str, "weakref.ref[torch.Tensor]"]] = {}  # base ptr -> (bytes, handle hex, buffer)
 _opened: dict[str, "weakref.ref[torch.Tensor]"] = {}  # handle hex -> the mapping opened here
 _exported: dict[tuple[str, int], "weakref.ref[torch.Tensor]"] = {}  # "torch" kind, for opening in this process
+_open_count: dict[str, int] = {}  # handle hex -> mappings of it this process has open (closed when it drops to 0)
 
 
 class _DeviceMemory:
@@ -159,13 +160,28 @@ def _open_allocation(desc: dict) -> torch.Tensor:
         with cupy.cuda.Device(dev):
             ptr = cupy.cuda.runtime.ipcOpenMemHandle(bytes.fromhex(handle))
 
-        def close(ptr=ptr, dev=dev):
+        def close(ptr=ptr, dev=dev, handle=handle):
             with cupy.cuda.Device(dev):
                 cupy.cuda.runtime.ipcCloseMemHandle(ptr)
+            with _lock:
+                if _open_count.get(handle, 0) <= 1:
+                    _open_count.pop(handle, None)
+                else:
+                    _open_count[handle] -= 1
 
+        _open_count[handle] = _open_count.get(handle, 0) + 1
         buf = torch.as_tensor(_DeviceMemory(ptr, desc["alloc_bytes"], close=close), device=f"cuda:{dev}")
         _opened[handle] = weakref.ref(buf)
         return buf
+
+
+def open_handles() -> list[str]:
+    """The "cudaipc" handles of other processes' allocations this process still has open: a worker
+    reports them in its heartbeats, and their creator frees a retired allocation only once no
+    worker lists it (node_memory.RetiredBuffers). A mapping closes when the last tensor over it is
+    collected: run gc.collect() first where the tensors may sit in reference cycles."""
+    with _lock:
+        return sorted(_open_count)
 
 
 def _open_torch(desc: dict, dtype: torch.dtype, shape: list[int], strides: list[int]) -> torch.Tensor:

@@ -4,9 +4,11 @@ creates them) and the KV arena (the kv-pool), on either backend, behind one pair
 - "cpu": a shared-memory file (shared/shm.py); the descriptor's `path` names it.
 - "cuda": one cudaMalloc allocation exported with a CUDA IPC handle (shared/cuda_ipc.py); the
   descriptor carries that handle as `ipc`, and `path` only says where it lives ("cuda:0"). The
-  process that created it must keep the buffer alive while others use it (the model-loader and
-  the kv-pool do, until they stop), and every process must see the GPU under the same index
-  (the same CUDA_VISIBLE_DEVICES).
+  process that created it must keep the buffer alive while others have it open: CUDA leaves freeing
+  an exported allocation before every importer closed it undefined. So the model-loader and the
+  kv-pool hand a buffer they are done with to `RetiredBuffers`, which frees it once every worker of
+  the node has said, in a heartbeat sent after, that it no longer has the handle open. Every
+  process must see the GPU under the same index (the same CUDA_VISIBLE_DEVICES).
 
 Either way the buffer is a uint8 tensor; typed tensors are views at byte offsets (shm.view). A
 process that only copies bytes (the kv-pool) asks for a cpu buffer as a numpy array instead
@@ -15,6 +17,9 @@ process that only copies bytes (the kv-pool) asks for a cpu buffer as a numpy ar
 """
 
 from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
 
 from . import shm
 
@@ -104,3 +109,63 @@ def weights_nbytes(desc) -> int:
     if desc.backend == "cpu":
         return os.path.getsize(desc.path)
     return sum(shm.nbytes(t.dtype, t.shape) for t in desc.tensors)
+
+
+@dataclass
+class _Retired:
+    buffer: object
+    nbytes: int
+    what: str
+    at: float  # monotonic time of the retirement
+
+
+@dataclass
+class RetiredBuffers:
+    """GPU allocations their creator is done with, kept until no worker of the node has them open.
+
+    A worker opens an allocation by its CUDA IPC handle and lists the handles it still has open in
+    each heartbeat (`Heartbeat.ipc_open`, shared/cuda_ipc.py `open_handles`). A retired buffer is
+    freed (the last reference dropped: cudaFree) once every worker heard from has sent a heartbeat
+    after the retirement that does not list its handle; a worker silent for `timeout_s` is gone, and
+    its process's handles closed with it. The creator calls `heard` for each heartbeat of its node,
+    `asked` when it hands a descriptor to a worker (which may not have sent a heartbeat yet), and
+    `collect` now and then."""
+    timeout_s: float
+    pending: dict[str, _Retired] = field(default_factory=dict)  # handle -> the buffer waiting to be freed
+    # worker -> (when heard, the handles it has open; None: handed a descriptor, not heard from since)
+    reports: dict[str, tuple[float, frozenset[str] | None]] = field(default_factory=dict)
+    freed: int = 0
+    freed_bytes: int = 0
+
+    def retire(self, handle: str, buffer: object, nbytes: int, what: str, now: float | None = None) -> None:
+        self.pending[handle] = _Retired(buffer, nbytes, what, time.monotonic() if now is None else now)
+
+    def asked(self, worker: str, now: float | None = None) -> None:
+        """`worker` was handed a descriptor: one never heard from counts as having every handle open."""
+        if worker not in self.reports:
+            self.reports[worker] = (time.monotonic() if now is None else now, None)
+
+    def heard(self, worker: str, handles: list[str], now: float | None = None) -> None:
+        self.reports[worker] = (time.monotonic() if now is None else now, frozenset(handles))
+
+    def collect(self, now: float | None = None) -> list[str]:
+        """Frees the buffers no live worker has open any more; returns what they were."""
+        now = time.monotonic() if now is None else now
+        for w in [w for w, (at, _) in self.reports.items() if now - at > self.timeout_s]:
+            del self.reports[w]  # silent: its process is gone, and its handles closed with it
+        done = [h for h, r in self.pending.items()
+                if all(open_ is not None and at > r.at and h not in open_ for at, open_ in self.reports.values())]
+        freed = []
+        for h in done:
+            r = self.pending.pop(h)
+            self.freed, self.freed_bytes = self.freed + 1, self.freed_bytes + r.nbytes
+            freed.append(r.what)
+        return freed
+
+    @property
+    def pending_bytes(self) -> int:
+        return sum(r.nbytes for r in self.pending.values())
+
+    def status(self) -> dict:
+        return {"pending": sorted(r.what for r in self.pending.values()), "pending_bytes": self.pending_bytes,
+                "freed": self.freed, "freed_bytes": self.freed_bytes}

@@ -219,6 +219,9 @@ class Heartbeat(Message):
     # block leases): what the mesh adds around the engine's steps; and the tokens it streamed.
     io_cpu_s: float = 0.0
     step_s: float = 0.0  # recent mean wall time of its engine steps (0: none yet)
+    # The CUDA IPC handles of the node's allocations it still has open (shared/cuda_ipc.py
+    # open_handles): the loader and the kv-pool free a retired GPU buffer only once no worker lists it.
+    ipc_open: list[str] = Field(default_factory=list)
     tokens_streamed: int = 0
     # Work still to do here, for the elastic roles (services/scheduler/roles.py): prompt tokens not
     # yet computed, and output tokens not yet generated (max_tokens less those done).

@@ -7,7 +7,10 @@ model-loader's weights and the kv-pool's arena in GPU memory shared by CUDA IPC 
   on CUDA, which equals Transformers in fp32;
 - a prefill -> decode handoff on one node moves block ids, no tensor bytes, over NATS;
 - the kv-pool's copies on a GPU arena: the host swap tier (out and back in) and the cross-node pull
-  (source and destination arenas on the GPU), on blocks a stand-in worker leased and wrote.
+  (source and destination arenas on the GPU), on blocks a stand-in worker leased and wrote;
+- many models on the GPU (issue 12): the mapped tier in GPU memory within --weights-memory-gb,
+  LRU to the host tier and back by one copy, an evicted allocation and a retired arena freed once
+  no worker has them open; layered loading; workers under a real MPS daemon where one is installed.
 
 Skipped, with the reason, where CUDA cannot run (no GPU, or no CuPy): tests/test_device_backend.py
 checks the rest everywhere.
@@ -268,3 +271,113 @@ def test_layered_loading_on_the_gpu_gives_the_tokens_of_loading_first(tmp_path):
         assert switches["whole"]["ok"] and switches["whole"]["seconds"] >= took["whole"], (switches, took)
     finally:
         m.stop()
+
+
+def _models_oracle(models: dict, prompt: str, tokens: int) -> dict[str, str]:
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    return {n: LLM(str(p), "float32", device="cuda").generate([prompt], params)[0].text for n, p in models.items()}
+
+
+def _wait_for(what, check, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+def test_gpu_weights_tier_evicts_to_host_and_frees_gpu_memory_once_workers_let_go(tmp_path):
+    """Three models, GPU memory for the weights of two (--weights-memory-gb): the least recently
+    used goes to the host tier (a copy in the loader's memory) and comes back from it by one copy;
+    its GPU allocation is freed once the worker no longer lists its CUDA IPC handle. A reload that
+    replaces a model by one of a new KV shape retires the old shape's GPU arena, freed the same way.
+    Every text equals the model alone on the GPU."""
+    import os
+
+    from openai import OpenAI
+    from tiny_model import make_tiny_llama
+
+    models = {"narrow": make_tiny_llama(tmp_path / "narrow", seed=31),  # 2 layers x 2 KV heads x 16
+              "deep": make_tiny_llama(tmp_path / "deep", seed=32, num_hidden_layers=3, num_attention_heads=2,
+                                      num_key_value_heads=1),  # 3 x 1 x 32
+              "other": make_tiny_llama(tmp_path / "other", seed=33),  # narrow's shape
+              "wide": make_tiny_llama(tmp_path / "wide", seed=34, num_hidden_layers=4)}  # 4 x 2 x 16
+    prompt, tokens = PROMPTS[0], 8
+    oracle = _models_oracle(models, prompt, tokens)
+    manifest = tmp_path / "models.yaml"
+
+    def write(*names):
+        manifest.write_text("".join(f"- {{name: {n}, path: '{models[n]}'}}\n" for n in names))
+
+    write("narrow", "deep", "other")
+    size = max(os.path.getsize(p / "model.safetensors") for p in models.values())
+    gb = 1 << 30
+    m = Mesh(models["narrow"], tmp_path, prefill=0, decode=1, env={"MESHSERVE_CACHE": str(tmp_path / "cache")},
+             extra=["--device", "cuda", "--models", str(manifest), "--no-prewarm",
+                    "--weights-memory-gb", f"{2.5 * size / gb:.9f}", "--host-cache-gb", f"{3 * size / gb:.9f}"])
+    try:
+        m.wait_ready(timeout=120)
+        client = OpenAI(base_url=m.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def complete(name: str) -> str:
+            return client.completions.create(model=name, prompt=prompt, max_tokens=tokens, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+
+        def tier(name: str) -> str:
+            return next(x for x in m.ask("models.node0.status")["models"] if x["name"] == name)["tier"]
+
+        assert [complete(n) for n in ("narrow", "deep", "other")] == [oracle[n] for n in ("narrow", "deep", "other")]
+        _wait_for("narrow evicted to the host tier", lambda: tier("narrow") == "host")
+        freed = _wait_for("narrow's GPU allocation freed", lambda: (
+            g := m.ask("models.node0.status")["gpu_retired"])["freed"] >= 1 and not g["pending"] and g)
+        assert freed["freed_bytes"] > 0, freed
+        assert complete("narrow") == oracle["narrow"]  # back from host memory into a new allocation
+        narrow = next(x for x in m.ask("models.node0.status")["models"] if x["name"] == "narrow")
+        assert narrow["tier"] == "mapped" and "host" in narrow["load_times_s"], narrow
+        # A reload: deep (its own KV shape) goes, wide (a new one) comes.
+        write("narrow", "other", "wide")
+        r = httpx.post(m.url + "/admin/models/reload", timeout=30)
+        assert r.status_code == 200, r.text
+        assert [complete(n) for n in ("wide", "narrow")] == [oracle["wide"], oracle["narrow"]]
+        deep_key = "3x1x32-float32"
+        kv = _wait_for("deep's GPU arena retired and freed", lambda: (
+            s := m.ask("kv.node0.status"))["gpu_retired"]["freed"] >= 1 and not s["gpu_retired"]["pending"] and s)
+        assert deep_key not in kv["arenas"] and any(x["key"] == deep_key for x in kv["retired"]), kv["retired"]
+        assert complete("other") == oracle["other"]  # the mesh serves on after the frees
+    finally:
+        m.stop()
+
+
+def test_workers_run_under_a_real_mps_daemon(tmp_path, tiny_llama):
+    """`meshserve up --device cuda --mps` with a model's `gpu_percent`: NVIDIA's MPS control daemon
+    runs while the mesh serves (a server process appears once a worker uses the GPU), the text is
+    the engine's, and the daemon the mesh started is stopped with it."""
+    import shutil
+    import subprocess
+
+    control = shutil.which("nvidia-cuda-mps-control")
+    if control is None:
+        pytest.skip("nvidia-cuda-mps-control is not installed here")
+
+    def ask(cmd: str) -> subprocess.CompletedProcess:
+        return subprocess.run([control], input=cmd + "\n", capture_output=True, text=True, timeout=30)
+
+    if ask("get_server_list").returncode == 0:
+        pytest.skip("an MPS daemon already runs here: the mesh would use it and not stop it")
+    manifest = tmp_path / "models.yaml"
+    manifest.write_text(f"- {{name: small, path: '{tiny_llama}', gpu_percent: 50}}\n")
+    want = expected(LLM(str(tiny_llama), "float32", device="cuda"), PROMPTS[1], 6)
+    m = Mesh(tiny_llama, tmp_path, prefill=0, decode=1, extra=["--device", "cuda", "--mps", "--models", str(manifest)])
+    try:
+        m.wait_ready(timeout=120)
+        r = httpx.post(m.url + "/v1/completions", timeout=120, json={
+            "model": "small", "prompt": PROMPTS[1], "max_tokens": 6, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want
+        servers = ask("get_server_list")
+        assert servers.returncode == 0 and servers.stdout.split(), (servers.stdout, servers.stderr)
+    finally:
+        m.stop()
+    assert ask("get_server_list").returncode != 0, "the daemon the mesh started still runs"

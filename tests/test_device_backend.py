@@ -145,3 +145,53 @@ def test_creating_cuda_memory_without_cuda_says_why():
         node_memory.create("x", 16, "cuda")
     with pytest.raises(node_memory.DeviceUnavailable, match="unknown device"):
         node_memory.require("tpu")
+
+
+def test_a_retired_gpu_buffer_is_freed_only_once_no_worker_of_the_node_has_it_open():
+    """node_memory.RetiredBuffers, the rule the loader and the kv-pool free evicted GPU memory by
+    (CUDA leaves freeing an allocation another process still maps undefined): a buffer goes once
+    every worker heard from has reported, after the retirement, without its handle; a worker
+    handed a descriptor and not heard from since holds everything; a silent one is gone."""
+    import gc
+    import weakref
+
+    class Buffer:  # stands for the GPU allocation: freed when the last reference goes
+        pass
+
+    book = node_memory.RetiredBuffers(timeout_s=3.0)
+    book.heard("w1", ["h-old"], now=0.0)
+    book.heard("w2", [], now=0.0)
+    book.asked("w3", now=0.5)  # handed a descriptor, no heartbeat yet
+    buf = Buffer()
+    gone = weakref.ref(buf)
+    book.retire("h-old", buf, 1000, "weights of a", now=1.0)
+    del buf
+    assert book.collect(now=1.1) == [] and book.status()["pending_bytes"] == 1000
+    book.heard("w1", [], now=1.2)  # w1 closed it, w2 reported before the retirement only
+    book.heard("w3", ["h-other"], now=1.3)
+    assert book.collect(now=1.4) == []
+    book.heard("w2", ["h-old"], now=1.5)  # still open there (an old engine not collected yet)
+    assert book.collect(now=1.6) == []
+    book.heard("w2", [], now=2.0)
+    assert book.collect(now=2.1) == ["weights of a"]
+    gc.collect()
+    assert gone() is None, "the book let go of the buffer"
+    assert book.status() == {"pending": [], "pending_bytes": 0, "freed": 1, "freed_bytes": 1000}
+    # A worker that dies with the handle open: its process closed it; freed after the timeout.
+    book.retire("h-b", Buffer(), 10, "KV arena b", now=3.0)
+    book.heard("w2", ["h-b"], now=3.1)
+    book.heard("w1", [], now=3.2)
+    book.heard("w3", [], now=3.2)
+    assert book.collect(now=5.0) == []
+    book.heard("w1", [], now=6.0)
+    book.heard("w3", [], now=6.0)
+    assert book.collect(now=6.5) == ["KV arena b"] and "w2" not in book.reports
+    # One asked and never heard from holds a buffer until its timeout.
+    book.asked("w4", now=7.0)
+    book.retire("h-c", Buffer(), 1, "c", now=7.5)
+    book.heard("w1", [], now=8.0)
+    book.heard("w3", [], now=8.0)
+    assert book.collect(now=8.1) == []
+    book.heard("w1", [], now=10.5)
+    book.heard("w3", [], now=10.5)
+    assert book.collect(now=10.6) == ["c"]

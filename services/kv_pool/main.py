@@ -284,6 +284,9 @@ class KVPool:
         self.planned_from = None  # the manifest the budgets were last planned from
         self.retired: list[dict] = []  # the last arenas retired, for status
         self.resized: list[dict] = []  # the last arenas resized in place, for status
+        # GPU arenas retired, freed once no worker of the node has them open (CUDA leaves freeing an
+        # allocation another process still maps undefined)
+        self.freeing = node_memory.RetiredBuffers(getattr(args, "worker_timeout", 3.0))
 
     def kv(self, verb: str) -> str:
         return self.bus.subjects.kv(verb, self.node)
@@ -387,6 +390,8 @@ class KVPool:
                       else f"made with {nbytes} bytes, planned {self.budgets.planned[key]}")
             self.budgets.retire(key)
             node_memory.release(a.desc.backend, a.desc.path)
+            if a.desc.backend == "cuda":
+                self.freeing.retire(a.desc.ipc["handle"], a.buf, nbytes, f"KV arena {key} ({a.desc.arena_id})")
             log.info("KV arena %s retired (%s): %d bytes back to the node's KV memory", key, reason, nbytes)
             self.retired = (self.retired + [{"key": key, "bytes": nbytes, "models": sorted(a.models),
                                              "reason": reason, "at": time.time()}])[-8:]
@@ -533,6 +538,7 @@ class KVPool:
                 "holders": dict(holders), "cached_blocks": {w: len(i) for w, i in self.prefix_index.items()},
                 "swap": dict(swap), "arenas": {k: a.status() for k, a in self.arenas.items()},
                 "budgets": self.budgets.describe(), "retired": self.retired, "resized": self.resized,
+                "gpu_retired": self.freeing.status(),
                 "transfers": {**self.transfers.as_dict(), "open_pulls": len(self.fetch.pulls)}}
 
     async def serve(self) -> None:
@@ -544,6 +550,8 @@ class KVPool:
                     req = ArenaRequest.decode(msg.data) if msg.data.strip() else ArenaRequest()
                     await self.wait_for_room(req)
                     a = self.arena_for(req)
+                    if req.worker_id:
+                        self.freeing.asked(req.worker_id)
                 except (ValueError, UnknownArena) as e:
                     log.warning("arena refused: %s", e)
                     await self.bus.respond_error(msg, str(e))
@@ -597,6 +605,7 @@ class KVPool:
             hb = Heartbeat.decode(msg.data)
             if hb.node_id == self.node:
                 self.last_seen[hb.worker_id] = time.monotonic()
+                self.freeing.heard(hb.worker_id, hb.ipc_open)
                 if hb.arena:
                     self.arena_of[hb.worker_id] = hb.arena
                     if self.asked.get(hb.worker_id, ("",))[0] == hb.arena:
@@ -661,6 +670,8 @@ class KVPool:
                     self.asked.pop(w, None)
                     log.warning("worker %s silent for %.1fs: reclaimed %d block references", w, now - seen, n)
             self.fetch.expire()
+            for what in self.freeing.collect():
+                log.info("freed the GPU memory of %s: no worker has it open", what)
             try:
                 self.plan_again()
             except Exception:  # noqa: BLE001 - never stop reaping for it

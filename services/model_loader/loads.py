@@ -119,9 +119,26 @@ def _layers(config: dict) -> int:
     return int(config["num_hidden_layers"])
 
 
-def open_host(name: str, data: bytes, specs: list[TensorSpec], config: dict) -> Load:
-    path = shm.create(name, len(data))
+def open_host(name: str, data: bytes, specs: list[TensorSpec], config: dict, device: str = "cpu") -> Load:
+    """The host tier's bytes back into the mapped tier: pwrite into a new shared file, or on cuda
+    copied into a new GPU allocation part by part (each part's copy synchronized before its word)."""
     parts, view = _ranges(specs, _layers(config)), memoryview(data)
+    if device == "cuda":
+        import torch
+
+        buf, path, ipc = node_memory.create(name, len(data), device)
+        host = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # writable: torch copies from it
+
+        def write_gpu(done):
+            for k, ranges in enumerate(parts, 1):
+                for a, b in ranges:
+                    buf[a:b].copy_(host[a:b])
+                torch.cuda.synchronize(buf.device)
+                done(k)
+
+        return Load(path, specs, config, "host", "from host memory", write_gpu, ipc=ipc, buffer=buf,
+                    nbytes=len(data), name=name)
+    path = shm.create(name, len(data))
 
     def write(done):
         fd = os.open(path, os.O_WRONLY)
@@ -135,6 +152,13 @@ def open_host(name: str, data: bytes, specs: list[TensorSpec], config: dict) -> 
             os.close(fd)
 
     return Load(str(path), specs, config, "host", "from host memory", write, nbytes=len(data), name=name)
+
+
+def read_back(path: str, buffer=None) -> bytes:
+    """A mapped load's bytes, for the host tier: its shared file's, or its GPU allocation's."""
+    if buffer is not None:
+        return buffer.cpu().numpy().tobytes()
+    return Path(path).read_bytes()
 
 
 def open_prepared(name: str, src: Path, specs: list[TensorSpec], config: dict, how: str) -> Load:

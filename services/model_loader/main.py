@@ -21,8 +21,10 @@ one a worker maps now (each LoadRequest names its worker; a worker's next load m
 model it had: that is how a model switch lets go of the old one). In-use and pinned models alone
 may exceed the budget (logged). Each load's tier and time are logged and kept in the status
 (`<ns>.models.<node>.status`). An evicted shared file is unlinked: a worker that still maps it
-keeps its mapping until it unmaps it. GPU memory is kept until the loader stops (nothing tells it
-when the workers have closed their handles), so on CUDA the host tier is not used.
+keeps its mapping until it unmaps it. An evicted GPU allocation is freed once no worker of the node
+lists its CUDA IPC handle as open in a heartbeat sent after the eviction (node_memory.RetiredBuffers);
+the host tier on CUDA is a copy in this process's memory, copied back into a new allocation. On
+CUDA the disk tier is the model's own files (no prepared form).
 
 Layered loading (`--layered-loading`, on by default; a manifest's `layered_loading` per model; both
 backends): a load is answered as soon as its buffer exists, and its parts are written afterwards in
@@ -39,7 +41,6 @@ import logging
 import re
 import signal
 import time
-from pathlib import Path
 
 from meshserve.shared import node_memory, shm
 from meshserve.shared.bus import Bus
@@ -63,10 +64,10 @@ class ModelLoader:
         self.bus, self.node_id, self.max_models, self.device = bus, node_id, max_models, device
         self.default_dtype = default_dtype
         self.tiers = Tiers(weights_budget=None if weights_memory_gb is None else int(weights_memory_gb * GB),
-                           host_budget=int(host_cache_gb * GB) if device == "cpu" else 0, max_mapped=max_models)
+                           host_budget=int(host_cache_gb * GB), max_mapped=max_models)
         self.manifest = manifest
         self.gpu_buffers: dict[tuple[str, str, str | None], torch.Tensor] = {}  # cuda: kept alive for the workers
-        self.retired: list[torch.Tensor] = []  # cuda: unloaded, still kept (workers may hold handles)
+        self.freeing = node_memory.RetiredBuffers(WORKER_TIMEOUT_S)  # cuda: evicted, freed once no worker has them open
         self.seen: dict[str, float] = {}  # worker id -> its last heartbeat
         self.tasks: list[asyncio.Task] = []
         self.loads: set[asyncio.Task] = set()  # loads in progress
@@ -84,7 +85,7 @@ class ModelLoader:
         name = f"{prefix}-weights-{safe}{name_suffix}"
         if host is not None:  # the host tier: one copy into a new shared file
             specs, config = meta
-            return loads.open_host(name, host, specs, config)
+            return loads.open_host(name, host, specs, config, self.device)
         kept = prepared.entry(resolve(model), variant, self.device)
         found = prepared.load(kept) if kept is not None and not source else None
         if found is not None:
@@ -135,6 +136,7 @@ class ModelLoader:
         e.pinned = bool(spec and spec.pinned)
         if req.worker_id:
             self.seen[req.worker_id] = time.monotonic()
+            self.freeing.asked(req.worker_id)
             self.tiers.use(req.worker_id, e)
         else:
             self.tiers.touch(e)
@@ -234,7 +236,7 @@ class ModelLoader:
         load = self.open_load(model, dtype, quantization, name_suffix="-prewarm")  # not a mapped load's file
         try:
             self.finish_load(load)
-            return Path(load.path).read_bytes(), (load.specs, load.config)
+            return loads.read_back(load.path, load.buffer), (load.specs, load.config)
         finally:
             load.release()
 
@@ -243,14 +245,15 @@ class ModelLoader:
         desc = e.desc
         t0 = time.monotonic()
         if desc is not None:
-            if to == "host" and desc.backend == "cpu":
-                e.host = Path(desc.path).read_bytes()
+            gpu = self.gpu_buffers.pop(e.key, None)
+            if to == "host":
+                e.host = loads.read_back(desc.path, gpu)
                 e.meta = (desc.tensors, desc.config)
             node_memory.release(desc.backend, desc.path)
             if e.ready_path:
                 shm.unlink(e.ready_path)
-            if e.key in self.gpu_buffers:
-                self.retired.append(self.gpu_buffers.pop(e.key))
+            if gpu is not None:  # freed once no worker has it open
+                self.freeing.retire(desc.ipc["handle"], gpu, gpu.numel(), f"{e.name} ({e.key[1]})")
         if to != "host":
             e.host = e.meta = None
         self.tiers.moved(e, to if e.host is not None or to != "host" else "disk")
@@ -280,6 +283,8 @@ class ModelLoader:
         for wid in [w for w, t in self.seen.items() if now - t > WORKER_TIMEOUT_S]:
             del self.seen[wid]
             self.tiers.release(wid)
+        for what in self.freeing.collect():
+            log.info("freed the GPU memory of %s: no worker has it open", what)
         for e in list(self.tiers.entries.values()):
             if e.removed and not e.users and e.loading is None:
                 if e.tier in ("mapped", "host"):
@@ -293,7 +298,7 @@ class ModelLoader:
             self._sweep()
 
     def status(self) -> dict:
-        return {"node_id": self.node_id, **self.tiers.status()}
+        return {"node_id": self.node_id, **self.tiers.status(), "gpu_retired": self.freeing.status()}
 
     async def serve(self) -> None:
         async def on_load(msg):
@@ -335,7 +340,10 @@ class ModelLoader:
             await msg.respond(orjson.dumps(reply))
 
         async def on_heartbeat(msg):
-            self.seen[Heartbeat.decode(msg.data).worker_id] = time.monotonic()
+            hb = Heartbeat.decode(msg.data)
+            self.seen[hb.worker_id] = time.monotonic()
+            if hb.node_id == self.node_id:
+                self.freeing.heard(hb.worker_id, hb.ipc_open)
 
         s = self.bus.subjects
         for verb, cb in (("load", on_load), ("list", on_list), ("status", on_status), ("reload", on_reload),

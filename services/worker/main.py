@@ -217,6 +217,7 @@ class Worker:
     async def _on_arena_retired(self, msg) -> None:
         r = ArenaRetired.decode(msg.data)
         if model_switch.forget_arena(self, r.key, r.arena_id):
+            model_switch.close_dropped(self)
             log.info("worker %s let go of KV arena %s (retired: %s)", self.id, r.key, r.reason)
 
     async def _on_model(self, msg) -> None:
@@ -655,7 +656,16 @@ class Worker:
             prefill_tokens_per_s=round(rates.prefill_tokens_per_s, 1), decode_tokens_per_s=round(rates.decode_tokens_per_s, 1),
             compute_yields=self.compute.yields, compute_yield_s=self.compute.yield_s,
             compute_claim=self.compute.claiming, interrupted_steps=stats["interrupted_steps"],
-            threads=self.tuner.stats() if self.tuner is not None else {}, arena=self.pool.arena or "", time=time.time()))
+            threads=self.tuner.stats() if self.tuner is not None else {}, arena=self.pool.arena or "",
+            ipc_open=self._ipc_open(), time=time.time()))
+
+    def _ipc_open(self) -> list[str]:
+        """The node's GPU allocations this worker has open (none on the CPU backend)."""
+        if getattr(self.args, "device", "cpu") != "cuda":
+            return []
+        from meshserve.shared import cuda_ipc
+
+        return cuda_ipc.open_handles()
 
 
 def add_arguments(p) -> None:

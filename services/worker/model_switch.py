@@ -88,6 +88,16 @@ def forget_arena(worker, key: str, arena_id: str) -> bool:
     return True
 
 
+def close_dropped(worker) -> None:
+    """On CUDA, closes the mappings of what the worker just dropped (an old model's weights, a
+    retired arena) now rather than at some later collection: their creator frees the memory only
+    once no heartbeat lists them (node_memory.RetiredBuffers)."""
+    if getattr(worker.args, "device", "cpu") == "cuda":
+        import gc
+
+        gc.collect()
+
+
 async def open_weights(w: WeightsDescriptor) -> tuple[dict, LayerGate | None]:
     """The descriptor's tensors over the loader's memory (no copy), and the gate of a layered load
     still being written (None once complete). Weights that building the model would read (a blocked
@@ -156,6 +166,7 @@ async def switch_model(worker, m: ModelSwitch) -> ModelSwitchReply:
         return ModelSwitchReply(ok=False, error=str(e), seconds=time.perf_counter() - t0)
     was = worker.arena.key
     await worker.replace_engine(engine, m.name, load, node_memory.weights_nbytes(w), arena)
+    close_dropped(worker)
     took = time.perf_counter() - t0
     log.info("worker %s model %s -> %s in %.3f s (weights from %s in %.3f s%s; KV arena %s%s): %s", worker.id, old,
              m.name, took, w.tier, w.load_s, ", layered: its layers still loading" if w.ready_path else "", arena.key,
