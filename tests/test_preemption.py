@@ -356,14 +356,18 @@ def test_fcfs_ignores_priorities(tiny):
 # -- the mesh
 
 
-def stream_events(url: str, model: str, prompt: str, n: int, priority: str, events: list, name: str) -> str:
-    """One streaming completion; appends ("first"/"tok"/"done", name, time) to events."""
+def stream_events(url: str, model: str, prompt: str, n: int, priority: str, events: list, name: str,
+                  ids: dict | None = None) -> str:
+    """One streaming completion; appends ("first"/"tok"/"done", name, time) to events (and puts the
+    request's id, as the request log has it, in ids[name])."""
     from openai import OpenAI
 
     client = OpenAI(base_url=url + "/v1", api_key="unused", timeout=120)
     text = ""
     for c in client.completions.create(model=model, prompt=prompt, max_tokens=n, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True, "priority": priority}):
+        if ids is not None:
+            ids[name] = c.id.removeprefix("cmpl-")
         piece = c.choices[0].text if c.choices else ""
         if piece:
             events.append(("first" if not text else "tok", name, time.monotonic()))
@@ -430,10 +434,17 @@ def test_mesh_interactive_preempts_background_by_swap_and_both_resume_exactly(ti
 def test_mesh_queues_requests_instead_of_parking_them_behind_a_busy_worker(tiny_llama, tmp_path):
     """Two workers of one seat each. On the idle mesh, requests one after another start at once
     (admission does not wait for a heartbeat). With one worker busy on a long request, short
-    requests all go to the other one as it frees up: none is parked behind the long one."""
+    requests wait in the scheduler's queue and go to a worker as it frees up: no worker is ever
+    assigned more than its one seat (the scheduler's status, polled throughout), and the request
+    log names the worker of each (the shorts run on the other one while the long one runs)."""
+    import threading
+
+    import orjson
     from mesh_util import Mesh
 
-    with Mesh(tiny_llama, tmp_path, prefill=0, decode=2, extra=["--max-num-seqs", "1"]) as mesh:
+    log = tmp_path / "requests.jsonl"
+    with Mesh(tiny_llama, tmp_path, prefill=0, decode=2, extra=["--max-num-seqs", "1"],
+              env={"MESHSERVE_REQUEST_LOG": str(log)}) as mesh:
         deadline = time.monotonic() + 60
         while len(mesh.ask("scheduler.status")["workers"]) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -442,21 +453,31 @@ def test_mesh_queues_requests_instead_of_parking_them_behind_a_busy_worker(tiny_
         wait = mesh.ask("scheduler.status")["queue_wait"]
         assert wait["count"] == 5 and wait["max_s"] < 0.05, wait  # a heartbeat is every 0.5 s
 
-        for attempt in range(3):  # timing on a loaded machine: the scenario gets three tries, one must hold
-            events = []
-            with concurrent.futures.ThreadPoolExecutor(5) as ex:
-                long = ex.submit(stream_events, mesh.url, mesh.model, "Once upon a time", 230, "background", events,
-                                 "long")
-                while not any(e[0] == "first" for e in list(events)) and time.monotonic() < deadline + 180:
-                    time.sleep(0.002)
-                shorts = [ex.submit(stream_events, mesh.url, mesh.model, f"Numbers: {k}", 10, "background", events,
-                                    f"s{k}") for k in range(4)]
+        events, ids, assigned, done = [], {}, [], threading.Event()
+
+        def poll() -> None:
+            while not done.is_set():
+                assigned.append({w["id"]: w["assigned"] for w in mesh.ask("scheduler.status")["workers"]})
+
+        with concurrent.futures.ThreadPoolExecutor(6) as ex:
+            long = ex.submit(stream_events, mesh.url, mesh.model, "Once upon a time", 230, "background", events,
+                             "long", ids)
+            while not any(e[0] == "first" for e in list(events)) and time.monotonic() < deadline + 180:
+                time.sleep(0.002)
+            poller = ex.submit(poll)
+            shorts = [ex.submit(stream_events, mesh.url, mesh.model, f"Numbers: {k}", 10, "background", events,
+                                f"s{k}", ids) for k in range(4)]
+            try:
                 for f in shorts + [long]:
                     f.result(timeout=120)
-            done = [e[1] for e in events if e[0] == "done"]
-            if done[-1] == "long":
-                break
-        assert done[-1] == "long", done
+            finally:
+                done.set()
+            poller.result(timeout=30)
+        assert len(assigned) >= 3 and max(n for a in assigned for n in a.values()) == 1, assigned
+        by_id = {r["id"]: r for r in (orjson.loads(line) for line in log.read_text().splitlines())}
+        worker = {name: by_id[rid]["workers"] for name, rid in ids.items()}
+        assert all(len(w) == 1 for w in worker.values()), worker
+        assert any(worker[n] != worker["long"] for n in worker if n != "long"), worker
         status = mesh.ask("scheduler.status")
         assert status["queued_by_priority"] == {"interactive": 0, "normal": 0, "background": 0}
 

@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from meshserve.services.gateway.request_log import RequestLog
-from test_gateway import SERVED, SILENT, SLOW, NS, StandIn, free_port, nats_url, tokenizer, wait_for  # noqa: F401
+from test_gateway import LOSES_WORKER, SERVED, SILENT, SLOW, NS, StandIn, free_port, nats_url, tokenizer, wait_for  # noqa: F401
 
 MAX_BYTES = 1500
 
@@ -80,7 +80,7 @@ def test_gateway_writes_the_request_log(nats_url, tiny_llama, tokenizer, tmp_pat
             assert (rec["class"], rec["endpoint"], rec["stream"]) == ("normal", "completions", False)
             assert rec["prompt_tokens"] == r.usage.prompt_tokens == len(tokenizer.encode("Hello there"))
             assert rec["output_tokens"] == 5 and rec["max_tokens"] == 5 and rec["cached_tokens"] == 3
-            assert rec["finish_reason"] == "length" and rec["error"] is None
+            assert rec["finish_reason"] == "length" and rec["error"] is None and rec["workers"] == ["w1"]
             assert t0 - 0.5 <= rec["arrival"] <= time.time() and 0 < rec["ttft"] <= rec["e2e"] < 10
 
             # finished, streamed, another class: written before [DONE]
@@ -100,12 +100,19 @@ def test_gateway_writes_the_request_log(nats_url, tiny_llama, tokenizer, tmp_pat
             rec = read_log(logdir)[-1]
             assert rec["error"]["status"] == 400 and "top_p" in rec["error"]["message"]
             assert rec["prompt_tokens"] is None and rec["class"] == "background" and rec["finish_reason"] is None
+            assert rec["workers"] == []
+
+            # its worker lost midway: both workers whose tokens the client got, in turn
+            r = client.completions.create(model=SERVED, prompt="x", max_tokens=8, seed=LOSES_WORKER)
+            rec = read_log(logdir)[-1]
+            assert rec["output_tokens"] == 8 and rec["workers"] == ["w1", "w2"], rec
 
             # no token in time: 504
             r = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "seed": SILENT}, timeout=10)
             assert r.status_code == 504
             rec = read_log(logdir)[-1]
             assert rec["error"]["status"] == 504 and rec["ttft"] is None and rec["output_tokens"] == 0
+            assert rec["workers"] == []
             assert rec["e2e"] >= 1.0
 
             # the client leaves mid-stream: 499, with the tokens it got so far
@@ -128,7 +135,7 @@ def test_gateway_writes_the_request_log(nats_url, tiny_llama, tokenizer, tmp_pat
     assert "requests.jsonl.1" in files and "requests.jsonl.2" in files, files
     assert all(p.stat().st_size <= MAX_BYTES for p in logdir.iterdir())
     recs = read_log(logdir)
-    assert len(recs) == 11 and [r["output_tokens"] for r in recs[-6:]] == [2] * 6
+    assert len(recs) == 12 and [r["output_tokens"] for r in recs[-6:]] == [2] * 6
     assert all(a["arrival"] <= b["arrival"] for a, b in zip(recs, recs[1:]))
     assert f"request log: {logdir / 'requests.jsonl'}" in out.read_text()
 

@@ -432,6 +432,10 @@ class Choice:
     def done(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def workers(self) -> list[str]:
+        return self._stream.workers
+
     async def deltas(self) -> AsyncIterator[Delta]:
         """This choice as in-order deltas; the last one has a finish_reason. Raises OpenAIError."""
         gw = self.gen.gw
@@ -526,6 +530,14 @@ class Generation:
     @property
     def num_cached_tokens(self) -> int:
         return self.choices[0].num_cached_tokens
+
+    @property
+    def workers(self) -> list[str]:
+        """The workers whose tokens the client got, in turn, over every choice."""
+        out: list[str] = []
+        for c in self.choices:
+            out += [w for w in c.workers if w not in out]
+        return out
 
     @property
     def first_token_time(self) -> float | None:

@@ -6,13 +6,16 @@ failed (an `error` with its HTTP status and message, `finish_reason` null) or gi
 
     {"arrival": 1732900000.123, "id": "3f2a...", "model": "smollm2-135m-instruct", "class": "normal",
      "tenant": "acme", "endpoint": "chat", "stream": true, "prompt_tokens": 412, "cached_tokens": 0,
-     "output_tokens": 87, "max_tokens": 256, "ttft": 0.081, "e2e": 1.93, "finish_reason": "stop", "error": null}
+     "output_tokens": 87, "max_tokens": 256, "ttft": 0.081, "e2e": 1.93, "finish_reason": "stop", "error": null,
+     "workers": ["node0-prefill-0", "node0-decode-1"]}
 
 `arrival` is unix time in seconds (when the request was tokenized and submitted; for a request that
 failed validation, when it came in); `ttft` and `e2e` are seconds from `arrival` to the first
 output token and to the last one (or to the failure); `ttft` is null when no token came;
 `prompt_tokens` is null when the request failed before it was tokenized; `tenant` is the tenant whose
-API key the request carried (the tenants file), null without one.
+API key the request carried (the tenants file), null without one; `workers` are the workers whose
+tokens the client got, in turn (a prefill -> decode handoff names two; a worker lost midway and its
+replacement, two; empty when no token came).
 
 The file rotates by size: when a line would take it past `max_bytes`, `requests.jsonl` becomes
 `requests.jsonl.1` (`.1` becomes `.2`, ... up to `backups`; the oldest is dropped). Lines are written
@@ -111,7 +114,7 @@ class RequestLog:
             "cached_tokens": gen.num_cached_tokens, "output_tokens": len(gen.token_ids),
             "max_tokens": req.sampling.max_tokens,
             "ttft": None if gen.first_token_time is None else gen.first_token_time - arrival,
-            "e2e": end - arrival, "finish_reason": gen.finish_reason, "error": error})
+            "e2e": end - arrival, "finish_reason": gen.finish_reason, "error": error, "workers": gen.workers})
 
     def log_rejected(self, kind: str, body, model: str, arrival: float, error, prompt_tokens: int | None = None,
                      priority: str | None = None, max_tokens: int | None = None, request_id: str | None = None,
@@ -129,7 +132,7 @@ class RequestLog:
             "endpoint": kind,
             "stream": isinstance(body, dict) and body.get("stream") is True, "prompt_tokens": prompt_tokens,
             "cached_tokens": 0, "output_tokens": 0, "max_tokens": max_tokens, "ttft": None, "e2e": now - arrival,
-            "finish_reason": None, "error": _error(error)})
+            "finish_reason": None, "error": _error(error), "workers": []})
 
 
 def _error(e: BaseException | None) -> dict:

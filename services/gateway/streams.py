@@ -111,6 +111,7 @@ class RequestStream:
         self.bus = bus
         self.request = request
         self.token_ids: list[int] = []  # accepted so far, in order: what the client gets
+        self.workers: list[str] = []  # the workers whose tokens the client got, in turn (a handoff: two)
         self.finished = False
         self.resubmits = 0
         self.scheduler_id: str | None = None  # who accepted the current attempt (None: not yet)
@@ -223,6 +224,8 @@ class RequestStream:
                 "index": len(self.token_ids), "token_ids": chunk.token_ids[skip:],
                 "logprobs": None if chunk.logprobs is None else chunk.logprobs[skip:]})
         self.token_ids += chunk.token_ids
+        if chunk.worker_id and (chunk.token_ids or chunk.finished) and self.workers[-1:] != [chunk.worker_id]:
+            self.workers.append(chunk.worker_id)
         if chunk.finished:
             self.finished = True
             self._held.clear()
