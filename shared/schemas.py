@@ -432,6 +432,9 @@ class LoadRequest(Message):
     # new load moves it off the model it mapped before (how a model switch releases the old one).
     worker_id: str | None = None
     name: str | None = None  # its served name (logs and status)
+    # Mapped beside the worker's model (its speculative draft), not instead of it: kept in use by the
+    # worker until its next model's load.
+    beside: bool = False
 
 
 class PrewarmRequest(Message):

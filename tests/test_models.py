@@ -72,11 +72,12 @@ def test_cli_refuses_a_bad_manifest_in_one_line(tmp_path):
 # -- the loader's tiers (pure bookkeeping)
 
 
-def _mapped(t: Tiers, name: str, nbytes: int, worker: str | None = None, pinned: bool = False) -> Entry:
+def _mapped(t: Tiers, name: str, nbytes: int, worker: str | None = None, pinned: bool = False,
+            beside: bool = False) -> Entry:
     e = t.entry((name, "float32", None), name)
     e.pinned = pinned
     if worker:
-        t.use(worker, e)
+        t.use(worker, e, beside=beside)
     t.mapped(e, type("D", (), {"tier": "source", "load_s": 0.1})(), nbytes)
     for victim, to in t.evictions():
         t.moved(victim, to)
@@ -94,6 +95,20 @@ def test_tiers_evict_least_recently_used_never_pinned_or_in_use():
     e = _mapped(t, "e", 100, worker="v")  # d is in use, a pinned: over budget rather than evict them
     assert (a.tier, d.tier, e.tier) == ("mapped", "mapped", "mapped") and t.over_budget == 1
     assert t.status()["models"][0]["loads"] == {"source": 1}
+
+
+def test_a_draft_mapped_beside_a_model_is_in_use_until_the_workers_next_model():
+    """A speculative worker maps its draft beside its model (`LoadRequest.beside`): neither is
+    evicted while it runs on them; its next model's load releases both."""
+    t = Tiers(weights_budget=200, host_budget=0, max_mapped=8)
+    target = _mapped(t, "target", 100, worker="w")
+    draft = _mapped(t, "draft", 50, worker="w", beside=True)
+    other = _mapped(t, "other", 100, worker="v")  # over budget: nothing of w's may go
+    assert (target.tier, draft.tier, other.tier) == ("mapped", "mapped", "mapped") and t.over_budget == 1
+    assert target.users == {"w"} and draft.users == {"w"}
+    _mapped(t, "next", 10, worker="w")  # w switches: its model and its draft are free to go
+    assert not target.users and not draft.users
+    assert (target.tier, draft.tier) == ("disk", "mapped")  # the least recently used went; the rest fits
 
 
 # -- the mesh

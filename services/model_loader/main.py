@@ -137,7 +137,7 @@ class ModelLoader:
         if req.worker_id:
             self.seen[req.worker_id] = time.monotonic()
             self.freeing.asked(req.worker_id)
-            self.tiers.use(req.worker_id, e)
+            self.tiers.use(req.worker_id, e, beside=req.beside)
         else:
             self.tiers.touch(e)
         return await self._mapped(e, spec, self._layered(spec))

@@ -45,6 +45,7 @@ class Tiers:
         self.weights_budget, self.host_budget, self.max_mapped = weights_budget, host_budget, max_mapped
         self.entries: dict[Key, Entry] = {}
         self.user_of: dict[str, Key] = {}  # worker -> the model it maps
+        self.beside_of: dict[str, set[Key]] = {}  # worker -> what it maps beside it (a speculative draft)
         self.over_budget = 0  # loads that left the mapped tier over its budget (pinned or in use)
 
     def entry(self, key: Key, name: str) -> Entry:
@@ -56,18 +57,23 @@ class Tiers:
     def touch(self, e: Entry) -> None:
         e.last_used = time.monotonic()
 
-    def use(self, worker: str, e: Entry) -> None:
-        """The worker maps `e` from now on, and no longer the model it mapped before."""
-        self.release(worker)
+    def use(self, worker: str, e: Entry, beside: bool = False) -> None:
+        """The worker maps `e` from now on, and no longer the model it mapped before (nor what it
+        mapped beside that); `beside`: as well as its model (its draft), until its next model."""
+        if beside:
+            self.beside_of.setdefault(worker, set()).add(e.key)
+        else:
+            self.release(worker)
+            self.user_of[worker] = e.key
         e.users.add(worker)
-        self.user_of[worker] = e.key
         self.touch(e)
 
     def release(self, worker: str) -> None:
-        old = self.entries.get(self.user_of.pop(worker, None))
-        if old is not None:
-            old.users.discard(worker)
-            self.touch(old)  # used until now
+        for key in [self.user_of.pop(worker, None), *self.beside_of.pop(worker, ())]:
+            old = self.entries.get(key)
+            if old is not None:
+                old.users.discard(worker)
+                self.touch(old)  # used until now
 
     def mapped(self, e: Entry, desc, nbytes: int, ready_path: str | None = None) -> None:
         came = "source" if desc.tier == "source" else desc.tier

@@ -137,8 +137,8 @@ async def build_engine(worker, load: LoadRequest,
     spec = config_from_args(a) if load.model == a.model else None
     draft = None
     if spec is not None and spec.method == "draft":  # the draft's weights from the node's loader too
-        dw = await bus.request(bus.subjects.models("load", a.node_id), LoadRequest(model=spec.model, dtype=load.dtype),
-                               WeightsDescriptor, timeout=900)  # no worker_id: that would move it off its model
+        dw = await bus.request(bus.subjects.models("load", a.node_id), LoadRequest(
+            model=spec.model, dtype=load.dtype, worker_id=worker.id, beside=True), WeightsDescriptor, timeout=900)
         dweights, dgate = await open_weights(dw)
         draft = await loop.run_in_executor(worker.stepper, lambda: LlamaModel(ModelConfig(**dw.config), dweights,
                                                                               gate=dgate))
