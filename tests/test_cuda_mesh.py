@@ -381,3 +381,31 @@ def test_workers_run_under_a_real_mps_daemon(tmp_path, tiny_llama):
     finally:
         m.stop()
     assert ask("get_server_list").returncode != 0, "the daemon the mesh started still runs"
+
+
+def test_gpu_prepared_weights_are_kept_and_load_the_same_bytes(tiny_llama, tmp_path, monkeypatch):
+    """A GGUF loaded on CUDA keeps its prepared form (the GPU allocation's bytes): the next load
+    copies that file into a new allocation, byte for byte what the first load made."""
+    import types
+
+    from tiny_model import write_tiny_gguf
+
+    from meshserve.services.model_loader import loads, prepared
+    from meshserve.services.model_loader.main import ModelLoader
+    from meshserve.shared.subjects import Subjects
+
+    monkeypatch.setenv("MESHSERVE_CACHE", str(tmp_path / "cache"))
+    gguf = write_tiny_gguf(tiny_llama, tmp_path / "t.gguf")
+    loader = ModelLoader(types.SimpleNamespace(subjects=Subjects("t")), "n0", max_models=4, device="cuda")
+
+    def load_bytes(tier: str) -> tuple[bytes, object]:
+        load = loader.open_load(str(gguf), "bfloat16")
+        loader.finish_load(load)
+        assert load.tier == tier and load.buffer is not None and load.buffer.is_cuda
+        return loads.read_back(load.path, load.buffer), load
+
+    first, a = load_bytes("source")
+    kept = prepared.entry(gguf, "bfloat16", "cuda")
+    assert kept != prepared.entry(gguf, "bfloat16", "cpu") and (kept / "weights.bin").stat().st_size == len(first)
+    second, b = load_bytes("disk")
+    assert second == first and (b.specs, b.config) == (a.specs, a.config)

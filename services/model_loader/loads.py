@@ -5,7 +5,8 @@ setting the readiness word after each part when the load is layered. The loader 
 load between the two steps, so workers build their engine and start computing meanwhile.
 
 - host: the bytes kept in the loader's memory, written with pwrite;
-- disk: the prepared file (prepared.py), copied range by range in the kernel (sendfile), no torch;
+- disk: the prepared file (prepared.py), copied range by range in the kernel (sendfile), no torch
+  (on CUDA: read range by range and copied into the GPU allocation);
 - source: the model's files read (a directory's safetensors tensor by tensor, as each part needs
   them; a GGUF whole), dequantized and fused one part at a time (`fused_parts`): the layout comes
   from the first two parts (every layer has layer 0's shapes), the lm_head, fused first, is
@@ -161,10 +162,28 @@ def read_back(path: str, buffer=None) -> bytes:
     return Path(path).read_bytes()
 
 
-def open_prepared(name: str, src: Path, specs: list[TensorSpec], config: dict, how: str) -> Load:
+def open_prepared(name: str, src: Path, specs: list[TensorSpec], config: dict, how: str, device: str = "cpu") -> Load:
     size = os.path.getsize(src)
-    path = shm.create(name, size)
     parts = _ranges(specs, _layers(config))
+    if device == "cuda":  # read part by part into a new GPU allocation
+        import torch
+
+        buf, path, ipc = node_memory.create(name, size, device)
+
+        def write_gpu(done):
+            with open(src, "rb") as fin:
+                for k, ranges in enumerate(parts, 1):
+                    for a, b in ranges:
+                        fin.seek(a)
+                        data = fin.read(b - a)
+                        if len(data) != b - a:
+                            raise OSError(f"{src} ended at byte {a + len(data)}, its layout says {b}")
+                        buf[a:b].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+                    torch.cuda.synchronize(buf.device)
+                    done(k)
+
+        return Load(path, specs, config, "disk", how, write_gpu, ipc=ipc, buffer=buf, nbytes=size, name=name)
+    path = shm.create(name, size)
 
     def write(done):
         with open(src, "rb") as fin, open(path, "r+b") as fout:

@@ -23,8 +23,8 @@ may exceed the budget (logged). Each load's tier and time are logged and kept in
 (`<ns>.models.<node>.status`). An evicted shared file is unlinked: a worker that still maps it
 keeps its mapping until it unmaps it. An evicted GPU allocation is freed once no worker of the node
 lists its CUDA IPC handle as open in a heartbeat sent after the eviction (node_memory.RetiredBuffers);
-the host tier on CUDA is a copy in this process's memory, copied back into a new allocation. On
-CUDA the disk tier is the model's own files (no prepared form).
+the host tier on CUDA is a copy in this process's memory, copied back into a new allocation, and a
+GGUF's prepared form is the GPU allocation's bytes.
 
 Layered loading (`--layered-loading`, on by default; a manifest's `layered_loading` per model; both
 backends): a load is answered as soon as its buffer exists, and its parts are written afterwards in
@@ -89,7 +89,7 @@ class ModelLoader:
         kept = prepared.entry(resolve(model), variant, self.device)
         found = prepared.load(kept) if kept is not None and not source else None
         if found is not None:
-            return loads.open_prepared(name, *found, how=f"from {kept}")
+            return loads.open_prepared(name, *found, how=f"from {kept}", device=self.device)
         load = loads.open_source(model, dtype, quantization, name, self.device)
         load.keep_to = kept
         return load
@@ -98,7 +98,7 @@ class ModelLoader:
         """Writes every part (the layered load's workers compute meanwhile), then keeps a prepared form."""
         load.run()
         if load.keep_to is not None:
-            prepared.keep(load.keep_to, load.path, load.specs, load.config)
+            prepared.keep(load.keep_to, load.path, load.specs, load.config, load.buffer)
 
     def _descriptor(self, model: str, quantization: str | None, load: loads.Load, took: float,
                     layered: bool = False) -> WeightsDescriptor:

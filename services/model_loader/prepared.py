@@ -4,9 +4,10 @@ the int8 kernel's), kept on
 disk once prepared, so a later start copies one file into shared memory instead of dequantizing
 the GGUF again (seconds of Python on every start, against a file copy).
 
-Kept for GGUF files on the CPU backend: an HF directory's safetensors load fast as they are, and
-the CUDA backend prepares its own layout on the GPU. An entry is named by the model file's identity
-(models_repo.prepared_dir), the dtype and quantization, and the recipe: the source of the modules that prepare
+Kept for GGUF files, per backend (the CUDA backend keeps its own layout: the bytes of its GPU
+allocation, copied back part by part); an HF directory's safetensors load fast as they are. An entry
+is named by the model file's identity (models_repo.prepared_dir), the device, the dtype and
+quantization, and the recipe: the source of the modules that prepare
 weights and the gguf and torch versions, so changing any of them makes a new entry, never a stale hit.
 """
 
@@ -51,7 +52,7 @@ def recipe() -> str:
 def entry(model_file: Path, variant: str, device: str) -> Path | None:
     """Where this model's prepared weights are kept, or None where none are kept. variant: the dtype,
     and "-int8" after it for int8 weights."""
-    if device != "cpu" or not model_file.is_file() or model_file.suffix.lower() != ".gguf":
+    if not model_file.is_file() or model_file.suffix.lower() != ".gguf":
         return None
     return prepared_dir(model_file, "weights", variant, device, recipe())
 
@@ -66,14 +67,17 @@ def load(kept: Path) -> tuple[Path, list[TensorSpec], dict] | None:
     return kept / "weights.bin", [TensorSpec(**t) for t in m["tensors"]], m["config"]
 
 
-def keep(kept: Path, shm_path: str, specs: list[TensorSpec], config: dict) -> None:
-    """Keeps what was just written to shared memory for the next start (best effort: a cache that
-    cannot be written costs only the time saved)."""
+def keep(kept: Path, shm_path: str, specs: list[TensorSpec], config: dict, gpu_buffer=None) -> None:
+    """Keeps what was just written to shared memory (or to `gpu_buffer`, on CUDA) for the next start
+    (best effort: a cache that cannot be written costs only the time saved)."""
     tmp = None
     try:
         kept.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{kept.name}.", dir=kept.parent))
-        shutil.copyfile(shm_path, tmp / "weights.bin")
+        if gpu_buffer is not None:
+            gpu_buffer.cpu().numpy().tofile(tmp / "weights.bin")
+        else:
+            shutil.copyfile(shm_path, tmp / "weights.bin")
         (tmp / "weights.json").write_text(json.dumps({"tensors": [s.model_dump() for s in specs], "config": config}))
         publish_dir(tmp, kept)
     except OSError as e:
