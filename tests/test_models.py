@@ -195,6 +195,9 @@ def test_models_load_on_demand_with_lru_eviction_and_pinning(mesh, oracle):
         assert _complete(mesh, name) == oracle[name], name
     # Three models, room for two mapped: beta (least recently used, not pinned) went to the host tier.
     assert _wait_state(mesh, "beta", "host")["state"] == "host"
+    # Its shared file lost its name, and the worker, on gamma now, no longer maps it: the memory is back.
+    maps = Path(f"/proc/{mesh.service_pid('decode')}/maps").read_text()
+    assert "(deleted)" not in "".join(line for line in maps.splitlines() if "-weights-" in line), maps
     assert _states(mesh)["alpha"]["state"] == "mapped"  # pinned: never evicted
     assert _complete(mesh, "beta") == oracle["beta"]  # back on demand, from host memory
     beta = _wait_state(mesh, "beta", "mapped")

@@ -89,13 +89,13 @@ def forget_arena(worker, key: str, arena_id: str) -> bool:
 
 
 def close_dropped(worker) -> None:
-    """On CUDA, closes the mappings of what the worker just dropped (an old model's weights, a
-    retired arena) now rather than at some later collection: their creator frees the memory only
-    once no heartbeat lists them (node_memory.RetiredBuffers)."""
-    if getattr(worker.args, "device", "cpu") == "cuda":
-        import gc
+    """Closes the mappings of what the worker just dropped (an old model's weights, a retired arena)
+    now rather than at some later collection: an evicted shared file's memory goes back only when
+    its last mapping does, and on CUDA the creator frees the memory only once no heartbeat lists
+    its handle (node_memory.RetiredBuffers). A few tens of milliseconds, once per switch."""
+    import gc
 
-        gc.collect()
+    gc.collect()
 
 
 async def open_weights(w: WeightsDescriptor) -> tuple[dict, LayerGate | None]:
