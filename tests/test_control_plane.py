@@ -287,3 +287,37 @@ def test_startup_bench_reads_a_process_memory():
     assert 0 < m["anon_mb"] <= m["rss_mb"]  # this interpreter's own heap
     assert abs(m["pss_anon_mb"] + m["pss_file_mb"] + m["pss_shmem_mb"] - m["pss_mb"]) <= 0.3  # PSS, split by kind
     assert mesh_processes(os.getpid())["launcher"] == os.getpid()
+
+
+def test_copy_parts_writes_a_load_part_by_part_into_a_tensor_buffer(tiny_llama, tmp_path, monkeypatch):
+    """The CUDA backend's host and disk tiers write a load into its GPU allocation with
+    loads.copy_parts; here into a CPU tensor: every byte of every tensor lands where the layout says,
+    and each part is reported done once, in order, after its bytes."""
+    import torch
+
+    from meshserve.services.model_loader import loads
+    from meshserve.services.model_loader.main import ModelLoader
+    from meshserve.shared import shm
+
+    monkeypatch.setenv("MESHSERVE_SHM_DIR", str(tmp_path / "shm"))
+    loader = ModelLoader(types.SimpleNamespace(subjects=Subjects("t")), "n0", max_models=4)
+    desc = loader.load_now(str(tiny_llama), "float32", None)
+    data = open(desc.path, "rb").read()
+    parts = loads.part_ranges(desc.tensors, desc.config)
+    assert len(parts) == desc.config["num_hidden_layers"] + 2
+    buf = torch.zeros(len(data), dtype=torch.uint8)
+    seen = []
+
+    def done(k: int) -> None:
+        seen.append(k)
+        for a, b in parts[k - 1]:
+            assert bytes(buf[a:b].numpy()) == data[a:b]
+
+    loads.copy_parts(buf, parts, loads.read_file(desc.path))(done)
+    assert seen == list(range(1, len(parts) + 1))
+    for t in desc.tensors:
+        a = t.offset
+        b = a + shm.nbytes(t.dtype, t.shape)
+        assert bytes(buf[a:b].numpy()) == data[a:b], t.name
+    with pytest.raises(OSError, match="only"):
+        loads.copy_parts(buf, [[(0, len(data) + 8)]], loads.read_file(desc.path))(lambda k: None)

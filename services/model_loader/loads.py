@@ -103,8 +103,9 @@ def return_freed_memory() -> None:
     trim(0)
 
 
-def _ranges(specs: list[TensorSpec], num_layers: int) -> list[list[tuple[int, int]]]:
+def part_ranges(specs: list[TensorSpec], config: dict) -> list[list[tuple[int, int]]]:
     """Each part's byte ranges in the file, merged where adjacent."""
+    num_layers = _layers(config)
     parts: list[list[tuple[int, int]]] = [[] for _ in range(num_parts(num_layers))]
     for s in sorted(specs, key=lambda s: s.offset):
         r = parts[part_of(s.name, num_layers)]
@@ -120,25 +121,34 @@ def _layers(config: dict) -> int:
     return int(config["num_hidden_layers"])
 
 
+def copy_parts(buf, parts: list[list[tuple[int, int]]], read: Callable[[int, int], bytes]):
+    """A `Load.write_parts` that copies each part's byte ranges, `read(a, b)`, into a torch uint8
+    buffer (the CUDA backend's allocation), synchronizing a GPU after each part so that the part's
+    readiness word follows its copies."""
+    import torch
+
+    def write(done):
+        for k, ranges in enumerate(parts, 1):
+            for a, b in ranges:
+                data = read(a, b)
+                if len(data) != b - a:
+                    raise OSError(f"bytes {a}-{b} of the layout: only {len(data)} there")
+                buf[a:b].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            if buf.is_cuda:
+                torch.cuda.synchronize(buf.device)
+            done(k)
+
+    return write
+
+
 def open_host(name: str, data: bytes, specs: list[TensorSpec], config: dict, device: str = "cpu") -> Load:
     """The host tier's bytes back into the mapped tier: pwrite into a new shared file, or on cuda
-    copied into a new GPU allocation part by part (each part's copy synchronized before its word)."""
-    parts, view = _ranges(specs, _layers(config)), memoryview(data)
+    copied into a new GPU allocation part by part."""
+    parts, view = part_ranges(specs, config), memoryview(data)
     if device == "cuda":
-        import torch
-
         buf, path, ipc = node_memory.create(name, len(data), device)
-        host = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # writable: torch copies from it
-
-        def write_gpu(done):
-            for k, ranges in enumerate(parts, 1):
-                for a, b in ranges:
-                    buf[a:b].copy_(host[a:b])
-                torch.cuda.synchronize(buf.device)
-                done(k)
-
-        return Load(path, specs, config, "host", "from host memory", write_gpu, ipc=ipc, buffer=buf,
-                    nbytes=len(data), name=name)
+        return Load(path, specs, config, "host", "from host memory", copy_parts(buf, parts, lambda a, b: view[a:b]),
+                    ipc=ipc, buffer=buf, nbytes=len(data), name=name)
     path = shm.create(name, len(data))
 
     def write(done):
@@ -162,27 +172,22 @@ def read_back(path: str, buffer=None) -> bytes:
     return Path(path).read_bytes()
 
 
+def read_file(src: Path) -> Callable[[int, int], bytes]:
+    """read(a, b): bytes a to b of the file."""
+    def read(a: int, b: int) -> bytes:
+        with open(src, "rb") as f:
+            return os.pread(f.fileno(), b - a, a)
+
+    return read
+
+
 def open_prepared(name: str, src: Path, specs: list[TensorSpec], config: dict, how: str, device: str = "cpu") -> Load:
     size = os.path.getsize(src)
-    parts = _ranges(specs, _layers(config))
+    parts = part_ranges(specs, config)
     if device == "cuda":  # read part by part into a new GPU allocation
-        import torch
-
         buf, path, ipc = node_memory.create(name, size, device)
-
-        def write_gpu(done):
-            with open(src, "rb") as fin:
-                for k, ranges in enumerate(parts, 1):
-                    for a, b in ranges:
-                        fin.seek(a)
-                        data = fin.read(b - a)
-                        if len(data) != b - a:
-                            raise OSError(f"{src} ended at byte {a + len(data)}, its layout says {b}")
-                        buf[a:b].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-                    torch.cuda.synchronize(buf.device)
-                    done(k)
-
-        return Load(path, specs, config, "disk", how, write_gpu, ipc=ipc, buffer=buf, nbytes=size, name=name)
+        return Load(path, specs, config, "disk", how, copy_parts(buf, parts, read_file(src)), ipc=ipc, buffer=buf,
+                    nbytes=size, name=name)
     path = shm.create(name, size)
 
     def write(done):
