@@ -77,12 +77,14 @@ def _stats(xs: list[float]) -> dict:
     return {"min": round(min(xs), 4), "median": round(statistics.median(xs), 4), "runs": [round(x, 4) for x in xs]}
 
 
-def tier_load_times(model: str, dtype: str, repeat: int) -> dict:
-    """Each tier's load time of one model through the loader's own load path."""
+def tier_load_times(model: str, dtype: str, repeat: int, device: str = "cpu") -> dict:
+    """Each tier's load time of one model through the loader's own load path (on `device`'s memory:
+    a shared file, or a GPU allocation)."""
+    from meshserve.services.model_loader import loads
     from meshserve.services.model_loader.main import ModelLoader
     from meshserve.shared.subjects import Subjects
 
-    loader = ModelLoader(types.SimpleNamespace(subjects=Subjects("bench-tiers")), "n0", max_models=4)
+    loader = ModelLoader(types.SimpleNamespace(subjects=Subjects("bench-tiers")), "n0", max_models=4, device=device)
     out: dict = {}
     host = None
 
@@ -97,7 +99,7 @@ def tier_load_times(model: str, dtype: str, repeat: int) -> dict:
                 loader.finish_load(load)
                 total.append(time.monotonic() - t0)
                 if host is None:
-                    host = (Path(load.path).read_bytes(), (load.specs, load.config))
+                    host = (loads.read_back(load.path, load.buffer), (load.specs, load.config))
                 out.setdefault("came_from", {})[tier] = load.tier
                 out["bytes"] = load.nbytes
             finally:
@@ -171,7 +173,8 @@ def cold_ttft(a, model: Path, log) -> dict:
 def main(a, log) -> dict:
     """bench-models --tier-load-times / --cold-ttft (see the module docstring)."""
     os.environ["MESHSERVE_CACHE"] = str(Path(a.tmp) / "cache")  # a fresh cache: the first load is from source
-    res: dict = {"command": "meshserve bench-models " + " ".join(sys.argv[1:]), "dtype": a.dtype}
+    res: dict = {"command": "meshserve bench-models " + " ".join(sys.argv[1:]), "dtype": a.dtype,
+                 "device": getattr(a, "device", "cpu")}
     random_dir = None
 
     def model_path(name: str) -> str:
@@ -188,7 +191,8 @@ def main(a, log) -> dict:
         res["tier_load_times"] = {}
         for name in a.tier_models.split(","):
             log(f"tier load times of {name} ...")
-            res["tier_load_times"][name] = tier_load_times(model_path(name), a.dtype, a.repeat)
+            res["tier_load_times"][name] = tier_load_times(model_path(name), a.dtype, a.repeat,
+                                                           getattr(a, "device", "cpu"))
     if a.cold_ttft:
         res["cold_ttft"] = cold_ttft(a, Path(model_path(a.cold_model)), log)
         res["cold_ttft"]["model"] = a.cold_model
@@ -201,6 +205,8 @@ def add_arguments(ap) -> None:
     ap.add_argument("--tier-models", default=f"{DEFAULT_MODEL},{RANDOM}",
                     help=f"comma-separated models; {RANDOM!r}: a random ~1B model written here (default: %(default)s)")
     ap.add_argument("--repeat", type=int, default=3, help="loads per tier (min and median reported)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="--tier-load-times: load into the node's shared memory (cpu) or a GPU allocation (cuda)")
     ap.add_argument("--cold-ttft", action="store_true",
                     help="a cold model's TTFT with and without layered loading (two meshes, no workload)")
     ap.add_argument("--cold-model", default=RANDOM, help="the model of --cold-ttft (default: %(default)s)")

@@ -409,3 +409,25 @@ def test_gpu_prepared_weights_are_kept_and_load_the_same_bytes(tiny_llama, tmp_p
     assert kept != prepared.entry(gguf, "bfloat16", "cpu") and (kept / "weights.bin").stat().st_size == len(first)
     second, b = load_bytes("disk")
     assert second == first and (b.specs, b.config) == (a.specs, a.config)
+
+
+def test_gpu_tier_load_times_of_a_random_model_and_a_gguf(tiny_llama, tmp_path, monkeypatch):
+    """bench-models --tier-load-times --device cuda on a random ~100M model (bf16) and a tiny GGUF:
+    each tier loads into a GPU allocation (a GGUF's disk tier is its prepared form); the times are
+    printed for docs/benchmarks."""
+    import json
+
+    from tiny_model import write_tiny_gguf
+
+    from meshserve.bench.model_loads_bench import tier_load_times, write_random_model
+
+    monkeypatch.setenv("MESHSERVE_CACHE", str(tmp_path / "cache"))
+    path, n = write_random_model(tmp_path / "random", "1024,2816,8", str(tiny_llama))
+    big = tier_load_times(str(path), "bfloat16", 2, device="cuda")
+    assert big["came_from"] == {"source": "source", "disk": "source", "host": "host"}
+    gguf = tier_load_times(str(write_tiny_gguf(tiny_llama, tmp_path / "t.gguf")), "bfloat16", 1, device="cuda")
+    assert gguf["came_from"] == {"source": "source", "disk": "disk", "host": "host"}
+    for out in (big, gguf):
+        assert out["bytes"] > 0 and all(0 < out[t]["answer_s"]["min"] <= out[t]["total_s"]["min"]
+                                        for t in ("source", "disk", "host")), out
+    print("GPU tier load times:", json.dumps({"random_model_parameters": n, "random": big, "gguf": gguf}))
