@@ -17,7 +17,7 @@
 # importable as `meshserve` through a PYTHONPATH shim (what setup.py maps: meshserve.shared/.services/.bench/.cli/
 # .kernels -> shared/, services/, kernels/); children of `meshserve up` inherit it.
 #
-# Writes to $OUT: install.log, env.txt, compile.log, pytest-mesh.log, pytest-kernels.log, mesh.log
+# Writes to $OUT: install.log, env.txt, compile.log, pytest-mesh.log, pytest-mps.log, pytest-kernels.log, mesh.log
 # (the mesh's processes), and with MESHSERVE_GPU_BENCH=1 gpu_bench.json and gpu_bench.log. The whole
 # run stays within MESHSERVE_GPU_CHECK_BUDGET seconds (default 420): each step's time limit is its
 # own maximum or what is left, whichever is less. MESHSERVE_GPU_KERNEL_TESTS=all runs the kernel
@@ -99,9 +99,13 @@ PYEOF
 set -o pipefail
 BASE=/tmp/meshserve-gpu-check
 rm -rf "$BASE" && mkdir -p "$BASE"
-timeout "$(limit 300)" "$PY" -m pytest -q -ra -p no:cacheprovider --basetemp "$BASE/mesh" -s \
+timeout "$(limit 300)" "$PY" -m pytest -q -ra -p no:cacheprovider --basetemp "$BASE/mesh" -s -k "not mps" \
   tests/test_cuda_mesh.py 2>&1 | tee "$OUT/pytest-mesh.log"
 echo "pytest (mesh) exit: $?"
+# MPS in a process of its own: no CUDA context of this pytest may predate the daemon the mesh starts.
+timeout "$(limit 90)" "$PY" -m pytest -q -ra -p no:cacheprovider --basetemp "$BASE/mps" -s -k "mps" \
+  tests/test_cuda_mesh.py 2>&1 | tee "$OUT/pytest-mps.log"
+echo "pytest (mps) exit: $?"
 find "$BASE" -name 'mesh-*.log' -exec cat {} + > "$OUT/mesh.log" 2>/dev/null
 
 KSEL=(-k "gpu or nvcc")
@@ -116,7 +120,7 @@ if [ "${MESHSERVE_GPU_BENCH:-0}" = 1 ]; then
 fi
 set +x
 echo "=== $(( $(date +%s) - START ))s in all"
-for f in pytest-mesh pytest-kernels; do
+for f in pytest-mesh pytest-mps pytest-kernels; do
   echo "=== $f summary"; grep -E "passed|failed|error|FAILED|ERROR|SKIPPED" "$OUT/$f.log" | tail -n 30
 done
 ls -la "$OUT"
