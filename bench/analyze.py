@@ -175,12 +175,13 @@ def _mix(values) -> dict:
     return {k: {"count": v, "share": v / n} for k, v in c.most_common()}
 
 
-def by_tenant(records: list[dict]) -> dict:
-    """Per tenant: requests, finished, errors by status, class mix, tokens (prompt: every admitted
-    request's; output: every generated token, failed requests' too), TTFT and e2e of finished ones."""
+def _breakdown(records: list[dict], group_of) -> dict:
+    """Per group (`group_of(record)`): requests, finished, errors by status, class mix, tokens (prompt:
+    every admitted request's; output: every generated token, failed requests' too), TTFT and e2e of
+    finished ones; the largest group first."""
     groups: dict[str, list[dict]] = {}
     for r in records:
-        groups.setdefault("(none)" if r.get("tenant") is None else str(r["tenant"]), []).append(r)
+        groups.setdefault(group_of(r), []).append(r)
     out = {}
     for name, rs in sorted(groups.items(), key=lambda kv: -len(kv[1])):
         ok = [r for r in rs if r.get("finish_reason") is not None]
@@ -193,6 +194,24 @@ def by_tenant(records: list[dict]) -> dict:
             "output_tokens": int(sum(_num(r, "output_tokens") or 0 for r in rs)),
             "ttft_s": describe([_num(r, "ttft") for r in ok if _num(r, "ttft") is not None]),
             "e2e_s": describe([_num(r, "e2e") for r in ok if _num(r, "e2e") is not None])}
+    return out
+
+
+def by_tenant(records: list[dict]) -> dict:
+    """_breakdown per tenant ("(none)": requests without an API key of the tenants file)."""
+    return _breakdown(records, lambda r: "(none)" if r.get("tenant") is None else str(r["tenant"]))
+
+
+def by_worker(records: list[dict]) -> dict:
+    """_breakdown per worker that finished the request (the last of its `workers`: the decode worker
+    after a handoff); "(none)" for requests that got no token, or logs written before `workers`."""
+    def last(r: dict) -> str:
+        ws = r.get("workers")
+        return str(ws[-1]) if isinstance(ws, list) and ws else "(none)"
+
+    out = _breakdown(records, last)
+    for name, row in out.items():  # requests that came to it from another worker (a handoff, a lost worker)
+        row["handed_over"] = sum(1 for r in records if last(r) == name and len(r.get("workers") or []) > 1)
     return out
 
 
@@ -262,6 +281,7 @@ def analyze(records: list[dict], bucket: float | None = None, top: int = 3) -> d
                       "peak_requests_t_s": None if peak_requests_at is None else peak_requests_at - t0,
                       "mean_requests": float(np.sum(ends - starts)) / span},
         "by_tenant": by_tenant(records),
+        "by_worker": by_worker(records),
         "mix": {"class": _mix(r.get("class") for r in records), "tenant": _mix(r.get("tenant") for r in records),
                 "model": _mix(r.get("model") for r in records),
                 "endpoint": _mix(r.get("endpoint") for r in records),
@@ -328,13 +348,15 @@ def render(s: dict, files: list[Path], bad: int, console=None) -> None:
             t.add_row(dim, value, f"{row['count']:,}", f"{row['share']:.1%}")
     console.print(t)
 
-    tenants = s["by_tenant"]
-    if list(tenants) != ["(none)"]:
-        t = Table(title="by tenant")
-        for col in ("tenant", "requests", "finished", "failed (by status)", "prompt tok", "output tok",
+    for dim in ("tenant", "worker"):
+        rows = s[f"by_{dim}"]
+        if list(rows) == ["(none)"]:
+            continue  # no tenants file, or a log without workers: nothing to break down
+        t = Table(title=f"by {dim}" + (" (the one that finished each request)" if dim == "worker" else ""))
+        for col in (dim, "requests", "finished", "failed (by status)", "prompt tok", "output tok",
                     "TTFT p50", "TTFT p99", "e2e p50", "e2e p99"):
-            t.add_column(col, justify="left" if col.startswith(("tenant", "failed")) else "right")
-        for name, row in tenants.items():
+            t.add_column(col, justify="left" if col.startswith((dim, "failed")) else "right")
+        for name, row in rows.items():
             errs = " ".join(f"{k}:{v}" for k, v in row["errors_by_status"].items())
             t.add_row(name, f"{row['requests']:,}", f"{row['finished']:,}",
                       f"{row['failed']:,}" + (f" ({errs})" if errs else ""), f"{row['prompt_tokens']:,}",

@@ -145,3 +145,27 @@ def test_rotated_files_and_the_command(tmp_path, capsys):
     assert A.main([str(tmp_path / "nowhere.jsonl")]) == 2
     (tmp_path / "empty.jsonl").write_text("")
     assert A.main([str(tmp_path / "empty.jsonl")]) == 1
+
+
+def test_by_worker_groups_requests_by_the_worker_that_finished_them(capsys, tmp_path):
+    recs = synthetic(100, seed=3)
+    for i, r in enumerate(recs):  # every 3rd handed from the prefill worker to a decode worker
+        if r["finish_reason"] is None:
+            r["workers"] = []
+        elif i % 3 == 0:
+            r["workers"] = ["p0", f"d{i % 2}"]
+        else:
+            r["workers"] = [f"d{i % 2}"]
+    recs.append({k: v for k, v in recs[1].items() if k != "workers"})  # a line from before `workers`
+    s = A.analyze(recs)
+    by = s["by_worker"]
+    want = {w: [r for r in recs if (r.get("workers") or ["(none)"])[-1] == w] for w in ("d0", "d1", "(none)")}
+    assert set(by) == set(want) and all(by[w]["requests"] == len(rs) for w, rs in want.items())
+    assert by["(none)"]["failed"] == 4 and by["(none)"]["finished"] == 1
+    assert by["d0"]["handed_over"] == sum(1 for r in want["d0"] if len(r["workers"]) == 2) > 0
+    ttfts = [r["ttft"] for r in want["d1"]]
+    assert by["d1"]["ttft_s"]["p99"] == pytest.approx(np.percentile(ttfts, 99))
+    path = tmp_path / "requests.jsonl"
+    write(path, recs)
+    assert A.main([str(path)]) == 0
+    assert "by worker" in capsys.readouterr().out
