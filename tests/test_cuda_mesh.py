@@ -296,7 +296,6 @@ def test_gpu_weights_tier_evicts_to_host_and_frees_gpu_memory_once_workers_let_g
     Every text equals the model alone on the GPU."""
     import os
 
-    from openai import OpenAI
     from tiny_model import make_tiny_llama
 
     models = {"narrow": make_tiny_llama(tmp_path / "narrow", seed=31),  # 2 layers x 2 KV heads x 16
@@ -320,11 +319,12 @@ def test_gpu_weights_tier_evicts_to_host_and_frees_gpu_memory_once_workers_let_g
                     "--weights-memory-gb", f"{budget / gb:.9f}", "--host-cache-gb", f"{4 * max(size.values()) / gb:.9f}"])
     try:
         m.wait_ready(timeout=120)
-        client = OpenAI(base_url=m.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
-        def complete(name: str) -> str:
-            return client.completions.create(model=name, prompt=prompt, max_tokens=tokens, temperature=0,
-                                             extra_body={"ignore_eos": True}).choices[0].text
+        def complete(name: str) -> str:  # httpx: the GPU image has no openai package
+            r = httpx.post(m.url + "/v1/completions", timeout=120, json={
+                "model": name, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
 
         def tier(name: str) -> str:
             return next(x for x in m.ask("models.node0.status")["models"] if x["name"] == name)["tier"]
