@@ -10,7 +10,8 @@ empty), never in the payload, so no reply is told apart by looking at its bytes.
 A restarted nats-server is reconnected to without end (nats-py re-creates the subscriptions and
 sends what was published meanwhile, up to its pending buffer); what the server held when it died
 is lost, so a service that must know registers `on_reconnect` (the gateway re-submits its open
-requests).
+requests). A restart silences every peer at once, which is not their death: a service that takes
+a silent peer for gone counts the silence from `heard_since`.
 
 Credentials, the reply prefix and TLS come from the environment (shared/nats_auth.py); a message
 larger than the server's max_payload is refused here at once, naming the limit, instead of being
@@ -21,7 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
+import time
 from typing import TypeVar
 
 import nats
@@ -82,11 +85,31 @@ class Bus:
         self.subjects = Subjects(namespace)
         self.url = ""  # the NATS URL it connected to (connect sets it): names this mesh's shared files
         self.reconnect_hooks: list = []  # called (no arguments) after each reconnection
+        self._up_since = time.monotonic()
+        self._reconnects = 0
 
     def on_reconnect(self, hook) -> None:
         self.reconnect_hooks.append(hook)
 
+    def heard_since(self) -> float:
+        """Since when (time.monotonic) this connection has been up without a break; +inf while it
+        is down. What a peer sent meanwhile was lost, so its silence counts from here at the
+        earliest: a restarted nats-server, which silences everyone at once, is no worker's death."""
+        if not self.nc.is_connected:
+            return math.inf
+        n = self.nc.stats["reconnects"]  # counted before the client is CONNECTED again
+        if n != self._reconnects:
+            self._reconnects, self._up_since = n, time.monotonic()
+        return self._up_since
+
+    def silent_for(self, last_heard: float, now: float | None = None) -> float:
+        """Seconds a peer last heard at `last_heard` has been silent, this service's own time off
+        the bus not counted (heard_since)."""
+        now = time.monotonic() if now is None else now
+        return max(0.0, now - max(last_heard, self.heard_since()))
+
     def _reconnected(self) -> None:
+        self.heard_since()
         log.warning("nats: reconnected to %s", self.nc.connected_url and self.nc.connected_url.netloc)
         for hook in self.reconnect_hooks:
             try:

@@ -18,6 +18,7 @@ process that only copies bytes (the kv-pool) asks for a cpu buffer as a numpy ar
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -148,10 +149,12 @@ class RetiredBuffers:
     def heard(self, worker: str, handles: list[str], now: float | None = None) -> None:
         self.reports[worker] = (time.monotonic() if now is None else now, frozenset(handles))
 
-    def collect(self, now: float | None = None) -> list[str]:
-        """Frees the buffers no live worker has open any more; returns what they were."""
+    def collect(self, now: float | None = None, heard_since: float = -math.inf) -> list[str]:
+        """Frees the buffers no live worker has open any more; returns what they were. heard_since:
+        since when the creator has been on the bus (Bus.heard_since); a silence before is not a
+        worker's."""
         now = time.monotonic() if now is None else now
-        for w in [w for w, (at, _) in self.reports.items() if now - at > self.timeout_s]:
+        for w in [w for w, (at, _) in self.reports.items() if now - max(at, heard_since) > self.timeout_s]:
             del self.reports[w]  # silent: its process is gone, and its handles closed with it
         done = [h for h, r in self.pending.items()
                 if all(open_ is not None and at > r.at and h not in open_ for at, open_ in self.reports.values())]

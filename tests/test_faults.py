@@ -27,6 +27,7 @@ from meshserve.shared.engine.sequence import SamplingParams
 PROMPTS = ["The quick brown fox", "Hello world! Hello there", "def add(a, b):", "Once upon a time there was"]
 MAX_TOKENS = 160
 RECOVERY_S = 60.0  # from the kill to a request served again
+WORKER_TIMEOUT_S = 3.0  # the kv-pool's and the scheduler's --worker-timeout (their default)
 TIMES: dict[str, float] = {}  # recovery time per fault, printed at the end
 OUTCOMES: dict[str, dict[str, int]] = {}  # per fault: streams identical / failed clearly / lost, printed at the end
 
@@ -126,7 +127,7 @@ def test_kill9_mid_load_loses_nothing(mesh, reference, service):
     assert min(at_kill) < MAX_TOKENS / 2, f"the kill came late: {at_kill} chunks received"
     clear = ("error", "connection") if service == "gateway" else ("error",)
     for (kind, text), want in zip(outcomes, reference):
-        assert kind in ("ok", *clear), f"{service}: a stream ended {kind}: {text!r}"
+        assert kind in ("ok", *clear), f"{service}: a stream ended {kind}: {text!r}\n{mesh.log.read_text()[-6000:]}"
         if kind == "ok":
             assert text == want, f"{service}: a stream's text differs from an undisturbed run"
     TIMES[service] = _serves(mesh, reference[0], killed + RECOVERY_S) - killed
@@ -140,6 +141,43 @@ def test_kill9_mid_load_loses_nothing(mesh, reference, service):
         time.sleep(0.1)
     assert mesh.service_pid(service) not in (None, pid), "the launcher did not start it again"
     assert mesh.proc.poll() is None
+
+
+def _holders(mesh: Mesh) -> dict[str, set[str]]:
+    """Per KV arena of the node, the workers holding blocks of it."""
+    return {k: set(a["holders"]) for k, a in mesh.ask("kv.node0.status")["arenas"].items()}
+
+
+def test_a_nats_outage_longer_than_the_worker_timeout_is_no_workers_death(mesh, reference):
+    """The nats-server stays down twice --worker-timeout (the launcher frozen so that it does not
+    restart it). Every service heard nothing meanwhile, yet nobody died: the kv-pool must not take
+    back the workers' blocks (they still write into them), nor retire the arena, nor the scheduler
+    re-dispatch their requests; the streams go on where they were, with the undisturbed text."""
+    _all_back(mesh, time.monotonic() + RECOVERY_S)
+    before, start = _holders(mesh), len(mesh.log.read_bytes())
+    client = OpenAI(base_url=mesh.url + "/v1", api_key="unused", timeout=90, max_retries=0)
+    received = [0] * len(PROMPTS)
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as ex:
+        futures = [ex.submit(_stream, client, mesh.model, p, received, i) for i, p in enumerate(PROMPTS)]
+        wait_streams_started(received)
+        os.kill(mesh.proc.pid, signal.SIGSTOP)
+        try:
+            os.kill(mesh.service_pid("nats-server"), signal.SIGKILL)
+            down = time.monotonic()
+            time.sleep(2 * WORKER_TIMEOUT_S)  # the fault itself: an outage this long
+            at_restart = list(received)
+        finally:
+            os.kill(mesh.proc.pid, signal.SIGCONT)
+        outcomes = [f.result(timeout=120) for f in futures]
+    _tally("nats-server down 2x the worker timeout", outcomes, reference)
+    TIMES["nats-server down 2x the worker timeout"] = _serves(mesh, reference[0], down + RECOVERY_S) - down
+    assert min(at_restart) < MAX_TOKENS / 2, f"the outage came late: {at_restart} chunks received"
+    log = mesh.log.read_bytes()[start:].decode(errors="replace")
+    assert "silent for" not in log, log[-4000:]  # no worker declared dead, no blocks reclaimed
+    assert "retired" not in log, log[-4000:]
+    assert _holders(mesh) == before
+    for (kind, text), want in zip(outcomes, reference):
+        assert (kind, text) == ("ok", want), f"a stream ended {kind}: {text[:200]!r}\n{log[-4000:]}"
 
 
 def test_a_request_sent_to_a_frozen_scheduler_is_served_by_its_replacement(mesh, reference):

@@ -659,9 +659,9 @@ class KVPool:
         the arenas again after a manifest reload and retires those the plan wants the memory of."""
         while True:
             await asyncio.sleep(0.5)
-            now = time.monotonic()
+            now, since = time.monotonic(), self.bus.heard_since()  # the pool's own time off the bus is no one's silence
             for w, seen in list(self.last_seen.items()):
-                if now - seen > self.args.worker_timeout:
+                if self.bus.silent_for(seen, now) > self.args.worker_timeout:
                     n = sum(a.ledger.drop_worker(w) for a in self.arenas.values())
                     del self.last_seen[w]
                     self.prefix_index.pop(w, None)
@@ -670,7 +670,7 @@ class KVPool:
                     self.asked.pop(w, None)
                     log.warning("worker %s silent for %.1fs: reclaimed %d block references", w, now - seen, n)
             self.fetch.expire()
-            for what in self.freeing.collect():
+            for what in self.freeing.collect(now, since):
                 log.info("freed the GPU memory of %s: no worker has it open", what)
             try:
                 self.plan_again()
@@ -764,6 +764,8 @@ async def make_arena(bus: Bus, args) -> tuple[ArenaDescriptor, object, ArenaBudg
         dtype = kv_arena_dtype(kv_cache_dtype, args.dtype)  # int8: each row's values and its scale
         shape = KVShape(num_hidden_layers=cfg.num_hidden_layers, num_key_value_heads=cfg.num_key_value_heads,
                         head_dim=cfg.head_dim, dtype=dtype)
+    if not getattr(args, "models", None):  # no manifest: the node's KV memory is this arena's, never retired
+        budgets.replan({shape.key: budgets.total}, complete=True)
     nbytes = budgets.for_arena(shape.key)
     desc, buf = create_arena(bus.subjects.ns, args.node_id, shape, shape.dtype, args.block_size, nbytes,
                              budgets.swap_for(nbytes), device, uuid.uuid4().hex, why="made at start",

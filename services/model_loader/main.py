@@ -279,11 +279,11 @@ class ModelLoader:
     def _sweep(self) -> None:
         """Workers silent for WORKER_TIMEOUT_S no longer hold their models; removed models with no
         worker left are unloaded."""
-        now = time.monotonic()
-        for wid in [w for w, t in self.seen.items() if now - t > WORKER_TIMEOUT_S]:
+        now, since = time.monotonic(), self.bus.heard_since()  # the loader's own time off the bus is no one's silence
+        for wid in [w for w, t in self.seen.items() if self.bus.silent_for(t, now) > WORKER_TIMEOUT_S]:
             del self.seen[wid]
             self.tiers.release(wid)
-        for what in self.freeing.collect():
+        for what in self.freeing.collect(now, since):
             log.info("freed the GPU memory of %s: no worker has it open", what)
         for e in list(self.tiers.entries.values()):
             if e.removed and not e.users and e.loading is None:

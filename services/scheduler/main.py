@@ -715,7 +715,7 @@ class Scheduler:
                 await self.dispatch(model)
             now = time.monotonic()
             for wid, w in list(self.workers.items()):
-                if now - w.last_seen > self.args.worker_timeout:
+                if self.bus.silent_for(w.last_seen, now) > self.args.worker_timeout:  # a nats restart is no one's death
                     del self.workers[wid]
                     self.roles.forget(wid)
                     lost = [t for t in self.requests.values() if t.worker == wid]
