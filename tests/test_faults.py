@@ -109,6 +109,22 @@ def _all_back(mesh: Mesh, deadline: float) -> None:
     raise AssertionError(f"not every service came back:\n{mesh.log.read_text()[-3000:]}")
 
 
+def _no_seat_held(mesh: Mesh, deadline: float) -> None:
+    """Once the streams ended, the scheduler counts no request as assigned to any worker: a seat
+    kept by an attempt that ended elsewhere would shrink the worker for good (and stall a model
+    switch, which waits for its worker to have nothing assigned)."""
+    seats = None
+    while time.monotonic() < deadline:
+        try:
+            seats = {w["id"]: w["assigned"] for w in mesh.ask("scheduler.status")["workers"]}
+            if not any(seats.values()):
+                return
+        except Exception:  # noqa: BLE001 - the bus may still be coming back
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"seats still held after every stream ended: {seats}")
+
+
 @pytest.mark.parametrize("service", ["prefill", "decode", "model-loader", "scheduler", "kv-pool", "nats-server",
                                      "gateway"])
 def test_kill9_mid_load_loses_nothing(mesh, reference, service):
@@ -131,6 +147,7 @@ def test_kill9_mid_load_loses_nothing(mesh, reference, service):
         if kind == "ok":
             assert text == want, f"{service}: a stream's text differs from an undisturbed run"
     TIMES[service] = _serves(mesh, reference[0], killed + RECOVERY_S) - killed
+    _no_seat_held(mesh, time.monotonic() + 30)
     _tally(f"kill -9 {service}", outcomes, reference)
     TIMES[f"kill -9 {service}"] = TIMES[service]
     print(f"{service}: {[k for k, _ in outcomes]}, serving again {TIMES[service]:.2f}s after the kill")
@@ -176,6 +193,7 @@ def test_a_nats_outage_longer_than_the_worker_timeout_is_no_workers_death(mesh, 
     assert "silent for" not in log, log[-4000:]  # no worker declared dead, no blocks reclaimed
     assert "retired" not in log, log[-4000:]
     assert _holders(mesh) == before
+    _no_seat_held(mesh, time.monotonic() + 30)
     for (kind, text), want in zip(outcomes, reference):
         assert (kind, text) == ("ok", want), f"a stream ended {kind}: {text[:200]!r}\n{log[-4000:]}"
 

@@ -115,3 +115,27 @@ def test_a_burst_of_interactive_prompts_alternates_between_the_prefill_and_a_bus
     dec.hb.step_s = 0.4
     assert spill_candidates([dec], 150) == []
     assert pick_soonest([pre], [], spill=[]) is pre
+
+
+def test_a_superseded_attempt_ending_frees_its_seat_where_it_ran():
+    """A re-submitted request (a new attempt after a nats restart or a lost chunk) may run on
+    another worker than its old attempt: the old one's Done frees the seat it held there, or the
+    worker would count one more sequence for good (and a model switch, which waits for its worker
+    to have nothing assigned, would wait for ever); the new attempt's seat stays."""
+    import asyncio
+    import types
+
+    from meshserve.services.scheduler.main import Scheduler, Tracked
+    from meshserve.shared.schemas import Done, GenerateRequest, Sampling
+
+    s = Scheduler(None, types.SimpleNamespace())
+    s.workers.update({wid: view(wid, "decode") for wid in ("a", "b")})
+    req = GenerateRequest(request_id="r", model="m", prompt_token_ids=[5], sampling=Sampling(max_tokens=1),
+                          stream_subject="x", arrival_time=0.0)
+    s.workers["a"].assigned.add("r")  # attempt 0 ran on a; attempt 1 was sent to b
+    s.workers["b"].assigned.add("r")
+    s.requests["r"] = Tracked(req.model_copy(update={"attempt": 1}), "b")
+    asyncio.run(s.done(Done(request_id="r", worker_id="a", attempt=0)))
+    assert not s.workers["a"].assigned and s.workers["b"].assigned == {"r"} and "r" in s.requests
+    asyncio.run(s.done(Done(request_id="r", worker_id="b", attempt=1)))
+    assert not s.workers["b"].assigned and "r" not in s.requests

@@ -634,8 +634,10 @@ class Scheduler:
 
     async def done(self, d: Done) -> None:
         t = self.requests.get(d.request_id)
-        if t is not None and t.req.attempt != d.attempt:
-            return  # a superseded attempt ended; the current one goes on
+        if t is not None and t.req.attempt != d.attempt:  # a superseded attempt ended; the current one goes on,
+            if t.worker != d.worker_id:  # elsewhere: the seat the old one took there is free
+                self._unassign(d.request_id, d.worker_id)
+            return
         self._unassign(d.request_id, d.worker_id)
         if t is not None and t.worker == d.worker_id:
             del self.requests[d.request_id]
