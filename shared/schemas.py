@@ -7,6 +7,7 @@ torch-free; the gateway and the scheduler import it). The engine converts at its
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
 import orjson
@@ -122,7 +123,12 @@ class Logprob(Message):
     top: list[tuple[int, float]] = Field(default_factory=list)  # the most likely alternatives, best first
 
 
-KEEPALIVE_S = 20.0  # a request waiting its turn says so this often (TokenChunk.queued)
+# A request someone holds without streaming its tokens (queued in the scheduler, waiting or in
+# prefill in a worker's engine) says so this often (TokenChunk.queued); a gateway that heard nothing
+# of one for STALL_S knows it was lost on the way and re-submits it. MESHSERVE_KEEPALIVE_S sets it
+# for the whole mesh (every service reads it; tests shorten it).
+KEEPALIVE_S = float(os.environ.get("MESHSERVE_KEEPALIVE_S", "20"))
+STALL_S = 2.25 * KEEPALIVE_S  # a keepalive lost with a reconnecting bus does not make a stall
 
 
 class TokenChunk(Message):

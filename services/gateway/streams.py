@@ -7,8 +7,9 @@ after a worker died), and NATS orders messages only per publisher, so a chunk ca
 the chunk's first token in the output) is what decides, so the client sees every token once, in order.
 
 The gateway owns its requests: when the scheduler that accepted one restarts (a new id on
-`scheduler.hello`), when the bus reconnects (what the server held is lost) or when a gap stays
-open for GAP_TIMEOUT, it re-submits the request as a new `attempt` with the tokens the client
+`scheduler.hello`), when the bus reconnects (what the server held is lost), when a gap stays
+open for GAP_TIMEOUT, or when nothing was heard of it for STALL_S (whoever holds a request
+without streaming its tokens says so every KEEPALIVE_S, so silence means it was lost), it re-submits the request as a new `attempt` with the tokens the client
 already has, after aborting the old attempt on the workers; chunks of older attempts are ignored.
 A recomputed greedy or seeded continuation is the same text, so the client sees no seam.
 """
@@ -18,13 +19,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 import uuid
 
 import nats.errors
 
 from meshserve.shared.bus import Bus, PayloadTooLarge
 from meshserve.shared.openai_protocol import OpenAIError
-from meshserve.shared.schemas import (NOT_READY, Abort, GenerateRequest, ServiceHello, SubmitReply,
+from meshserve.shared.schemas import (NOT_READY, STALL_S, Abort, GenerateRequest, ServiceHello, SubmitReply,
                                       TokenChunk)
 
 log = logging.getLogger(__name__)
@@ -116,6 +118,7 @@ class RequestStream:
         self.resubmits = 0
         self.scheduler_id: str | None = None  # who accepted the current attempt (None: not yet)
         self._gap_since: float | None = None
+        self._heard_at = time.monotonic()  # the last chunk (or keepalive) of the current attempt
         self._held: dict[int, TokenChunk] = {}
         self._queue: asyncio.Queue[TokenChunk | OpenAIError | object] = asyncio.Queue()
         self._lost_workers: set[str] = set()
@@ -129,11 +132,11 @@ class RequestStream:
     async def next(self, timeout: float) -> TokenChunk:
         """The next in-order chunk (trimmed of repeats); raises OpenAIError when the request failed
         and TimeoutError when nothing arrived for `timeout` seconds. A gap held open for
-        GAP_TIMEOUT re-submits the request."""
+        GAP_TIMEOUT, or STALL_S without a word of the request, re-submits it."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
-            wait = deadline - loop.time()
+            wait = min(deadline - loop.time(), self._heard_at + STALL_S - time.monotonic())
             if self._gap_since is not None:
                 wait = min(wait, self._gap_since + GAP_TIMEOUT - loop.time())
             try:
@@ -147,6 +150,11 @@ class RequestStream:
                     raise
                 if self._gap_since is not None and loop.time() >= self._gap_since + GAP_TIMEOUT:
                     self.resubmit(f"a gap at token {len(self.token_ids)} stayed open {GAP_TIMEOUT:g} s")
+                elif time.monotonic() >= self._heard_at + STALL_S:
+                    if self._resubmitting is not None and not self._resubmitting.done():
+                        self._heard_at = time.monotonic()  # its re-submission is under way: wait for it
+                    else:
+                        self.resubmit(f"nothing heard of it for {STALL_S:g} s after {len(self.token_ids)} tokens")
         if isinstance(item, OpenAIError):
             raise item
         return item
@@ -159,6 +167,7 @@ class RequestStream:
         self.request = self.request.model_copy(update={"attempt": old + 1})
         self._held.clear()
         self._gap_since = None
+        self._heard_at = time.monotonic()
         self.scheduler_id = None
         return Abort(request_id=self.request.request_id, reason="superseded", attempt=old)
 
@@ -188,6 +197,7 @@ class RequestStream:
             return  # over, or a superseded attempt's late chunk
         if chunk.worker_id and chunk.worker_id in self._lost_workers:
             return  # a dead (or declared dead) worker's late chunks would race its replacement's
+        self._heard_at = time.monotonic()
         if chunk.queued:
             self._queue.put_nowait(STILL_QUEUED)
             return

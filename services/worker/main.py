@@ -624,11 +624,13 @@ class Worker:
             await asyncio.sleep(self.args.heartbeat_interval)
 
     async def _keep_waiting_alive(self) -> None:
-        """Tells the gateways which of their requests wait in this engine's queue (not started, or
-        preempted): a background prompt may wait longer than a gateway waits for a token."""
+        """Tells the gateways which of their requests this engine holds without streaming tokens
+        (waiting: not started or preempted; or still in its prompt's prefill): a background prompt
+        may wait longer than a gateway waits for a token, and one not heard of is taken for lost."""
         for seq in list(self.engine.requests.values()):  # one copy: the step thread may end one meanwhile
             req = self.streams.get(seq.request_id)
-            if req is not None and seq.status == SequenceStatus.WAITING:
+            prefilling = not seq.num_output_tokens or seq.num_tokens - seq.num_computed_tokens > 1
+            if req is not None and (seq.status == SequenceStatus.WAITING or prefilling):
                 await self.bus.publish(req.stream_subject, TokenChunk(
                     request_id=req.request_id, seq=0, index=seq.num_output_tokens, token_ids=[], queued=True,
                     worker_id=self.id, attempt=req.attempt))
