@@ -9,8 +9,9 @@ the chunk's first token in the output) is what decides, so the client sees every
 The gateway owns its requests: when the scheduler that accepted one restarts (a new id on
 `scheduler.hello`), when the bus reconnects (what the server held is lost), when a gap stays
 open for GAP_TIMEOUT, or when nothing was heard of it for STALL_S (whoever holds a request
-without streaming its tokens says so every KEEPALIVE_S, so silence means it was lost), it re-submits the request as a new `attempt` with the tokens the client
-already has, after aborting the old attempt on the workers; chunks of older attempts are ignored.
+without streaming its tokens says so every KEEPALIVE_S, so silence means it was lost), it
+re-submits the request as a new `attempt` with the tokens the client already has, after
+aborting the old attempt on the workers; chunks of older attempts are ignored.
 A recomputed greedy or seeded continuation is the same text, so the client sees no seam.
 """
 
