@@ -9,6 +9,7 @@ again. `pytest -s` prints, per fault, how the streams ended and when the mesh se
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import os
 import sys
@@ -198,61 +199,67 @@ def test_a_nats_outage_longer_than_the_worker_timeout_is_no_workers_death(mesh, 
         assert (kind, text) == ("ok", want), f"a stream ended {kind}: {text[:200]!r}\n{log[-4000:]}"
 
 
-def _drop_on_workers(mesh: Mesh, request_id: str) -> None:
-    """Every worker drops the request without a word to anyone: what a message lost on the way
-    would leave (the scheduler and the gateway still think it runs)."""
-    import asyncio
-
+async def _drop_first_attempts(mesh: Mesh, workers: list[str], resubmitted: set[str], stop: asyncio.Event) -> None:
+    """Watches the token chunks on the bus; every worker drops attempt 0 of each request streamed,
+    without a word to anyone: what a message lost on the way would leave (the scheduler and the
+    gateway still think it runs). Again every 5 ms until the request streams as a later attempt
+    (`resubmitted`), so one in a handoff is dropped where it lands."""
     import nats
 
-    from meshserve.shared.schemas import Abort
+    from meshserve.shared.schemas import Abort, TokenChunk
     from meshserve.shared.subjects import Subjects
 
-    workers = [w["id"] for w in mesh.ask("scheduler.status")["workers"]]
+    subjects = [Subjects(mesh.namespace).worker(w, "abort") for w in workers]
+    dropping: set[str] = set()
 
-    async def drop():
-        nc = await nats.connect(mesh.nats_url, **mesh.nats_options())
-        try:
-            for w in workers:
-                await nc.publish(Subjects(mesh.namespace).worker(w, "abort"),
-                                 Abort(request_id=request_id, reason="dropped", attempt=0).encode())
-            await nc.flush()
-        finally:
-            await nc.close()
+    async def on_chunk(msg):
+        c = TokenChunk.decode(msg.data)
+        (resubmitted if c.attempt > 0 else dropping).add(c.request_id)
 
-    asyncio.run(drop())
+    nc = await nats.connect(mesh.nats_url, **mesh.nats_options())
+    try:
+        await nc.subscribe(f"{mesh.namespace}.tokens.*", cb=on_chunk)
+        while not stop.is_set():
+            for rid in dropping - resubmitted:
+                for subject in subjects:
+                    await nc.publish(subject, Abort(request_id=rid, reason="dropped", attempt=0).encode())
+            await asyncio.sleep(0.005)
+    finally:
+        await nc.close()
 
 
 def test_a_request_lost_without_a_word_is_submitted_again(tiny_llama, tmp_path):
     """Whoever holds a request without streaming its tokens says so every KEEPALIVE_S (here 1 s),
     so a gateway that hears nothing of one for STALL_S knows it was lost and re-submits it from
-    the tokens sent: the stream goes on to the undisturbed text instead of waiting for the
+    the tokens sent: the request goes on to the undisturbed text instead of waiting for the
     no-token timeout (300 s) and failing."""
+    import threading
+
     llm = LLM(str(tiny_llama), "float32")
     tokens = 200
     want = [llm.generate([p], SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))[0].text
             for p in PROMPTS]
     with Mesh(tiny_llama, tmp_path, prefill=1, decode=1, env={"MESHSERVE_KEEPALIVE_S": "1"}) as mesh:
-        client = OpenAI(base_url=mesh.url + "/v1", api_key="unused", timeout=60, max_retries=0)
-
-        def run(prompt: str) -> tuple[str, int]:
-            text, at_drop = "", None
-            for n, c in enumerate(client.completions.create(model=mesh.model, prompt=prompt, max_tokens=tokens,
-                                                            temperature=0, stream=True,
-                                                            extra_body={"ignore_eos": True})):
-                text += c.choices[0].text if c.choices else ""
-                if n == 10:  # decoding by now, past the handoff
-                    _drop_on_workers(mesh, c.id.split("-", 1)[1])
-                    at_drop = len(text)
-            return text, at_drop
-
-        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as ex:
-            outcomes = list(ex.map(run, PROMPTS))
+        workers = [w["id"] for w in mesh.ask("scheduler.status")["workers"]]
+        resubmitted: set[str] = set()
+        loop, stop = asyncio.new_event_loop(), asyncio.Event()
+        watching = threading.Thread(target=loop.run_until_complete,
+                                    args=(_drop_first_attempts(mesh, workers, resubmitted, stop),))
+        watching.start()
+        try:
+            client = OpenAI(base_url=mesh.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+            with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as ex:
+                outcomes = list(ex.map(lambda p: client.completions.create(
+                    model=mesh.model, prompt=p, max_tokens=tokens, temperature=0,
+                    extra_body={"ignore_eos": True}), PROMPTS))
+        finally:
+            loop.call_soon_threadsafe(stop.set)
+            watching.join()
         log = mesh.log.read_text()
-        assert log.count("nothing heard of it") >= len(PROMPTS), log[-4000:]
-        for (text, at_drop), ref in zip(outcomes, want):
-            assert at_drop is not None and at_drop < len(ref)
-            assert text == ref
+        for out, ref in zip(outcomes, want):
+            rid = out.id.split("-", 1)[1]
+            assert rid in resubmitted and f"request {rid}: nothing heard of it" in log, log[-4000:]
+            assert out.choices[0].text == ref
 
 
 def test_a_request_sent_to_a_frozen_scheduler_is_served_by_its_replacement(mesh, reference):
