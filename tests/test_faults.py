@@ -255,6 +255,7 @@ def test_a_request_lost_without_a_word_is_submitted_again(tiny_llama, tmp_path):
         finally:
             loop.call_soon_threadsafe(stop.set)
             watching.join()
+            loop.close()
         log = mesh.log.read_text()
         for out, ref in zip(outcomes, want):
             rid = out.id.split("-", 1)[1]
