@@ -209,7 +209,8 @@ async def _drop_first_attempts(mesh: Mesh, workers: list[str], resubmitted: set[
     from meshserve.shared.schemas import Abort, TokenChunk
     from meshserve.shared.subjects import Subjects
 
-    subjects = [Subjects(mesh.namespace).worker(w, "abort") for w in workers]
+    names = Subjects(mesh.namespace)
+    subjects = [names.worker(w, "abort") for w in workers]
     dropping: set[str] = set()
 
     async def on_chunk(msg):
@@ -218,7 +219,7 @@ async def _drop_first_attempts(mesh: Mesh, workers: list[str], resubmitted: set[
 
     nc = await nats.connect(mesh.nats_url, **mesh.nats_options())
     try:
-        await nc.subscribe(f"{mesh.namespace}.tokens.*", cb=on_chunk)
+        await nc.subscribe(names.tokens("*"), cb=on_chunk)  # every gateway's
         while not stop.is_set():
             for rid in dropping - resubmitted:
                 for subject in subjects:

@@ -597,7 +597,7 @@ class Worker:
         """(prompt tokens not yet computed, output tokens not yet generated) of its sequences."""
         prefill = decode = 0
         for seq in list(self.engine.requests.values()):  # one copy: the step thread may end one meanwhile
-            if not seq.num_output_tokens or seq.num_tokens - seq.num_computed_tokens > 1:
+            if seq.prefilling:
                 prefill += seq.num_tokens - seq.num_computed_tokens
             decode += max(0, seq.params.max_tokens - seq.num_output_tokens)
         for kind, m in self.inbox:
@@ -629,8 +629,7 @@ class Worker:
         may wait longer than a gateway waits for a token, and one not heard of is taken for lost."""
         for seq in list(self.engine.requests.values()):  # one copy: the step thread may end one meanwhile
             req = self.streams.get(seq.request_id)
-            prefilling = not seq.num_output_tokens or seq.num_tokens - seq.num_computed_tokens > 1
-            if req is not None and (seq.status == SequenceStatus.WAITING or prefilling):
+            if req is not None and (seq.status == SequenceStatus.WAITING or seq.prefilling):
                 await self.bus.publish(req.stream_subject, TokenChunk(
                     request_id=req.request_id, seq=0, index=seq.num_output_tokens, token_ids=[], queued=True,
                     worker_id=self.id, attempt=req.attempt))

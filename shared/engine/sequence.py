@@ -130,6 +130,11 @@ class Sequence:
         return len(self.token_ids) - len(self.prompt_token_ids)
 
     @property
+    def prefilling(self) -> bool:
+        """Its prompt (or a recomputed prefix) is not all computed yet: no token comes of its steps."""
+        return not self.num_output_tokens or self.num_tokens - self.num_computed_tokens > 1
+
+    @property
     def wants_prompt_logprobs(self) -> bool:
         """Its prompt logprobs are not all computed: its prompt must not come from the prefix cache."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
