@@ -108,6 +108,14 @@ class Mesh:
         """The server's URL without credentials: services bring theirs in the environment."""
         return self._nats_url or f"nats://{self.nats_address}"
 
+    def wait_log(self, text: str, timeout: float = 30) -> str:
+        """The mesh's log once it has `text`: the launcher may still be writing a line (its ready
+        line follows the health the tests wait for)."""
+        deadline = time.monotonic() + timeout
+        while text not in (log := self.log.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return log
+
     def wait_ready(self, timeout: float = 240) -> "Mesh":
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -396,7 +396,7 @@ async def public_call(mesh, subject: str, body: dict, timeout: float = 60.0) -> 
 
 def test_tls_mesh_serves_end_to_end_and_refuses_plain_connections(secure_mesh):
     m = secure_mesh
-    assert f"NATS tls://{m.nats_address}" in m.log.read_text()  # every service was given the TLS URL
+    assert f"NATS tls://{m.nats_address}" in m.wait_log("meshserve is ready")  # every service was given the TLS URL
     r = OpenAI(base_url=m.url + "/v1", api_key="none").completions.create(
         model=m.model, prompt="Hello", max_tokens=4, temperature=0)  # HTTP -> gateway -> NATS over TLS -> workers
     assert r.usage.completion_tokens == 4
