@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from meshserve.shared.engine.llm_engine import EngineConfig, LLMEngine
-from meshserve.shared.engine.policy import PreemptionCosts
+from meshserve.shared.engine.policy import BACKGROUND, INTERACTIVE, Policy, PreemptionCosts
 from meshserve.shared.engine.scheduler import SchedulerConfig
-from meshserve.shared.engine.sequence import SamplingParams
+from meshserve.shared.engine.sequence import SamplingParams, Sequence, SequenceStatus
 from meshserve.shared.model.llama import LlamaModel
 from meshserve.shared.model.weights import load_hf_dir
 
@@ -211,6 +211,25 @@ def test_shorter_prompts_first_within_a_class_and_overtaking_is_bounded(tiny):
     while fcfs.has_unfinished():
         order += [o.request_id for o in fcfs.step() if o.request_id not in order]
     assert order == ["s0", "long", "s1"]
+
+
+def test_a_preempted_sequence_keeps_the_head_of_its_class_while_it_recomputes():
+    """Short prompts of its class go before a long running prompt, but not before one that was
+    preempted: waiting again, or running again to recompute what it lost, it has already waited its
+    turn once (a later short prompt would otherwise take each chunk's budget from it)."""
+    pol = Policy(SchedulerConfig(), Clock())
+    params = SamplingParams(max_tokens=8)
+    short = Sequence("short", list(range(3, 13)), params, priority=BACKGROUND)
+    fresh = Sequence("fresh", list(range(3, 403)), params, priority=BACKGROUND)
+    fresh.status, fresh.num_computed_tokens = SequenceStatus.RUNNING, 32
+    assert pol.outranks(short, fresh)
+    resumed = Sequence("resumed", list(range(3, 403)), params, priority=BACKGROUND)
+    resumed.num_preemptions = 1
+    assert pol.rank(resumed) < pol.rank(short)  # waiting to resume
+    resumed.status, resumed.num_computed_tokens = SequenceStatus.RUNNING, 32
+    assert not pol.outranks(short, resumed)  # recomputing its prompt in chunks
+    urgent = Sequence("urgent", list(range(3, 13)), params, priority=INTERACTIVE)
+    assert pol.outranks(urgent, resumed)  # the head of its class only
 
 
 def test_batch_prompts_take_small_chunks_while_interactive_requests_come(tiny):

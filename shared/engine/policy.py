@@ -84,7 +84,7 @@ class Policy:
 
     Sequences are read through their fields: priority, num_tokens, num_computed_tokens,
     num_prompt_tokens, params.max_tokens, block_table, num_preemptions, resumed_at, overtaken_tokens,
-    queue_order, swapped_tokens and waiting (bool)."""
+    queue_order and swapped_tokens."""
 
     def __init__(self, config, clock):
         self.cfg, self.clock = config, clock
@@ -107,8 +107,8 @@ class Policy:
     def size_rank(self, seq) -> int:
         if self.fcfs or not self.cfg.short_first:
             return 0
-        if seq.waiting and seq.num_preemptions:
-            return -1  # preempted: the head of its class
+        if seq.num_preemptions:
+            return -1  # preempted, waiting or recomputing what it lost: the head of its class
         remaining = seq.num_tokens - max(seq.num_computed_tokens, seq.swapped_tokens)
         if overtaken_enough(seq.overtaken_tokens, remaining, self.cfg.overtake_factor):
             return 0

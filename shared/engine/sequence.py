@@ -138,8 +138,6 @@ class Sequence:
     def wants_prompt_logprobs(self) -> bool:
         """Its prompt logprobs are not all computed: its prompt must not come from the prefix cache."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
-    def waiting(self) -> bool:
-        return self.status is SequenceStatus.WAITING
 
     @property
     def is_finished(self) -> bool:
