@@ -305,3 +305,36 @@ def test_speculation_turns_itself_off_where_verifying_makes_tokens_slower_and_ba
     assert sum(slow) == 320 // Payoff.PROBE_EVERY  # only the probes propose
     fast = run(320, 500.0)
     assert p.pays() and fast[-100:].count(True) >= 96  # back on, bar the probes the other way
+
+
+def test_a_failed_model_switch_keeps_the_workers_draft_in_use(tiny_llama, draft_dir, tmp_path):
+    """A speculative worker asked to switch to a model that fails to load stays on its model and its
+    draft, and the loader still counts it as a user of both (the failed load counted it off them: were
+    the draft not registered again, the loader could evict it under the worker)."""
+    import shutil
+
+    import httpx
+    from mesh_util import Mesh
+    from openai import OpenAI
+
+    broken = shutil.copytree(tiny_llama, tmp_path / "broken")
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    manifest = tmp_path / "models.yaml"
+    manifest.write_text(f"- {{name: target, path: '{tiny_llama}'}}\n- {{name: broken, path: '{broken}'}}\n")
+    alone = LLM(str(tiny_llama), "float32").generate([[5, 9, 14, 5, 9, 14, 5]],
+                                                        SamplingParams(max_tokens=MAX_NEW, temperature=0))[0].text
+    with Mesh(tiny_llama, tmp_path, prefill=0, decode=1,
+              extra=["--models", str(manifest), "--speculative-model", str(draft_dir),
+                     "--num-speculative-tokens", "3"]) as m:
+        def users() -> dict[str, list[str]]:
+            return {x["model"]: x["users"] for x in m.ask("models.node0.status")["models"] if x["users"]}
+
+        before = users()
+        assert set(before) == {str(tiny_llama), str(draft_dir)} and before[str(tiny_llama)] == before[str(draft_dir)]
+        client = OpenAI(base_url=m.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        r = httpx.post(m.url + "/v1/completions", json={"model": "broken", "prompt": [5, 9], "max_tokens": 2},
+                       timeout=120)
+        assert r.status_code >= 400 and "loading it failed" in r.json()["error"]["message"], r.text
+        assert users() == before
+        assert client.completions.create(model="target", prompt=[5, 9, 14, 5, 9, 14, 5], max_tokens=MAX_NEW,
+                                         temperature=0).choices[0].text == alone

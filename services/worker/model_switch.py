@@ -113,6 +113,31 @@ async def open_weights(w: WeightsDescriptor) -> tuple[dict, LayerGate | None]:
     return weights, gate
 
 
+def speculation(worker, load: LoadRequest):
+    """The speculative flags are the worker's --model's: a model switched to runs without speculation."""
+    return config_from_args(worker.args) if load.model == worker.args.model else None
+
+
+def draft_load(worker, load: LoadRequest, spec) -> LoadRequest:
+    """The load of `load`'s draft model, mapped beside it (the loader keeps both in use by the worker)."""
+    return LoadRequest(model=spec.model, dtype=load.dtype, worker_id=worker.id, beside=True)
+
+
+async def register_again(worker) -> None:
+    """After a failed switch: the loader counted the worker off what it maps, and it still maps its
+    model (and its draft, if it has one), so it says so again; else they could be evicted under it."""
+    loads = [worker.load]
+    spec = speculation(worker, worker.load)
+    if spec is not None and spec.method == "draft":
+        loads.append(draft_load(worker, worker.load, spec))
+    for load in loads:
+        try:
+            await worker.bus.request(worker.bus.subjects.models("load", worker.args.node_id), load,
+                                     WeightsDescriptor, timeout=900)
+        except Exception as e:  # noqa: BLE001
+            log.warning("worker %s: could not re-register %s with the loader: %s", worker.id, load.model, e)
+
+
 async def build_engine(worker, load: LoadRequest,
                        served: str) -> tuple[LLMEngine, WeightsDescriptor, ArenaDescriptor]:
     """The model's weights mapped from the loader and an engine over them on the node's arena of its
@@ -135,12 +160,11 @@ async def build_engine(worker, load: LoadRequest,
     sched = SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
                             prefill_chunk_size=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
                             policy=a.scheduling, preemption_mode=a.preemption_mode)
-    # The speculative flags are the worker's --model's: a model switched to runs without speculation.
-    spec = config_from_args(a) if load.model == a.model else None
+    spec = speculation(worker, load)
     draft = None
     if spec is not None and spec.method == "draft":  # the draft's weights from the node's loader too
-        dw = await bus.request(bus.subjects.models("load", a.node_id), LoadRequest(
-            model=spec.model, dtype=load.dtype, worker_id=worker.id, beside=True), WeightsDescriptor, timeout=900)
+        dw = await bus.request(bus.subjects.models("load", a.node_id), draft_load(worker, load, spec),
+                               WeightsDescriptor, timeout=900)
         dweights, dgate = await open_weights(dw)
         draft = await loop.run_in_executor(worker.stepper, lambda: LlamaModel(ModelConfig(**dw.config), dweights,
                                                                               gate=dgate))
@@ -160,11 +184,7 @@ async def switch_model(worker, m: ModelSwitch) -> ModelSwitchReply:
         engine, w, arena = await build_engine(worker, load, m.name)
     except Exception as e:  # noqa: BLE001 - the scheduler must hear why
         log.warning("worker %s: cannot switch %s -> %s: %s", worker.id, old, m.name, e)
-        try:  # still mapped by this worker: tell the loader so it is not evicted under it
-            await worker.bus.request(worker.bus.subjects.models("load", worker.args.node_id), worker.load,
-                                     WeightsDescriptor, timeout=900)
-        except Exception as again:  # noqa: BLE001
-            log.warning("worker %s: could not re-register %s with the loader: %s", worker.id, old, again)
+        await register_again(worker)
         return ModelSwitchReply(ok=False, error=str(e), seconds=time.perf_counter() - t0)
     was = worker.arena.key
     await worker.replace_engine(engine, m.name, load, node_memory.weights_nbytes(w), arena)
