@@ -11,7 +11,8 @@ loading (issue 12). Run through `meshserve bench-models --tier-load-times` and `
 - Cold TTFT: `meshserve up --models` with two copies of one model (the worker starts on the first),
   then one streamed request of `--cold-prompt-tokens` tokens to the second, which is not loaded:
   its TTFT includes the load. Once with layered loading, once with `--no-layered-loading`; then a
-  second request to it, loaded by then (the TTFT without any load).
+  second request to it with another prompt of that length, loaded by then (the TTFT without any
+  load, and without prefix-cache hits). `--cold-repeat` rounds, the modes alternating.
 
 `random-1b` in `--tier-models` (and the default `--cold-model`) is a random-weight Llama of about 1B
 parameters the benchmark writes itself (bf16 safetensors, the tokenizer of `--model`), in the shape
@@ -113,11 +114,9 @@ def tier_load_times(model: str, dtype: str, repeat: int, device: str = "cpu") ->
 
 
 def cold_ttft(a, model: Path, log) -> dict:
-    """TTFT of a cold model's first request, layered and not, and of its second (loaded) request."""
-    import httpx
-
-    from meshserve.bench.compare import start_mesh, stop_mesh
-
+    """TTFT of a cold model's first request, layered and not, and of a second (loaded) request with
+    another prompt of the same length (the same prompt would find its blocks in the prefix cache).
+    `--cold-repeat` rounds, each a fresh mesh per mode, the modes alternating: medians and each run."""
     tmp = Path(a.tmp)
     copies = {}
     for name in ("warm", "cold"):
@@ -127,47 +126,70 @@ def cold_ttft(a, model: Path, log) -> dict:
         copies[name] = dst
     manifest = tmp / "cold-ttft.yaml"
     manifest.write_text("".join(f"- {{name: {n}, path: '{p}'}}\n" for n, p in copies.items()))
-    tok = load_tokenizer(str(model))
-    ids = [(7 + 13 * i) % (tok.vocab_size - 10) + 5 for i in range(a.cold_prompt_tokens)]
-    body = {"model": "cold", "prompt": ids, "max_tokens": 1, "temperature": 0, "stream": True}
-    out = {}
-    for mode, flag in (("layered", ""), ("whole", "--no-layered-loading")):
-        m = types.SimpleNamespace(**vars(a))
-        m.model = str(copies["warm"])
-        m.mesh_args = f"{a.mesh_args or ''} --models {manifest} --fixed-roles --no-prewarm {flag}"
-        m.prefill, m.decode = 0, 1
-        log(f"cold TTFT, {mode}: {m.mesh_args.strip()}")
-        up, url = start_mesh(m)
-        try:
-            deadline = time.monotonic() + a.mesh_startup_timeout
-            while time.monotonic() < deadline:  # the first model written whole (a layered load answers early)
-                st = httpx.get(url + "/health", timeout=10).json().get("scheduler", {})
-                if any(x["name"] == "warm" and x["tier"] == "mapped" for node in (st.get("loaders") or {}).values()
-                       for x in node.get("models", [])):
-                    break
-                time.sleep(0.5)
-            ttfts = []
-            for _ in range(2):  # the first loads the model, the second finds it mapped
-                t0 = time.monotonic()
-                first = None
-                with httpx.stream("POST", url + "/v1/completions", json=body, timeout=900) as r:
-                    r.raise_for_status()
-                    for line in r.iter_lines():  # read to the end; the first data line is the first token
-                        if first is None and line.startswith("data:") and line != "data: [DONE]":
-                            first = time.monotonic() - t0
-                ttfts.append(first)
-            status = httpx.get(url + "/health", timeout=10).json().get("scheduler", {})
-            loads = [x for node in (status.get("loaders") or {}).values() for x in node.get("models", [])
-                     if x["name"] == "cold"]
-            out[mode] = {"cold_ttft_s": round(ttfts[0], 3), "loaded_ttft_s": round(ttfts[1], 3),
-                         "load_s": loads[0]["load_s"] if loads else None,
-                         "switch": next((s for s in status.get("recent_model_switches", []) if s["to"] == "cold"),
-                                        None)}
-        finally:
-            stop_mesh(up)
+    vocab = load_tokenizer(str(model)).vocab_size - 10
+    prompts = [[(first + step * i) % vocab + 5 for i in range(a.cold_prompt_tokens)] for first, step in ((7, 13), (3, 17))]
+    runs = {"layered": [], "whole": []}
+    for _ in range(a.cold_repeat):
+        for mode, flag in (("layered", ""), ("whole", "--no-layered-loading")):
+            runs[mode].append(_cold_run(a, copies["warm"], manifest, flag, prompts, log))
+    out = {mode: {"cold_ttft_s": statistics.median(r["cold_ttft_s"] for r in rs),
+                  "loaded_ttft_s": statistics.median(r["loaded_ttft_s"] for r in rs), "runs": rs}
+           for mode, rs in runs.items()}
     out["layered_over_whole"] = (out["layered"]["cold_ttft_s"] / out["whole"]["cold_ttft_s"]
                                  if out["whole"]["cold_ttft_s"] else None)
     return out
+
+
+def _cold_run(a, warm: Path, manifest: Path, flag: str, prompts: list[list[int]], log) -> dict:
+    """One mesh on `warm`: the first prompt to the cold model (it loads), then the second (loaded)."""
+    import httpx
+
+    from meshserve.bench.compare import start_mesh, stop_mesh
+
+    m = types.SimpleNamespace(**vars(a))
+    m.model = str(warm)
+    m.mesh_args = f"{a.mesh_args or ''} --models {manifest} --fixed-roles --no-prewarm {flag}"
+    m.prefill, m.decode = 0, 1
+    log(f"cold TTFT: {m.mesh_args.strip()}")
+    up, url = start_mesh(m)
+
+    def loader_models() -> list[dict]:
+        st = httpx.get(url + "/health", timeout=10).json().get("scheduler", {})
+        return [x for node in (st.get("loaders") or {}).values() for x in node.get("models", [])]
+
+    try:
+        deadline = time.monotonic() + a.mesh_startup_timeout
+        while time.monotonic() < deadline:  # the first model written whole (a layered load answers early)
+            if any(x["name"] == "warm" and x["tier"] == "mapped" for x in loader_models()):
+                break
+            time.sleep(0.5)
+        ttfts, cached = [], []
+        for prompt in prompts:
+            body = {"model": "cold", "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            t0, first = time.monotonic(), None
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=900) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():  # read to the end; the first data line is the first token
+                    if not line.startswith("data:") or line == "data: [DONE]":
+                        continue
+                    if first is None:
+                        first = time.monotonic() - t0
+                    usage = json.loads(line[5:]).get("usage") or {}
+                    if usage:
+                        cached.append((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+            ttfts.append(round(first, 3))
+        deadline = time.monotonic() + 10
+        while True:  # the loaders' status comes with their heartbeats
+            load_s = next((x["load_s"] for x in loader_models() if x["name"] == "cold"), None)
+            if load_s or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        switches = httpx.get(url + "/health", timeout=10).json().get("scheduler", {}).get("recent_model_switches", [])
+        return {"cold_ttft_s": ttfts[0], "loaded_ttft_s": ttfts[1], "cached_tokens": cached, "load_s": load_s,
+                "switch": next((s for s in switches if s["to"] == "cold"), None)}
+    finally:
+        stop_mesh(up)
 
 
 def main(a, log) -> dict:
@@ -211,5 +233,6 @@ def add_arguments(ap) -> None:
                     help="a cold model's TTFT with and without layered loading (two meshes, no workload)")
     ap.add_argument("--cold-model", default=RANDOM, help="the model of --cold-ttft (default: %(default)s)")
     ap.add_argument("--cold-prompt-tokens", type=int, default=256)
+    ap.add_argument("--cold-repeat", type=int, default=2, help="rounds of --cold-ttft, the modes alternating")
     ap.add_argument("--random-shape", default="2048,5632,20",
                     help="hidden,intermediate,layers of the random model (default: %(default)s, about 1B parameters)")

@@ -29,7 +29,7 @@ Prints the JSON on stdout (and writes it to --out).
 Instead of the workload (bench/model_loads_bench.py):
 
     meshserve bench-models --tier-load-times [--tier-models smollm2-135m-instruct,random-1b] [--repeat 3]
-    meshserve bench-models --cold-ttft [--cold-model random-1b] [--cold-prompt-tokens 256]
+    meshserve bench-models --cold-ttft [--cold-model random-1b] [--cold-prompt-tokens 256] [--cold-repeat 2]
 
 the load time of each model from each tier (source, disk, host), and a cold model's TTFT with and
 without layered loading; `random-1b` is a random ~1B-parameter model the benchmark writes itself.

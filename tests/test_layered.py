@@ -220,3 +220,28 @@ def test_tier_load_times_of_a_written_random_model_and_a_gguf(tiny_llama, tmp_pa
         assert out["bytes"] > 0 and all(0 < out[t]["answer_s"]["min"] <= out[t]["total_s"]["min"]
                                         for t in ("source", "disk", "host")), out
     assert not list((tmp_path / "shm").iterdir())  # every buffer it made is gone again
+
+
+def test_cold_ttft_benchmark_times_a_load_and_a_loaded_prompt_without_prefix_hits(tiny_llama, tmp_path):
+    """bench-models --cold-ttft on a tiny model, one round: each mode's first request switched the
+    worker to the cold model (from its source), its load time is reported, and the second request
+    computed a prompt of its own (it shared no block with the first: the prefix cache saved it nothing)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "cold.json"
+    subprocess.run([sys.executable, "-m", "meshserve.cli.main", "bench-models", "--cold-ttft", "--cold-model",
+                    str(tiny_llama), "--model", str(tiny_llama), "--dtype", "float32", "--cold-prompt-tokens", "40",
+                    "--cold-repeat", "1", "--quiet", "--out", str(out)],
+                   check=True, timeout=300, stdout=subprocess.DEVNULL,
+                   env={**os.environ, "MESHSERVE_SHM_DIR": str(tmp_path / "shm")})
+    res = json.loads(out.read_text())["cold_ttft"]
+    for mode in ("layered", "whole"):
+        (run,) = res[mode]["runs"]
+        assert run["switch"]["ok"] and run["switch"]["to"] == "cold" and run["switch"]["tier"] == "source", run
+        assert run["load_s"]["source"] > 0 and 0 < run["loaded_ttft_s"] and 0 < run["cold_ttft_s"], run
+        assert run["cached_tokens"] == [0, 0], run
+        assert res[mode]["cold_ttft_s"] == run["cold_ttft_s"]
+    assert res["layered_over_whole"] == res["layered"]["cold_ttft_s"] / res["whole"]["cold_ttft_s"]
