@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -23,9 +24,17 @@ def _pin_kernel_cache() -> None:
 
 _pin_kernel_cache()
 
-# Gateways started by tests log their requests here, not into the user's cache (children inherit it).
-os.environ.setdefault("MESHSERVE_REQUEST_LOG",
-                      os.path.join(tempfile.mkdtemp(prefix="meshserve-test-log-"), "requests.jsonl"))
+# Gateways started by tests log their requests here, not into the user's cache (children inherit it);
+# the folder goes when the session ends.
+_request_log_dir = None
+if "MESHSERVE_REQUEST_LOG" not in os.environ:
+    _request_log_dir = tempfile.mkdtemp(prefix="meshserve-test-log-")
+    os.environ["MESHSERVE_REQUEST_LOG"] = os.path.join(_request_log_dir, "requests.jsonl")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _request_log_dir is not None:
+        shutil.rmtree(_request_log_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

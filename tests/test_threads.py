@@ -60,6 +60,29 @@ def test_steps_of_different_sizes_are_measured_apart():
     assert {b for b, _ in tuner.avg} == {ThreadTuner.bucket(1), ThreadTuner.bucket(512)}
 
 
+def test_a_size_not_measured_yet_runs_first_on_the_count_running_now():
+    """A mesh's first prompt of some length is not the one-thread try: on a quiet machine it runs on
+    all the cores (the count the other sizes found best), and one thread is tried on the next."""
+    m = Machine()
+    m.threads = 2
+    tuner = ThreadTuner(2, m.set_threads, explore_every=8, clock=m.clock)
+    run(tuner, m, 40, tokens=1)
+    used = []
+
+    def step(tokens):
+        used.append(m.threads)
+        m.now += m.cost(m.threads, tokens)
+
+    for _ in range(2):
+        tuner.run(300, lambda: step(300))
+    assert used == [2, 1]
+    m.busy = True  # a burner: one thread is best now, and a new size starts there
+    run(tuner, m, 40, tokens=1)
+    assert tuner.current == 1
+    tuner.run(40, lambda: step(40))
+    assert used[-1] == 1
+
+
 def test_one_core_means_nothing_to_choose():
     m = Machine()
     m.threads = 1

@@ -66,7 +66,9 @@ class ThreadTuner:
         b = self.bucket(num_tokens)
         k = self.count.get(b, 0)
         self.count[b] = k + 1
-        untried = [n for n in self.candidates if (b, n) not in self.avg]
+        # A size not measured yet runs first on the count running now (what the other sizes found
+        # best), the other next: a quiet machine's first step of each size is not a one-thread try.
+        untried = sorted((n for n in self.candidates if (b, n) not in self.avg), key=lambda n: n != self.current)
         if untried:
             n, explore = untried[0], False
         else:
