@@ -1,16 +1,16 @@
 """Loading models: the load time from each tier, and a cold model's TTFT with and without layered
 loading (issue 12). Run through `meshserve bench-models --tier-load-times` and `--cold-ttft`.
 
-- Tier load times: the model-loader's own load path (ModelLoader.open_load/finish_load, in this
+- Tier load times: the model-loader's own load path (ModelLoader.open_load and Load.run, in this
   process, no mesh) for each model of `--tier-models`: `source` (the model's files read, dequantized,
-  fused, and a GGUF's prepared form kept: what its first load does, and every load of a Hugging
-  Face directory), `disk` (a GGUF's prepared form copied back; a directory has none, so its disk
-  tier is its source), `host` (the bytes in memory, one copy). Each is timed `--repeat` times (min and median), as `answer_s`
+  fused: what its first load does; the prepared form is kept afterwards, untimed, as a mesh answers
+  before keeping it), `disk` (the prepared form copied back), `host` (the bytes in memory, one copy). Each is timed `--repeat` times (min and median), as `answer_s`
   (until the buffer exists and its layout is known: when a layered load is answered) and `total_s`.
   The files are in the page cache after the first load (a cold disk is slower).
 - Cold TTFT: `meshserve up --models` with two copies of one model (the worker starts on the first),
   then one streamed request of `--cold-prompt-tokens` tokens to the second, which is not loaded:
-  its TTFT includes the load. Once with layered loading, once with `--no-layered-loading`; then a
+  its TTFT includes the load, from its files (`source`, a fresh cache) and from its prepared form
+  (`disk`), per `--cold-tiers`. Once with layered loading, once with `--no-layered-loading`; then a
   second request to it with another prompt of that length, loaded by then (the TTFT without any
   load, and without prefix-cache hits). `--cold-repeat` rounds, the modes alternating.
 
@@ -97,8 +97,9 @@ def tier_load_times(model: str, dtype: str, repeat: int, device: str = "cpu") ->
             load = loader.open_load(model, dtype, **kw)
             answer.append(time.monotonic() - t0)
             try:
-                loader.finish_load(load)
+                load.run()
                 total.append(time.monotonic() - t0)
+                loader.keep_prepared(load)  # a mesh's load is answered before this (untimed)
                 if host is None:
                     host = (loads.read_back(load.path, load.buffer), (load.specs, load.config))
                 out.setdefault("came_from", {})[tier] = load.tier
@@ -107,16 +108,18 @@ def tier_load_times(model: str, dtype: str, repeat: int, device: str = "cpu") ->
                 load.release()
         out[tier] = {"answer_s": _stats(answer), "total_s": _stats(total)}
 
-    timed("source", source=True)  # read, dequantized, fused (and a GGUF's prepared form kept)
-    timed("disk")  # a GGUF's prepared form; a directory's own files again
+    timed("source", source=True)  # read, dequantized, fused (and the prepared form kept)
+    timed("disk")  # the prepared form
     timed("host", host=host[0], meta=host[1])
     return out
 
 
 def cold_ttft(a, model: Path, log) -> dict:
-    """TTFT of a cold model's first request, layered and not, and of a second (loaded) request with
-    another prompt of the same length (the same prompt would find its blocks in the prefix cache).
-    `--cold-repeat` rounds, each a fresh mesh per mode, the modes alternating: medians and each run."""
+    """TTFT of a cold model's first request, layered and not, from each tier of `--cold-tiers` (source:
+    its files, in a fresh cache; disk: its prepared form, kept by an earlier run), and of a second
+    (loaded) request with another prompt of the same length (the same prompt would find its blocks
+    in the prefix cache). `--cold-repeat` rounds, a fresh mesh per run, the modes alternating:
+    medians and each run, per tier."""
     tmp = Path(a.tmp)
     copies = {}
     for name in ("warm", "cold"):
@@ -128,20 +131,37 @@ def cold_ttft(a, model: Path, log) -> dict:
     manifest.write_text("".join(f"- {{name: {n}, path: '{p}'}}\n" for n, p in copies.items()))
     vocab = load_tokenizer(str(model)).vocab_size - 10
     prompts = [[(first + step * i) % vocab + 5 for i in range(a.cold_prompt_tokens)] for first, step in ((7, 13), (3, 17))]
-    runs = {"layered": [], "whole": []}
-    for _ in range(a.cold_repeat):
+    tiers = a.cold_tiers.split(",")
+    runs = {tier: {"layered": [], "whole": []} for tier in tiers}
+    prepared_cache = tmp / "cache-prepared"  # the disk runs' cache: the first run from the files fills it
+    for k in range(a.cold_repeat):
         for mode, flag in (("layered", ""), ("whole", "--no-layered-loading")):
-            runs[mode].append(_cold_run(a, copies["warm"], manifest, flag, prompts, log))
-    out = {mode: {"cold_ttft_s": statistics.median(r["cold_ttft_s"] for r in rs),
-                  "loaded_ttft_s": statistics.median(r["loaded_ttft_s"] for r in rs), "runs": rs}
-           for mode, rs in runs.items()}
-    out["layered_over_whole"] = (out["layered"]["cold_ttft_s"] / out["whole"]["cold_ttft_s"]
-                                 if out["whole"]["cold_ttft_s"] else None)
+            for tier in tiers:
+                cache = tmp / f"cache-{k}-{mode}" if tier == "source" else prepared_cache
+                run = _cold_run(a, copies["warm"], manifest, flag, prompts, cache, log,
+                                keeps=f"{copies['cold'].name}-*" if tier == "source" else None)
+                if tier == "source" and not prepared_cache.exists():
+                    cache.rename(prepared_cache)
+                shutil.rmtree(tmp / f"cache-{k}-{mode}", ignore_errors=True)
+                came_from = (run["switch"] or {}).get("tier")
+                if came_from != tier:
+                    raise RuntimeError(f"a {tier} run loaded the cold model from {came_from}: {run}")
+                runs[tier][mode].append(run)
+    out = {}
+    for tier, by_mode in runs.items():
+        out[tier] = {mode: {"cold_ttft_s": statistics.median(r["cold_ttft_s"] for r in rs),
+                            "loaded_ttft_s": statistics.median(r["loaded_ttft_s"] for r in rs), "runs": rs}
+                     for mode, rs in by_mode.items()}
+        whole = out[tier]["whole"]["cold_ttft_s"]
+        out[tier]["layered_over_whole"] = out[tier]["layered"]["cold_ttft_s"] / whole if whole else None
     return out
 
 
-def _cold_run(a, warm: Path, manifest: Path, flag: str, prompts: list[list[int]], log) -> dict:
-    """One mesh on `warm`: the first prompt to the cold model (it loads), then the second (loaded)."""
+def _cold_run(a, warm: Path, manifest: Path, flag: str, prompts: list[list[int]], cache: Path, log,
+              keeps: str | None = None) -> dict:
+    """One mesh on `warm`, its model cache `cache`: the first prompt to the cold model (it loads), then
+    the second (loaded); with `keeps` (a glob), until the loader has kept a prepared form by that name
+    (it does so after answering the load)."""
     import httpx
 
     from meshserve.bench.compare import start_mesh, stop_mesh
@@ -150,7 +170,8 @@ def _cold_run(a, warm: Path, manifest: Path, flag: str, prompts: list[list[int]]
     m.model = str(warm)
     m.mesh_args = f"{a.mesh_args or ''} --models {manifest} --fixed-roles --no-prewarm {flag}"
     m.prefill, m.decode = 0, 1
-    log(f"cold TTFT: {m.mesh_args.strip()}")
+    log(f"cold TTFT, cache {cache}: {m.mesh_args.strip()}")
+    os.environ["MESHSERVE_CACHE"] = str(cache)  # the mesh's processes inherit it
     up, url = start_mesh(m)
 
     def loader_models() -> list[dict]:
@@ -185,6 +206,11 @@ def _cold_run(a, warm: Path, manifest: Path, flag: str, prompts: list[list[int]]
             if load_s or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
+        deadline = time.monotonic() + 300
+        while keeps and not list((cache / "prepared").glob(f"{keeps}/weights.json")):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no prepared form {keeps} was kept in {cache}")
+            time.sleep(0.2)
         switches = httpx.get(url + "/health", timeout=10).json().get("scheduler", {}).get("recent_model_switches", [])
         return {"cold_ttft_s": ttfts[0], "loaded_ttft_s": ttfts[1], "cached_tokens": cached, "load_s": load_s,
                 "switch": next((s for s in switches if s["to"] == "cold"), None)}
@@ -194,6 +220,10 @@ def _cold_run(a, warm: Path, manifest: Path, flag: str, prompts: list[list[int]]
 
 def main(a, log) -> dict:
     """bench-models --tier-load-times / --cold-ttft (see the module docstring)."""
+    from meshserve.kernels import cpu_build
+
+    # the compiled CPU kernels stay where they are (a fresh cache would rebuild them in every mesh)
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cpu_build.build_dir()))
     os.environ["MESHSERVE_CACHE"] = str(Path(a.tmp) / "cache")  # a fresh cache: the first load is from source
     res: dict = {"command": "meshserve bench-models " + " ".join(sys.argv[1:]), "dtype": a.dtype,
                  "device": getattr(a, "device", "cpu")}
@@ -234,5 +264,7 @@ def add_arguments(ap) -> None:
     ap.add_argument("--cold-model", default=RANDOM, help="the model of --cold-ttft (default: %(default)s)")
     ap.add_argument("--cold-prompt-tokens", type=int, default=256)
     ap.add_argument("--cold-repeat", type=int, default=2, help="rounds of --cold-ttft, the modes alternating")
+    ap.add_argument("--cold-tiers", default="source,disk",
+                    help="--cold-ttft loads the cold model from its files (source) and its prepared form (disk)")
     ap.add_argument("--random-shape", default="2048,5632,20",
                     help="hidden,intermediate,layers of the random model (default: %(default)s, about 1B parameters)")

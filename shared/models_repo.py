@@ -177,14 +177,18 @@ def resolve(name_or_path: str | Path, download: bool = True) -> Path:
 PREPARED_FORMAT = 1  # bump to invalidate every prepared entry
 
 
-def prepared_dir(model_file: Path, *key: str) -> Path:
-    """Where something derived from a model file is kept (its rebuilt tokenizer, the model-loader's
-    prepared weights): <cache>/prepared/<file stem>-<hash>, the hash of the file's identity (its path,
-    size and modification time) and of `key` (what was derived and how), so a changed file or a
-    changed recipe gets a new entry and never a stale one. Entries are not pruned."""
-    st = model_file.stat()
-    ident = "\0".join([str(model_file.resolve()), str(st.st_size), str(st.st_mtime_ns), str(PREPARED_FORMAT), *key])
-    return cache_dir() / "prepared" / f"{model_file.stem[:80]}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
+def prepared_dir(model: Path, *key: str) -> Path:
+    """Where something derived from a model file or directory is kept (its rebuilt tokenizer, the
+    model-loader's prepared weights): <cache>/prepared/<stem>-<hash>, the hash of the model's identity
+    (its path, and the size and modification time of the file or of each file in the directory) and
+    of `key` (what was derived and how), so a changed file or a changed recipe gets a new entry and
+    never a stale one. Entries are not pruned."""
+    files = sorted(f for f in model.iterdir() if f.is_file()) if model.is_dir() else [model]
+    ident = [str(model.resolve()), str(PREPARED_FORMAT), *key]
+    for f in files:
+        st = f.stat()
+        ident += [f.name, str(st.st_size), str(st.st_mtime_ns)]
+    return cache_dir() / "prepared" / f"{model.stem[:80]}-{hashlib.sha256(chr(0).join(ident).encode()).hexdigest()[:16]}"
 
 
 def publish_dir(tmp: Path, final: Path) -> None:

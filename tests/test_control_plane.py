@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import types
+from pathlib import Path
 
 import pytest
 
@@ -258,7 +259,13 @@ def test_a_gguf_tokenizer_is_kept_and_reads_back_the_same(tiny_llama, tmp_path, 
             assert tok.encode(text) == ref.encode(text) and tok.decode(ref.encode(text)) == ref.decode(ref.encode(text))
 
 
-def test_prepared_weights_are_kept_and_load_the_same_bytes(tiny_llama, tmp_path, monkeypatch):
+@pytest.mark.parametrize("form", ["gguf", "hf-directory"])
+def test_prepared_weights_are_kept_and_load_the_same_bytes(tiny_llama, tmp_path, monkeypatch, form):
+    """A GGUF's first load dequantizes it, a Hugging Face directory's fuses and lays out its tensors:
+    either is kept once prepared, and the next load copies those bytes back. A changed file is
+    another model to the cache (a new entry), never a stale hit."""
+    import shutil
+
     from tiny_model import write_tiny_gguf
 
     from meshserve.services.model_loader import prepared
@@ -266,17 +273,22 @@ def test_prepared_weights_are_kept_and_load_the_same_bytes(tiny_llama, tmp_path,
 
     monkeypatch.setenv("MESHSERVE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("MESHSERVE_SHM_DIR", str(tmp_path / "shm"))
-    gguf = write_tiny_gguf(tiny_llama, tmp_path / "t.gguf")
+    model = write_tiny_gguf(tiny_llama, tmp_path / "t.gguf") if form == "gguf" else \
+        Path(shutil.copytree(tiny_llama, tmp_path / "hf"))
     loader = ModelLoader(types.SimpleNamespace(subjects=Subjects("t")), "n0", max_models=4)
-    first = loader.load_now(str(gguf), "bfloat16", None)
+    first = loader.load_now(str(model), "bfloat16", None)
+    assert first.tier == "source"
     digest = hashlib.sha256(open(first.path, "rb").read()).hexdigest()
-    kept = prepared.entry(gguf, "bfloat16", "cpu")
+    kept = prepared.entry(model, "bfloat16", "cpu")
     assert (kept / "weights.bin").is_file()
     os.unlink(first.path)
-    second = loader.load_now(str(gguf), "bfloat16", None)  # from the kept copy
+    second = loader.load_now(str(model), "bfloat16", None)  # from the kept copy
+    assert second.tier == "disk"
     assert hashlib.sha256(open(second.path, "rb").read()).hexdigest() == digest
     assert (second.tensors, second.config) == (first.tensors, first.config)
-    assert prepared.entry(tiny_llama, "bfloat16", "cpu") is None  # an HF directory loads as it is
+    weights = model if form == "gguf" else model / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1_000_000))
+    assert prepared.entry(model, "bfloat16", "cpu") != kept
 
 
 def test_startup_bench_reads_a_process_memory():

@@ -213,7 +213,7 @@ def test_tier_load_times_of_a_written_random_model_and_a_gguf(tiny_llama, tmp_pa
     vocab = 384
     assert n == 2 * vocab * 64 + 64 + 2 * (64 * 64 * 2 + 64 * 64 * 2 + 3 * 64 * 128 + 2 * 64)
     hf = tier_load_times(str(path), "float32", 2)
-    assert hf["came_from"] == {"source": "source", "disk": "source", "host": "host"}  # a directory: no prepared form
+    assert hf["came_from"] == {"source": "source", "disk": "disk", "host": "host"}
     gguf = tier_load_times(str(write_tiny_gguf(tiny_llama, tmp_path / "t.gguf")), "float32", 1)
     assert gguf["came_from"] == {"source": "source", "disk": "disk", "host": "host"}
     for out in (hf, gguf):
@@ -223,9 +223,10 @@ def test_tier_load_times_of_a_written_random_model_and_a_gguf(tiny_llama, tmp_pa
 
 
 def test_cold_ttft_benchmark_times_a_load_and_a_loaded_prompt_without_prefix_hits(tiny_llama, tmp_path):
-    """bench-models --cold-ttft on a tiny model, one round: each mode's first request switched the
-    worker to the cold model (from its source), its load time is reported, and the second request
-    computed a prompt of its own (it shared no block with the first: the prefix cache saved it nothing)."""
+    """bench-models --cold-ttft on a tiny model, one round: each run's first request switched the
+    worker to the cold model, from its files in a fresh cache (source) and from the prepared form an
+    earlier run kept (disk); its load time is reported, and the second request computed a prompt of
+    its own (it shared no block with the first: the prefix cache saved it nothing)."""
     import json
     import os
     import subprocess
@@ -238,10 +239,11 @@ def test_cold_ttft_benchmark_times_a_load_and_a_loaded_prompt_without_prefix_hit
                    check=True, timeout=300, stdout=subprocess.DEVNULL,
                    env={**os.environ, "MESHSERVE_SHM_DIR": str(tmp_path / "shm")})
     res = json.loads(out.read_text())["cold_ttft"]
-    for mode in ("layered", "whole"):
-        (run,) = res[mode]["runs"]
-        assert run["switch"]["ok"] and run["switch"]["to"] == "cold" and run["switch"]["tier"] == "source", run
-        assert run["load_s"]["source"] > 0 and 0 < run["loaded_ttft_s"] and 0 < run["cold_ttft_s"], run
-        assert run["cached_tokens"] == [0, 0], run
-        assert res[mode]["cold_ttft_s"] == run["cold_ttft_s"]
-    assert res["layered_over_whole"] == res["layered"]["cold_ttft_s"] / res["whole"]["cold_ttft_s"]
+    for tier in ("source", "disk"):
+        for mode in ("layered", "whole"):
+            (run,) = res[tier][mode]["runs"]
+            assert run["switch"]["ok"] and run["switch"]["to"] == "cold" and run["switch"]["tier"] == tier, run
+            assert run["load_s"][tier] > 0 and 0 < run["loaded_ttft_s"] and 0 < run["cold_ttft_s"], run
+            assert run["cached_tokens"] == [0, 0], run
+            assert res[tier][mode]["cold_ttft_s"] == run["cold_ttft_s"]
+        assert res[tier]["layered_over_whole"] == res[tier]["layered"]["cold_ttft_s"] / res[tier]["whole"]["cold_ttft_s"]

@@ -14,8 +14,9 @@ Tiers (tiers.py keeps the books; docs/models.md):
 - mapped: in the node's shared memory, where workers map it (a shared file; on CUDA the GPU
   allocation), within `--weights-memory-gb` (and at most `--max-models` models);
 - host: a copy in this process's memory, within `--host-cache-gb`: back to mapped by one copy;
-- disk: the prepared form of a GGUF (prepared.py: copied back without torch), or the model's own
-  files (prepared again: read, dequantized, fused).
+- disk: the prepared form of a GGUF or a Hugging Face directory (prepared.py: copied back without
+  torch), kept after its first load from the model's own files (read, dequantized, fused); the
+  first load is answered before the prepared copy is written.
 Beyond a budget the least recently used model goes down a tier, except a pinned one (manifest) and
 one a worker maps now (each LoadRequest names its worker; a worker's next load moves it off the
 model it had: that is how a model switch lets go of the old one). In-use and pinned models alone
@@ -24,7 +25,7 @@ may exceed the budget (logged). Each load's tier and time are logged and kept in
 keeps its mapping until it unmaps it. An evicted GPU allocation is freed once no worker of the node
 lists its CUDA IPC handle as open in a heartbeat sent after the eviction (node_memory.RetiredBuffers);
 the host tier on CUDA is a copy in this process's memory, copied back into a new allocation, and a
-GGUF's prepared form is the GPU allocation's bytes.
+prepared form is the GPU allocation's bytes.
 
 Layered loading (`--layered-loading`, on by default; a manifest's `layered_loading` per model; both
 backends): a load is answered as soon as its buffer exists, and its parts are written afterwards in
@@ -95,8 +96,13 @@ class ModelLoader:
         return load
 
     def finish_load(self, load: loads.Load) -> None:
-        """Writes every part (the layered load's workers compute meanwhile), then keeps a prepared form."""
+        """Writes every part, then keeps a prepared form (a mesh's load answers between the two)."""
         load.run()
+        self.keep_prepared(load)
+
+    @staticmethod
+    def keep_prepared(load: loads.Load) -> None:
+        """A load from the model's files: its bytes kept on disk for the next load (prepared.py)."""
         if load.keep_to is not None:
             prepared.keep(load.keep_to, load.path, load.specs, load.config, load.buffer)
 
@@ -170,7 +176,7 @@ class ModelLoader:
                 e.loading.set_result(self._descriptor(model, quantization, load, time.monotonic() - t0, True))
                 log.info("layered load of %s (%s): %s mapped by workers while its parts are written", e.name, dtype,
                          load.path)
-            await asyncio.to_thread(self.finish_load, load)
+            await asyncio.to_thread(load.run)
         except asyncio.CancelledError:  # the loader stops (close): the load's files go, its writer stops
             if load is not None:
                 load.failed()
@@ -197,6 +203,7 @@ class ModelLoader:
         e.loading = None
         for victim, to in self.tiers.evictions():
             self._evict(victim, to)
+        await asyncio.to_thread(self.keep_prepared, load)  # after the answer: its askers do not wait for it
 
     # -- prewarm (the scheduler predicts a model from its request rate, services/scheduler/prewarm.py)
 

@@ -4,9 +4,12 @@ the int8 kernel's), kept on
 disk once prepared, so a later start copies one file into shared memory instead of dequantizing
 the GGUF again (seconds of Python on every start, against a file copy).
 
-Kept for GGUF files, per backend (the CUDA backend keeps its own layout: the bytes of its GPU
-allocation, copied back part by part); an HF directory's safetensors load fast as they are. An entry
-is named by the model file's identity (models_repo.prepared_dir), the device, the dtype and
+Kept for GGUF files and Hugging Face directories, per backend (the CUDA backend keeps its own
+layout: the bytes of its GPU allocation, copied back part by part). A directory's safetensors need
+no dequantization, but their fusing and re-layout cost more than the copy: random-1b (2.2 GB, bf16)
+took 2.6-4.4 s from its files and 0.9-1.0 s from memory on a quiet 2-core machine, 5-8 s from its
+files beside a worker's prompt (docs/benchmarks). An entry
+is named by the model's identity (models_repo.prepared_dir), the device, the dtype and
 quantization, and the recipe: the source of the modules that prepare
 weights and the gguf and torch versions, so changing any of them makes a new entry, never a stale hit.
 """
@@ -49,12 +52,13 @@ def recipe() -> str:
     return h.hexdigest()[:16]
 
 
-def entry(model_file: Path, variant: str, device: str) -> Path | None:
-    """Where this model's prepared weights are kept, or None where none are kept. variant: the dtype,
-    and "-int8" after it for int8 weights."""
-    if not model_file.is_file() or model_file.suffix.lower() != ".gguf":
+def entry(model: Path, variant: str, device: str) -> Path | None:
+    """Where this model's prepared weights are kept (a GGUF file or a Hugging Face directory), or None
+    where none are kept. variant: the dtype, and "-int8" after it for int8 weights."""
+    gguf = model.is_file() and model.suffix.lower() == ".gguf"
+    if not gguf and not (model.is_dir() and (model / "config.json").is_file()):
         return None
-    return prepared_dir(model_file, "weights", variant, device, recipe())
+    return prepared_dir(model, "weights", variant, device, recipe())
 
 
 def load(kept: Path) -> tuple[Path, list[TensorSpec], dict] | None:
