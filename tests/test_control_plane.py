@@ -291,6 +291,24 @@ def test_prepared_weights_are_kept_and_load_the_same_bytes(tiny_llama, tmp_path,
     assert prepared.entry(model, "bfloat16", "cpu") != kept
 
 
+@pytest.mark.parametrize("size", [0, 100, 4096, 3 * 4096 + 17, (1 << 20) + 5, 9 * (1 << 20) + 4095])
+def test_a_prepared_form_is_copied_byte_for_byte_direct_or_not(tmp_path, size):
+    """prepared.copy_direct writes whole blocks with O_DIRECT and the tail plainly; where the file
+    system has no O_DIRECT (tmpfs) it copies plainly."""
+    from meshserve.services.model_loader.prepared import copy_direct
+
+    data = os.urandom(size)
+    src = Path("/dev/shm") / f"meshserve-test-copy-{os.getpid()}-{size}"
+    src.write_bytes(data)
+    try:
+        for dst in (tmp_path / "out.bin", Path(f"{src}.out")):
+            copy_direct(str(src), dst, chunk=1 << 20)
+            assert dst.read_bytes() == data
+            dst.unlink()
+    finally:
+        src.unlink()
+
+
 def test_startup_bench_reads_a_process_memory():
     from meshserve.bench.startup_bench import memory_mb, mesh_processes
 

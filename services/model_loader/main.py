@@ -203,7 +203,8 @@ class ModelLoader:
         e.loading = None
         for victim, to in self.tiers.evictions():
             self._evict(victim, to)
-        await asyncio.to_thread(self.keep_prepared, load)  # after the answer: its askers do not wait for it
+        if load.keep_to is not None:  # after the answer: its askers do not wait for it
+            await prepared.keep_quietly(load.keep_to, load.path, load.specs, load.config, load.buffer)
 
     # -- prewarm (the scheduler predicts a model from its request rate, services/scheduler/prewarm.py)
 

@@ -22,8 +22,11 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
+import mmap
+import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 from meshserve.shared.models_repo import prepared_dir, publish_dir
@@ -81,10 +84,68 @@ def keep(kept: Path, shm_path: str, specs: list[TensorSpec], config: dict, gpu_b
         if gpu_buffer is not None:
             gpu_buffer.cpu().numpy().tofile(tmp / "weights.bin")
         else:
-            shutil.copyfile(shm_path, tmp / "weights.bin")
+            copy_direct(shm_path, tmp / "weights.bin")
         (tmp / "weights.json").write_text(json.dumps({"tensors": [s.model_dump() for s in specs], "config": config}))
         publish_dir(tmp, kept)
     except OSError as e:
         log.warning("could not keep the prepared weights in %s: %s", kept, e)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def copy_direct(src: str, dst: Path, chunk: int = 1 << 22) -> None:
+    """Copies a file, writing with O_DIRECT where the file system allows it: through the page cache
+    the copy and its writeback took 5.2 s of CPU for 2 GiB on this project's 2-core VM, beside the
+    worker computing the model's first prompt; direct, 0.44 s (dd, /dev/shm to the cache's disk)."""
+    size = os.path.getsize(src)
+    aligned = size - size % 4096  # O_DIRECT writes whole blocks; the tail is written plainly
+    try:
+        out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    except OSError:  # e.g. tmpfs: no O_DIRECT
+        shutil.copyfile(src, dst)
+        return
+    buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT wants
+    view = memoryview(buf)
+    try:
+        with open(src, "rb", buffering=0) as f:
+            for off in range(0, aligned, chunk):
+                n = min(chunk, aligned - off)
+                got = f.readinto(view[:n])
+                if got != n:
+                    raise OSError(f"{src}: short read at {off}")
+                os.pwrite(out, view[:n], off)
+            os.close(out)
+            out = None
+            if aligned < size:
+                with open(dst, "r+b") as tail:
+                    f.seek(aligned)
+                    tail.seek(aligned)
+                    tail.write(f.read())
+    finally:
+        if out is not None:
+            os.close(out)
+        view.release()
+        buf.close()
+
+
+async def keep_quietly(kept: Path, shm_path: str, specs: list[TensorSpec], config: dict, gpu_buffer=None) -> None:
+    """`keep` on a thread of its own at the lowest CPU priority (nice 19): it runs while the model's
+    first requests compute, and copying 2.2 GB beside them took 1.5-2 s from the first TTFT (bench-models
+    --cold-ttft). Its own thread, as a thread's niceness cannot be lowered again without privilege."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def run() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:
+            pass
+        try:
+            keep(kept, shm_path, specs, config, gpu_buffer)
+        finally:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+
+    threading.Thread(target=run, name="keep-prepared", daemon=True).start()
+    await done
