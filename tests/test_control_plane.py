@@ -309,6 +309,24 @@ def test_a_prepared_form_is_copied_byte_for_byte_direct_or_not(tmp_path, size):
         src.unlink()
 
 
+def test_a_prepared_form_given_up_when_the_loader_stops_leaves_nothing(tmp_path):
+    """The loader closing sets its stop event: a prepared form being written is abandoned between
+    two chunks and its partial copy removed (a loader stopped mid-copy left gigabytes behind)."""
+    import threading
+
+    from meshserve.services.model_loader import prepared
+
+    src = Path("/dev/shm") / f"meshserve-test-keep-{os.getpid()}"
+    src.write_bytes(os.urandom(3 * (1 << 20)))
+    stop = threading.Event()
+    stop.set()
+    try:
+        prepared.keep(tmp_path / "cache" / "entry", str(src), [], {}, stop=stop)
+    finally:
+        src.unlink()
+    assert not list((tmp_path / "cache").iterdir())
+
+
 def test_startup_bench_reads_a_process_memory():
     from meshserve.bench.startup_bench import memory_mb, mesh_processes
 

@@ -41,6 +41,7 @@ import asyncio
 import logging
 import re
 import signal
+import threading
 import time
 
 from meshserve.shared import node_memory, shm
@@ -73,6 +74,7 @@ class ModelLoader:
         self.tasks: list[asyncio.Task] = []
         self.loads: set[asyncio.Task] = set()  # loads in progress
         self.layered = layered
+        self.stop_keeping = threading.Event()  # set on close: a prepared form being written is given up
 
     # -- one load: opened (the buffer made, its layout known), then written part by part (loads.py)
 
@@ -204,7 +206,8 @@ class ModelLoader:
         for victim, to in self.tiers.evictions():
             self._evict(victim, to)
         if load.keep_to is not None:  # after the answer: its askers do not wait for it
-            await prepared.keep_quietly(load.keep_to, load.path, load.specs, load.config, load.buffer)
+            await prepared.keep_quietly(load.keep_to, load.path, load.specs, load.config, load.buffer,
+                                        self.stop_keeping)
 
     # -- prewarm (the scheduler predicts a model from its request rate, services/scheduler/prewarm.py)
 
@@ -363,6 +366,7 @@ class ModelLoader:
     manifest_path: str | None = None
 
     def close(self) -> None:
+        self.stop_keeping.set()
         for t in [*self.tasks, *self.loads]:
             t.cancel()
         for e in self.tiers.entries.values():

@@ -74,9 +74,14 @@ def load(kept: Path) -> tuple[Path, list[TensorSpec], dict] | None:
     return kept / "weights.bin", [TensorSpec(**t) for t in m["tensors"]], m["config"]
 
 
-def keep(kept: Path, shm_path: str, specs: list[TensorSpec], config: dict, gpu_buffer=None) -> None:
+class KeepStopped(OSError):
+    """The loader stops: a prepared form being written is given up (and its partial copy removed)."""
+
+
+def keep(kept: Path, shm_path: str, specs: list[TensorSpec], config: dict, gpu_buffer=None,
+         stop: threading.Event | None = None) -> None:
     """Keeps what was just written to shared memory (or to `gpu_buffer`, on CUDA) for the next start
-    (best effort: a cache that cannot be written costs only the time saved)."""
+    (best effort: a cache that cannot be written costs only the time saved). `stop` set: given up."""
     tmp = None
     try:
         kept.parent.mkdir(parents=True, exist_ok=True)
@@ -84,16 +89,17 @@ def keep(kept: Path, shm_path: str, specs: list[TensorSpec], config: dict, gpu_b
         if gpu_buffer is not None:
             gpu_buffer.cpu().numpy().tofile(tmp / "weights.bin")
         else:
-            copy_direct(shm_path, tmp / "weights.bin")
+            copy_direct(shm_path, tmp / "weights.bin", stop=stop)
         (tmp / "weights.json").write_text(json.dumps({"tensors": [s.model_dump() for s in specs], "config": config}))
         publish_dir(tmp, kept)
     except OSError as e:
-        log.warning("could not keep the prepared weights in %s: %s", kept, e)
+        (log.info if isinstance(e, KeepStopped) else log.warning)("could not keep the prepared weights in %s: %s",
+                                                                  kept, e)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def copy_direct(src: str, dst: Path, chunk: int = 1 << 22) -> None:
+def copy_direct(src: str, dst: Path, chunk: int = 1 << 22, stop: threading.Event | None = None) -> None:
     """Copies a file, writing with O_DIRECT where the file system allows it: through the page cache
     the copy and its writeback took 5.2 s of CPU for 2 GiB on this project's 2-core VM, beside the
     worker computing the model's first prompt; direct, 0.44 s (dd, /dev/shm to the cache's disk)."""
@@ -109,6 +115,8 @@ def copy_direct(src: str, dst: Path, chunk: int = 1 << 22) -> None:
     try:
         with open(src, "rb", buffering=0) as f:
             for off in range(0, aligned, chunk):
+                if stop is not None and stop.is_set():
+                    raise KeepStopped(f"stopped copying {src}")
                 n = min(chunk, aligned - off)
                 got = f.readinto(view[:n])
                 if got != n:
@@ -128,10 +136,12 @@ def copy_direct(src: str, dst: Path, chunk: int = 1 << 22) -> None:
         buf.close()
 
 
-async def keep_quietly(kept: Path, shm_path: str, specs: list[TensorSpec], config: dict, gpu_buffer=None) -> None:
+async def keep_quietly(kept: Path, shm_path: str, specs: list[TensorSpec], config: dict, gpu_buffer=None,
+                       stop: threading.Event | None = None) -> None:
     """`keep` on a thread of its own at the lowest CPU priority (nice 19): it runs while the model's
     first requests compute, and copying 2.2 GB beside them took 1.5-2 s from the first TTFT (bench-models
-    --cold-ttft). Its own thread, as a thread's niceness cannot be lowered again without privilege."""
+    --cold-ttft). Its own thread, as a thread's niceness cannot be lowered again without privilege; not
+    a daemon, so that a loader stopping (`stop` set) removes the partial copy before it exits."""
     import asyncio
 
     loop = asyncio.get_running_loop()
@@ -143,9 +153,9 @@ async def keep_quietly(kept: Path, shm_path: str, specs: list[TensorSpec], confi
         except OSError:
             pass
         try:
-            keep(kept, shm_path, specs, config, gpu_buffer)
+            keep(kept, shm_path, specs, config, gpu_buffer, stop)
         finally:
             loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
 
-    threading.Thread(target=run, name="keep-prepared", daemon=True).start()
+    threading.Thread(target=run, name="keep-prepared").start()
     await done
