@@ -11,8 +11,10 @@ loading (issue 12). Run through `meshserve bench-models --tier-load-times` and `
   then one streamed request of `--cold-prompt-tokens` tokens to the second, which is not loaded:
   its TTFT includes the load, from its files (`source`, a fresh cache) and from its prepared form
   (`disk`), per `--cold-tiers`. Once with layered loading, once with `--no-layered-loading`; then a
-  second request to it with another prompt of that length, loaded by then (the TTFT without any
-  load, and without prefix-cache hits). `--cold-repeat` rounds, the modes alternating.
+  median of three more requests to it with other prompts of that length, loaded by then (the TTFT
+  without any load, and without prefix-cache hits). `--cold-repeat` rounds, the modes alternating.
+  The cold model's files are read into the page cache before its first request, or with
+  `--cold-page-cache cold` dropped from it (best effort: posix_fadvise).
 
 `random-1b` in `--tier-models` (and the default `--cold-model`) is a random-weight Llama of about 1B
 parameters the benchmark writes itself (bf16 safetensors, the tokenizer of `--model`), in the shape
@@ -130,7 +132,8 @@ def cold_ttft(a, model: Path, log) -> dict:
     manifest = tmp / "cold-ttft.yaml"
     manifest.write_text("".join(f"- {{name: {n}, path: '{p}'}}\n" for n, p in copies.items()))
     vocab = load_tokenizer(str(model)).vocab_size - 10
-    prompts = [[(first + step * i) % vocab + 5 for i in range(a.cold_prompt_tokens)] for first, step in ((7, 13), (3, 17))]
+    prompts = [[(first + step * i) % vocab + 5 for i in range(a.cold_prompt_tokens)]
+               for first, step in ((7, 13), (3, 17), (11, 19), (5, 23))]
     tiers = a.cold_tiers.split(",")
     runs = {tier: {"layered": [], "whole": []} for tier in tiers}
     prepared_cache = tmp / "cache-prepared"  # the disk runs' cache: the first run from the files fills it
@@ -138,7 +141,8 @@ def cold_ttft(a, model: Path, log) -> dict:
         for mode, flag in (("layered", ""), ("whole", "--no-layered-loading")):
             for tier in tiers:
                 cache = tmp / f"cache-{k}-{mode}" if tier == "source" else prepared_cache
-                run = _cold_run(a, copies["warm"], manifest, flag, prompts, cache, log,
+                files = [*copies["cold"].iterdir(), *cache.glob(f"prepared/{copies['cold'].name}-*/*")]
+                run = _cold_run(a, copies["warm"], manifest, flag, prompts, cache, log, files,
                                 keeps=f"{copies['cold'].name}-*" if tier == "source" else None)
                 if tier == "source" and not prepared_cache.exists():
                     cache.rename(prepared_cache)
@@ -157,11 +161,25 @@ def cold_ttft(a, model: Path, log) -> dict:
     return out
 
 
+def page_cache(files: list[Path], warm: bool) -> None:
+    """The files' pages read into the page cache (warm), or dropped from it (cold: best effort, as
+    posix_fadvise drops only clean pages that no process maps)."""
+    for f in files:
+        with open(f, "rb", buffering=0) as fh:
+            if warm:
+                while fh.read(1 << 24):
+                    pass
+            else:
+                os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
 def _cold_run(a, warm: Path, manifest: Path, flag: str, prompts: list[list[int]], cache: Path, log,
-              keeps: str | None = None) -> dict:
-    """One mesh on `warm`, its model cache `cache`: the first prompt to the cold model (it loads), then
-    the second (loaded); with `keeps` (a glob), until the loader has kept a prepared form by that name
-    (it does so after answering the load)."""
+              files: list[Path], keeps: str | None = None) -> dict:
+    """One mesh on `warm`, its model cache `cache`: the cold model's `files` put in or out of the page
+    cache (`--cold-page-cache`), the first prompt to the cold model (it loads), then the others
+    (loaded: the median is its loaded TTFT, as the worker's thread tuner tries its thread counts on
+    the first steps of a size); with `keeps` (a glob), until the loader has kept a prepared form by
+    that name (it does so after answering the load)."""
     import httpx
 
     from meshserve.bench.compare import start_mesh, stop_mesh
@@ -184,6 +202,7 @@ def _cold_run(a, warm: Path, manifest: Path, flag: str, prompts: list[list[int]]
             if any(x["name"] == "warm" and x["tier"] == "mapped" for x in loader_models()):
                 break
             time.sleep(0.5)
+        page_cache(files, a.cold_page_cache == "warm")  # after the warm model's load: it may share their inodes
         ttfts, cached = [], []
         for prompt in prompts:
             body = {"model": "cold", "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True,
@@ -212,7 +231,8 @@ def _cold_run(a, warm: Path, manifest: Path, flag: str, prompts: list[list[int]]
                 raise RuntimeError(f"no prepared form {keeps} was kept in {cache}")
             time.sleep(0.2)
         switches = httpx.get(url + "/health", timeout=10).json().get("scheduler", {}).get("recent_model_switches", [])
-        return {"cold_ttft_s": ttfts[0], "loaded_ttft_s": ttfts[1], "cached_tokens": cached, "load_s": load_s,
+        return {"cold_ttft_s": ttfts[0], "loaded_ttft_s": statistics.median(ttfts[1:]), "loaded_ttfts_s": ttfts[1:],
+                "cached_tokens": cached, "load_s": load_s,
                 "switch": next((s for s in switches if s["to"] == "cold"), None)}
     finally:
         stop_mesh(up)
@@ -264,6 +284,9 @@ def add_arguments(ap) -> None:
     ap.add_argument("--cold-model", default=RANDOM, help="the model of --cold-ttft (default: %(default)s)")
     ap.add_argument("--cold-prompt-tokens", type=int, default=256)
     ap.add_argument("--cold-repeat", type=int, default=2, help="rounds of --cold-ttft, the modes alternating")
+    ap.add_argument("--cold-page-cache", choices=("warm", "cold"), default="warm",
+                    help="--cold-ttft: the cold model's files (its own and its prepared form) read into the page "
+                         "cache before its first request, or dropped from it (default: %(default)s)")
     ap.add_argument("--cold-tiers", default="source,disk",
                     help="--cold-ttft loads the cold model from its files (source) and its prepared form (disk)")
     ap.add_argument("--random-shape", default="2048,5632,20",

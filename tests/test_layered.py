@@ -244,6 +244,6 @@ def test_cold_ttft_benchmark_times_a_load_and_a_loaded_prompt_without_prefix_hit
             (run,) = res[tier][mode]["runs"]
             assert run["switch"]["ok"] and run["switch"]["to"] == "cold" and run["switch"]["tier"] == tier, run
             assert run["load_s"][tier] > 0 and 0 < run["loaded_ttft_s"] and 0 < run["cold_ttft_s"], run
-            assert run["cached_tokens"] == [0, 0], run
+            assert run["cached_tokens"] == [0, 0, 0, 0] and len(run["loaded_ttfts_s"]) == 3, run
             assert res[tier][mode]["cold_ttft_s"] == run["cold_ttft_s"]
         assert res[tier]["layered_over_whole"] == res[tier]["layered"]["cold_ttft_s"] / res[tier]["whole"]["cold_ttft_s"]
