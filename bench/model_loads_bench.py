@@ -28,7 +28,6 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import time
 import types
 from pathlib import Path
@@ -238,14 +237,14 @@ def _cold_run(a, warm: Path, manifest: Path, flag: str, prompts: list[list[int]]
         stop_mesh(up)
 
 
-def main(a, log) -> dict:
+def main(a, log, argv: list[str]) -> dict:
     """bench-models --tier-load-times / --cold-ttft (see the module docstring)."""
     from meshserve.kernels import cpu_build
 
     # the compiled CPU kernels stay where they are (a fresh cache would rebuild them in every mesh)
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cpu_build.build_dir()))
     os.environ["MESHSERVE_CACHE"] = str(Path(a.tmp) / "cache")  # a fresh cache: the first load is from source
-    res: dict = {"command": "meshserve bench-models " + " ".join(sys.argv[1:]), "dtype": a.dtype,
+    res: dict = {"command": "meshserve bench-models " + " ".join(argv), "dtype": a.dtype,
                  "device": getattr(a, "device", "cpu")}
     random_dir = None
 

@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.tier_load_times or a.cold_ttft:  # loads alone, no workload (model_loads_bench.py)
         a.tmp = tempfile.mkdtemp(prefix="meshserve-bench-loads-")
         try:
-            res = model_loads_bench.main(a, log)
+            res = model_loads_bench.main(a, log, argv if argv is not None else sys.argv[1:])
         finally:
             shutil.rmtree(a.tmp, ignore_errors=True)
         if a.out:

@@ -7,8 +7,8 @@ the GGUF again (seconds of Python on every start, against a file copy).
 Kept for GGUF files and Hugging Face directories, per backend (the CUDA backend keeps its own
 layout: the bytes of its GPU allocation, copied back part by part). A directory's safetensors need
 no dequantization, but their fusing and re-layout cost more than the copy: random-1b (2.2 GB, bf16)
-took 2.6-4.4 s from its files and 0.9-1.0 s from memory on a quiet 2-core machine, 5-8 s from its
-files beside a worker's prompt (docs/benchmarks). An entry
+took 2.4-4.5 s and 10 s of the loader's CPU from its files, 0.9 s from its prepared form in the page
+cache, on a quiet 2-core machine (docs/benchmarks/README.md, eighteenth session). An entry
 is named by the model's identity (models_repo.prepared_dir), the device, the dtype and
 quantization, and the recipe: the source of the modules that prepare
 weights and the gguf and torch versions, so changing any of them makes a new entry, never a stale hit.
