@@ -117,8 +117,8 @@ def tier_load_times(model: str, dtype: str, repeat: int, device: str = "cpu") ->
 
 def cold_ttft(a, model: Path, log) -> dict:
     """TTFT of a cold model's first request, layered and not, from each tier of `--cold-tiers` (source:
-    its files, in a fresh cache; disk: its prepared form, kept by an earlier run), and of a second
-    (loaded) request with another prompt of the same length (the same prompt would find its blocks
+    its files, in a fresh cache; disk: its prepared form, kept by an earlier run), and of three more
+    (loaded) requests with other prompts of the same length (the same prompt would find its blocks
     in the prefix cache). `--cold-repeat` rounds, a fresh mesh per run, the modes alternating:
     medians and each run, per tier."""
     tmp = Path(a.tmp)

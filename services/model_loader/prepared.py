@@ -139,9 +139,9 @@ def copy_direct(src: str, dst: Path, chunk: int = 1 << 22, stop: threading.Event
 async def keep_quietly(kept: Path, shm_path: str, specs: list[TensorSpec], config: dict, gpu_buffer=None,
                        stop: threading.Event | None = None) -> None:
     """`keep` on a thread of its own at the lowest CPU priority (nice 19): it runs while the model's
-    first requests compute, and copying 2.2 GB beside them took 1.5-2 s from the first TTFT (bench-models
-    --cold-ttft). Its own thread, as a thread's niceness cannot be lowered again without privilege; not
-    a daemon, so that a loader stopping (`stop` set) removes the partial copy before it exits."""
+    first requests compute (what kept it off their TTFT was the O_DIRECT copy, `copy_direct`; nice
+    alone did not). Its own thread, as a thread's niceness cannot be lowered again without privilege;
+    not a daemon, so that a loader stopping (`stop` set) removes the partial copy before it exits."""
     import asyncio
 
     loop = asyncio.get_running_loop()

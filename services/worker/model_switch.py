@@ -118,19 +118,19 @@ def speculation(worker, load: LoadRequest):
     return config_from_args(worker.args) if load.model == worker.args.model else None
 
 
-def draft_load(worker, load: LoadRequest, spec) -> LoadRequest:
-    """The load of `load`'s draft model, mapped beside it (the loader keeps both in use by the worker)."""
+def draft_load(worker, load: LoadRequest, spec) -> LoadRequest | None:
+    """The load of `load`'s draft model, mapped beside it (the loader keeps both in use by the
+    worker); None without a draft model."""
+    if spec is None or spec.method != "draft":
+        return None
     return LoadRequest(model=spec.model, dtype=load.dtype, worker_id=worker.id, beside=True)
 
 
 async def register_again(worker) -> None:
     """After a failed switch: the loader counted the worker off what it maps, and it still maps its
     model (and its draft, if it has one), so it says so again; else they could be evicted under it."""
-    loads = [worker.load]
-    spec = speculation(worker, worker.load)
-    if spec is not None and spec.method == "draft":
-        loads.append(draft_load(worker, worker.load, spec))
-    for load in loads:
+    draft = draft_load(worker, worker.load, speculation(worker, worker.load))
+    for load in [worker.load] + ([draft] if draft is not None else []):
         try:
             await worker.bus.request(worker.bus.subjects.models("load", worker.args.node_id), load,
                                      WeightsDescriptor, timeout=900)
@@ -161,10 +161,9 @@ async def build_engine(worker, load: LoadRequest,
                             prefill_chunk_size=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
                             policy=a.scheduling, preemption_mode=a.preemption_mode)
     spec = speculation(worker, load)
-    draft = None
-    if spec is not None and spec.method == "draft":  # the draft's weights from the node's loader too
-        dw = await bus.request(bus.subjects.models("load", a.node_id), draft_load(worker, load, spec),
-                               WeightsDescriptor, timeout=900)
+    draft, dload = None, draft_load(worker, load, spec)
+    if dload is not None:  # the draft's weights from the node's loader too
+        dw = await bus.request(bus.subjects.models("load", a.node_id), dload, WeightsDescriptor, timeout=900)
         dweights, dgate = await open_weights(dw)
         draft = await loop.run_in_executor(worker.stepper, lambda: LlamaModel(ModelConfig(**dw.config), dweights,
                                                                               gate=dgate))
