@@ -3,12 +3,14 @@ worker's thread tuner, against a quiet machine, side by side in one run.
 
     meshserve bench-busy [--model M] [--dtype float32] [--tokens 128] [--prompt-tokens 128] [--json OUT]
 
-One `meshserve up --prefill 0 --decode 1` (one worker, all the cores) per configuration: `fixed`
-(`--fixed-threads`: every step on all cores, as before) and `tuned` (the default: each kind of
-step on 1 thread or all, whichever measures faster). In each, a warm-up, then one greedy stream of
---tokens tokens after a --prompt-tokens prompt, quiet and then with a burner (a process spinning
-on core 0) running; and mixed load (--concurrent streams at once) the same two ways. Prints
-decode tokens/s (after the first token) per case and the ratios busy / quiet, tuned / fixed.
+One `meshserve up --prefill 0 --decode 1` (one worker, all the cores) per configuration, both up
+at once: `fixed` (`--fixed-threads`: every step on all cores, as before) and `tuned` (the default:
+each kind of step on 1 thread or all, whichever measures faster). A warm-up, then one greedy
+stream of --tokens tokens after a --prompt-tokens prompt, quiet and then with a burner (a process
+spinning on core 0) running; and mixed load (--concurrent streams at once) the same two ways. Each
+case runs --repeat times, the two configurations taking turns (a drifting machine is shared
+fairly); prints the median decode tokens/s (after the first token) per case, every sample, and
+the ratios busy / quiet, tuned / fixed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import statistics
 import sys
 import time
 
@@ -65,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--concurrent", type=int, default=8, help="streams at once in the mixed case (0: skip it)")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each case per configuration (the median is reported)")
     add_mesh_arguments(ap, prefill=None, decode=None)  # the workers are the benchmark's to set
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
@@ -75,29 +79,41 @@ def main(argv: list[str] | None = None) -> int:
     tok = load_tokenizer(a.model)
     prompt = (tok.encode("The history of the city begins with a small market by the river. ") * 64)[:a.prompt_tokens]
     out: dict = {"command": "meshserve bench-busy " + " ".join(argv if argv is not None else sys.argv[1:]),
-                 "cores": os.cpu_count(), "configurations": {}}
+                 "cores": os.cpu_count(), "repeat": a.repeat, "configurations": {}, "samples": {}}
     base = a.mesh_args or ""
-    for name, extra in (("fixed", "--fixed-threads"), ("tuned", "")):
-        a.mesh_args = f"{base} {extra}".strip()
-        up, url = start_mesh(a)
-        res = {}
-        try:
-            for case, n in (("batch1", 1), ("concurrent", a.concurrent)):
-                if n == 0:
-                    continue
-                res[f"{case}_quiet"] = asyncio.run(_measure(url, a.model, prompt, a.tokens, n))
-                burner = multiprocessing.Process(target=_burn, daemon=True)
-                burner.start()
-                try:
+    meshes: dict[str, tuple] = {}
+    try:
+        for name, extra in (("fixed", "--fixed-threads"), ("tuned", "")):
+            a.mesh_args = f"{base} {extra}".strip()
+            meshes[name] = start_mesh(a)
+        samples: dict[str, dict[str, list[float]]] = {name: {} for name in meshes}
+        for case, n in (("batch1", 1), ("concurrent", a.concurrent)):
+            if n == 0:
+                continue
+            for state in ("quiet", "busy"):
+                burner = multiprocessing.Process(target=_burn, daemon=True) if state == "busy" else None
+                if burner is not None:
+                    burner.start()
                     time.sleep(1.0)
-                    res[f"{case}_busy"] = asyncio.run(_measure(url, a.model, prompt, a.tokens, n))
+                try:
+                    for _ in range(a.repeat):
+                        for name, (_, url) in meshes.items():
+                            got = asyncio.run(_measure(url, a.model, prompt, a.tokens, n))
+                            samples[name].setdefault(f"{case}_{state}", []).append(got)
                 finally:
-                    burner.kill()
-                    burner.join()
-                res[f"{case}_busy_over_quiet"] = round(res[f"{case}_busy"] / res[f"{case}_quiet"], 3)
-        finally:
+                    if burner is not None:
+                        burner.kill()
+                        burner.join()
+    finally:
+        for up, _ in meshes.values():
             stop_mesh(up)
+    for name, by_case in samples.items():
+        res = {k: round(statistics.median(v), 2) for k, v in by_case.items()}
+        for case in ("batch1", "concurrent"):
+            if f"{case}_quiet" in res and res[f"{case}_quiet"]:
+                res[f"{case}_busy_over_quiet"] = round(res[f"{case}_busy"] / res[f"{case}_quiet"], 3)
         out["configurations"][name] = res
+        out["samples"][name] = by_case
         print(name, res, file=sys.stderr)
     f, t = out["configurations"]["fixed"], out["configurations"]["tuned"]
     out["tuned_over_fixed"] = {k: round(t[k] / f[k], 3) for k in f if not k.endswith("over_quiet") and f[k]}

@@ -82,19 +82,23 @@ def test_apply_cpus_moves_every_thread_of_the_process():
 
 
 def test_the_thread_tuner_never_runs_more_threads_than_its_cores():
-    chosen = []
-    tuner = ThreadTuner(8, chosen.append, explore_every=2)
+    chosen, now = [], [0.0]
+
+    def step():  # a made-up machine where more threads are faster
+        now[0] += 1.0 / (chosen[-1] if chosen else 8)
+
+    tuner = ThreadTuner(8, chosen.append, explore_every=2, clock=lambda: now[0])
     for _ in range(10):
-        tuner.run(1, lambda: None)
+        tuner.run(1, step)
     assert 8 in chosen
     tuner.limit(2)  # a model on two cores
     assert tuner.candidates == [1, 2] and tuner.current == 2
     before = len(chosen)
     for _ in range(20):
-        tuner.run(1, lambda: None)
+        tuner.run(1, step)
     assert chosen[before:] and max(chosen[before:]) <= 2 and set(tuner.chosen) == {1, 2}
     tuner.limit(1)
-    tuner.run(1, lambda: None)
+    tuner.run(1, step)
     assert tuner.candidates == [1] and tuner.current == 1
 
 

@@ -5,10 +5,14 @@ from meshserve.services.worker.threads import ThreadTuner
 
 
 class Machine:
-    """Seconds per step by thread count; `busy` is another process holding a core."""
+    """Seconds per step by thread count; `busy` is another process holding a core. Two cores: the one
+    the steps do not use sits idle unless the burner holds it (what /proc/stat would say)."""
 
     def __init__(self):
-        self.busy, self.now, self.threads = False, 0.0, None
+        self.busy, self.now, self.threads, self.idle_s = False, 0.0, None, 0.0
+
+    def idle(self) -> float:
+        return self.idle_s
 
     def cost(self, n: int, tokens: int) -> float:
         one = 0.010 * max(1, tokens / 16)
@@ -27,7 +31,10 @@ def run(tuner: ThreadTuner, m: Machine, steps: int, tokens: int = 1) -> float:
     total = 0.0
     for _ in range(steps):
         def step():
-            m.now += m.cost(m.threads, tokens)
+            took = m.cost(m.threads, tokens)
+            m.now += took
+            if m.threads == 1 and not m.busy:
+                m.idle_s += took
 
         before = m.now
         tuner.run(tokens, step)
@@ -38,7 +45,7 @@ def run(tuner: ThreadTuner, m: Machine, steps: int, tokens: int = 1) -> float:
 def test_the_faster_count_wins_and_a_busy_core_is_noticed_both_ways():
     m = Machine()
     m.threads = 2  # the step thread's initial setting
-    tuner = ThreadTuner(2, m.set_threads, explore_every=32, clock=m.clock)
+    tuner = ThreadTuner(2, m.set_threads, explore_every=32, clock=m.clock, idle=m.idle)
     quiet = run(tuner, m, 320)
     best_quiet = 320 * m.cost(2, 1)
     assert quiet < best_quiet * 1.05  # within 5% of always running the faster count
@@ -49,6 +56,73 @@ def test_the_faster_count_wins_and_a_busy_core_is_noticed_both_ways():
     m.busy = False
     run(tuner, m, 320)
     assert m.threads == 2 and tuner.chosen[1] - ones_before < 320 * 0.2  # and came back
+
+
+def test_exploring_more_threads_beside_a_burner_costs_at_most_its_share():
+    """Beside a burner a two-thread step costs 50 one-thread ones (measured: 540 ms against 12.5).
+    Exploring it every 32 steps would triple the time; within the budget it costs about 5%."""
+
+    class Crawl(Machine):
+        def cost(self, n, tokens):
+            return 0.0125 * (50.0 if n == 2 and self.busy else 1.0 if n == 1 else 0.5)
+
+    m = Crawl()
+    m.threads = 2
+    tuner = ThreadTuner(2, m.set_threads, explore_every=32, clock=m.clock, idle=m.idle)
+    run(tuner, m, 100)
+    m.busy = True
+    run(tuner, m, 10)  # the burner is noticed: one thread from here on
+    assert tuner.current == 1
+    twos = tuner.chosen[2]
+    busy = run(tuner, m, 3000)
+    assert busy < 3000 * 0.0125 * (1 + 0.05 + 0.02)
+    assert tuner.chosen[2] - twos >= 2  # it did keep looking (3000 steps' 5% is 3 explorations)
+
+
+def test_a_core_coming_back_is_seen_from_its_idle_time_and_a_wrong_sign_backs_off():
+    """The budget alone would notice a free core only after many steps; the cores' idle time says
+    so at once. Where the idle time misleads (a quota, not a neighbour, holds the core), the
+    explorations it causes thin out."""
+
+    class Crawl(Machine):
+        def cost(self, n, tokens):
+            return 0.0125 * (50.0 if n == 2 and self.busy else 1.0 if n == 1 else 0.5)
+
+    m = Crawl()
+    m.threads = 2
+    tuner = ThreadTuner(2, m.set_threads, explore_every=32, clock=m.clock, idle=m.idle)
+    run(tuner, m, 100)
+    m.busy = True
+    run(tuner, m, 500)
+    m.busy = False
+    ones = tuner.chosen[1]
+    run(tuner, m, 100)
+    assert tuner.current == 2 and tuner.chosen[1] - ones <= 32  # within a window (0.25 s) or so
+
+    m.busy = True
+    run(tuner, m, 50)
+    assert tuner.current == 1
+    m.idle = lambda: m.now  # the other core looks idle all the time, but two threads still crawl
+    twos = tuner.chosen[2]
+    busy = run(tuner, m, 4000)
+    assert tuner.current == 1 and tuner.chosen[2] - twos <= 12  # doubling waits: 32, 64, ..., 2048
+    assert busy < 4000 * 0.0125 * 1.25
+
+
+def test_without_idle_times_a_free_core_is_still_found_by_the_budget():
+    class Crawl(Machine):
+        def cost(self, n, tokens):
+            return 0.0125 * (50.0 if n == 2 and self.busy else 1.0 if n == 1 else 0.5)
+
+    m = Crawl()
+    m.threads = 2
+    tuner = ThreadTuner(2, m.set_threads, explore_every=32, clock=m.clock)
+    run(tuner, m, 100)
+    m.busy = True
+    run(tuner, m, 500)
+    m.busy = False
+    run(tuner, m, 2000)  # 50 steps' worth of budget is 1000 steps at 5%
+    assert tuner.current == 2
 
 
 def test_steps_of_different_sizes_are_measured_apart():

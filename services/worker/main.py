@@ -51,7 +51,7 @@ from . import model_switch
 from .compute_claims import MAX_YIELD_S, ComputeClaims, add_compute_yield_argument
 from .kv_blocks import KVBlocks
 from .kv_pool_client import KVPoolClient
-from .threads import ThreadTuner
+from .threads import ThreadTuner, idle_seconds
 
 log = logging.getLogger("meshserve.worker")
 KEEP_LORAS = 16  # LoRA adapters a worker keeps loaded (the least recently used idle one goes first)
@@ -90,7 +90,8 @@ class Worker:
         # The manifest, for the compute partition of each model it serves (re-read when it changes).
         self.manifest = ManifestFile(args.models) if getattr(args, "models", None) else None
         # Each step's thread count by measured speed (threads.py), unless --fixed-threads.
-        self.tuner = None if args.fixed_threads else ThreadTuner(threads or len(self.node_cores), _set_threads)
+        self.tuner = None if args.fixed_threads else ThreadTuner(threads or len(self.node_cores), _set_threads,
+                                                                 idle=lambda: idle_seconds(self.cores))
         # Set when something must not wait for the step in progress: an interactive request (not
         # under fcfs) or a role switch. Cleared when the loop takes its inbox. The step in progress,
         # if it has no interactive sequence, ends early (LLMEngine.urgent).
