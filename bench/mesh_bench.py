@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 
 from meshserve.bench.engine_bench import add_workload_arguments, engine_mixed, mixed_workload, summarize
 from meshserve.bench.report import emit_json

@@ -12,6 +12,7 @@ Cache root: ``$MESHSERVE_CACHE``, else ``$XDG_CACHE_HOME/meshserve``, else ``~/.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import logging
 import os
@@ -174,31 +175,47 @@ def resolve(name_or_path: str | Path, download: bool = True) -> Path:
     return pull(name)
 
 
-PREPARED_FORMAT = 1  # bump to invalidate every prepared entry
+PREPARED_FORMAT = 2  # bump to invalidate every prepared entry (2: entries named by lineage and version)
 
 
-def prepared_dir(model: Path, *key: str) -> Path:
+def _short_hash(parts: list[str]) -> str:
+    return hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]
+
+
+def prepared_dir(model: Path, *key: str, version: str = "") -> Path:
     """Where something derived from a model file or directory is kept (its rebuilt tokenizer, the
-    model-loader's prepared weights): <cache>/prepared/<stem>-<hash>, the hash of the model's identity
-    (its path, and the size and modification time of the file or of each file in the directory) and
-    of `key` (what was derived and how), so a changed file or a changed recipe gets a new entry and
-    never a stale one. Entries are not pruned."""
+    model-loader's prepared weights): <cache>/prepared/<stem>-<lineage>-<version>. The lineage hashes
+    the model's path and `key` (what was derived, for which variant and device); the version hashes
+    the model's bytes as seen by the size and modification time of the file or of each file in the
+    directory, and `version` (the recipe that derived it). A changed file or a changed recipe gets a
+    new entry, never a stale one, and publishing it removes the entries it replaces (publish_dir)."""
     files = sorted(f for f in model.iterdir() if f.is_file()) if model.is_dir() else [model]
-    ident = [str(model.resolve()), str(PREPARED_FORMAT), *key]
+    ident = [str(PREPARED_FORMAT), version]
     for f in files:
         st = f.stat()
         ident += [f.name, str(st.st_size), str(st.st_mtime_ns)]
-    return cache_dir() / "prepared" / f"{model.stem[:80]}-{hashlib.sha256(chr(0).join(ident).encode()).hexdigest()[:16]}"
+    lineage = _short_hash([str(model.resolve()), *key])
+    return cache_dir() / "prepared" / f"{model.stem[:80]}-{lineage}-{_short_hash(ident)}"
 
 
 def publish_dir(tmp: Path, final: Path) -> None:
-    """Renames a fully written directory into place; a concurrent writer that got there first wins."""
+    """Renames a fully written directory into place; a concurrent writer that got there first wins.
+    A prepared entry (prepared_dir) replaces the others of its lineage: made from the model's earlier
+    bytes or by an earlier recipe, they would never be read again. (A process still copying from one
+    keeps its open file; one about to open it finds nothing and prepares again.)"""
     final.parent.mkdir(parents=True, exist_ok=True)
     os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; other services read the cache too
     try:
         os.rename(tmp, final)
     except OSError:  # another process published the same entry meanwhile: keep theirs
         shutil.rmtree(tmp, ignore_errors=True)
+        return
+    stem, sep, _ = final.name.rpartition("-")
+    if final.parent.name == "prepared" and sep and stem.count("-") >= 1:
+        for old in final.parent.glob(glob.escape(stem) + "-*"):
+            if old != final and old.name.rpartition("-")[0] == stem:
+                log.info("removing %s: replaced by %s", old, final.name)
+                shutil.rmtree(old, ignore_errors=True)
 
 
 def _find_gguf(directory: Path) -> Path | None:

@@ -263,7 +263,7 @@ def test_a_gguf_tokenizer_is_kept_and_reads_back_the_same(tiny_llama, tmp_path, 
 def test_prepared_weights_are_kept_and_load_the_same_bytes(tiny_llama, tmp_path, monkeypatch, form):
     """A GGUF's first load dequantizes it, a Hugging Face directory's fuses and lays out its tensors:
     either is kept once prepared, and the next load copies those bytes back. A changed file is
-    another model to the cache (a new entry), never a stale hit."""
+    another model to the cache (a new entry), never a stale hit, and its entry replaces the old."""
     import shutil
 
     from tiny_model import write_tiny_gguf
@@ -286,9 +286,16 @@ def test_prepared_weights_are_kept_and_load_the_same_bytes(tiny_llama, tmp_path,
     assert second.tier == "disk"
     assert hashlib.sha256(open(second.path, "rb").read()).hexdigest() == digest
     assert (second.tensors, second.config) == (first.tensors, first.config)
+    loader.load_now(str(model), "bfloat16", "int8")  # another lineage: int8 weights
+    int8_kept = prepared.entry(model, "bfloat16-int8", "cpu")
+    assert (int8_kept / "weights.bin").is_file()
     weights = model if form == "gguf" else model / "model.safetensors"
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1_000_000))
-    assert prepared.entry(model, "bfloat16", "cpu") != kept
+    renewed = prepared.entry(model, "bfloat16", "cpu")
+    assert renewed != kept
+    assert loader.load_now(str(model), "bfloat16", None).tier == "source"
+    # the new entry replaces the one made from the earlier bytes; the int8 one is another lineage
+    assert (renewed / "weights.bin").is_file() and not kept.exists() and int8_kept.exists()
 
 
 @pytest.mark.parametrize("size", [0, 100, 4096, 3 * 4096 + 17, (1 << 20) + 5, 9 * (1 << 20) + 4095])

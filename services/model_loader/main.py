@@ -43,6 +43,7 @@ import re
 import signal
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from meshserve.shared import node_memory, shm
 from meshserve.shared.bus import Bus
@@ -53,6 +54,9 @@ from meshserve.shared.service import run_service
 
 from . import loads, prepared
 from .tiers import GB, Entry, Tiers
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("meshserve.model_loader")
 

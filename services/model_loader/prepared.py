@@ -61,7 +61,7 @@ def entry(model: Path, variant: str, device: str) -> Path | None:
     gguf = model.is_file() and model.suffix.lower() == ".gguf"
     if not gguf and not (model.is_dir() and (model / "config.json").is_file()):
         return None
-    return prepared_dir(model, "weights", variant, device, recipe())
+    return prepared_dir(model, "weights", variant, device, version=recipe())
 
 
 def load(kept: Path) -> tuple[Path, list[TensorSpec], dict] | None:
