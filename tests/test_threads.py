@@ -97,7 +97,7 @@ def test_a_core_coming_back_is_seen_from_its_idle_time_and_a_wrong_sign_backs_of
     m.busy = False
     ones = tuner.chosen[1]
     run(tuner, m, 100)
-    assert tuner.current == 2 and tuner.chosen[1] - ones <= 32  # within a window (0.25 s) or so
+    assert tuner.current == 2 and tuner.chosen[1] - ones <= 32  # within a window (0.1 s) or so
 
     m.busy = True
     run(tuner, m, 50)

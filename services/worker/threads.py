@@ -45,7 +45,7 @@ MAX_BACKOFF = 8  # the longest interval between explorations: explore_every time
 SURPRISE = 2.0  # a step this many times its count's average makes the next one explore
 EXPLORE_SHARE = 0.05  # the most of the stepping time that exploring more threads may cost
 SPARE = 0.5  # cores idle (summed) while stepping that say a core is free again
-WINDOW = 0.25  # seconds of back-to-back steps over which the cores' idle time is judged
+WINDOW = 0.1  # seconds of back-to-back steps over which the cores' idle time is judged (10 ticks)
 GAP = 0.02  # a pause between steps longer than this (the worker waited for work) starts a new window
 MAX_HINT_BACKOFF = 64  # the most steps between heeded idle signs: explore_every times this
 
