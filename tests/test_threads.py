@@ -195,3 +195,17 @@ def test_a_quiet_machine_explores_less_and_less_but_a_burner_is_seen_on_the_next
     m.busy = True
     run(tuner, m, 3, tokens=512)  # the first is slow on two threads, the second explores one
     assert tuner.current == 1
+
+
+def test_idle_seconds_reads_this_machines_cores():
+    """The idle-core sign's source: /proc/stat's idle time of the given cores, cumulative; a core set
+    that names no core reads 0."""
+    import os
+
+    from meshserve.services.worker.threads import idle_seconds
+
+    cores = sorted(os.sched_getaffinity(0))
+    first = idle_seconds(cores)
+    assert isinstance(first, float) and first > 0
+    assert idle_seconds(cores) >= first
+    assert idle_seconds(cores[:1]) > 0 and idle_seconds([]) == 0.0
