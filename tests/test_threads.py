@@ -209,3 +209,31 @@ def test_idle_seconds_reads_this_machines_cores():
     assert isinstance(first, float) and first > 0
     assert idle_seconds(cores) >= first
     assert idle_seconds(cores[:1]) > 0 and idle_seconds([]) == 0.0
+
+
+def test_a_first_slow_step_on_a_woken_team_does_not_prove_the_sign_wrong():
+    """After a stretch on one thread, the first step on two pays for waking the second thread (here
+    3x); the one after it shows the real speed. The idle sign's exploration takes both before it
+    calls the sign wrong, so the stream is back on both cores at once, not after a backed-off wait."""
+
+    class Waking(Machine):
+        last = 2
+
+        def cost(self, n, tokens):
+            base = 0.0125 * (50.0 if n == 2 and self.busy else 1.0 if n == 1 else 0.5)
+            woke = n == 2 and self.last == 1
+            self.last = n
+            return base * (3.0 if woke else 1.0)
+
+    m = Waking()
+    m.threads = 2
+    tuner = ThreadTuner(2, m.set_threads, explore_every=32, clock=m.clock, idle=m.idle)
+    run(tuner, m, 100)
+    m.busy = True
+    run(tuner, m, 300)
+    assert tuner.current == 1
+    m.busy = False
+    ones = tuner.chosen[1]
+    run(tuner, m, 40)
+    assert tuner.current == 2 and tuner.chosen[1] - ones <= 12
+    assert tuner.explored["idle_signs_wrong"] == 0

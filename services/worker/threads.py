@@ -30,7 +30,7 @@ exploring it every 32 steps more than halved the stream. While fewer threads are
 - the cheap sign that the core came back is the cores' own idle time (/proc/stat): when at least
   SPARE of a core sat idle while the steps ran back to back for WINDOW seconds, the next step of
   each such kind explores at once, budget or not. A sign that proves wrong (more threads still
-  slower) doubles the steps before the next one is heeded.
+  slower, two steps in a row) doubles the steps before the next one is heeded.
 """
 
 from __future__ import annotations
@@ -88,6 +88,7 @@ class ThreadTuner:
         self.budget: dict[int, float] = {}  # per bucket: seconds it may spend exploring more threads
         self.hinted: set[int] = set()  # buckets whose next step explores more threads: cores sat idle
         self.hint_exploring = False  # the step being run explores because of such a sign
+        self.hint_retried: set[int] = set()  # buckets whose sign's first step came out slower
         self.hint_every: dict[int, int] = {}  # per bucket: steps between heeded idle signs now
         self.hint_after: dict[int, int] = {}  # per bucket: the step count from which a sign is heeded
         self.window: tuple[float, float | None] | None = None  # (start, idle seconds then) of back-to-back steps
@@ -213,7 +214,15 @@ class ThreadTuner:
                 self.hinted.add(b)
 
     def _heed_hints(self, b: int, found_free: bool, hinted: bool) -> None:
-        """After exploring more threads: a sign that proved wrong doubles the wait for the next."""
+        """After exploring more threads: a sign that proved wrong doubles the wait for the next. Its
+        first step is not the last word: the thread team woke from sleep for it (a first 2-thread
+        step after a stretch on one came out slower than one thread on a quiet machine, measured),
+        so a sign is proved wrong by a second step in a row."""
+        if hinted and not found_free and b not in self.hint_retried:
+            self.hint_retried.add(b)
+            self.hinted.add(b)
+            return
+        self.hint_retried.discard(b)
         n = self.hint_every.get(b, self.explore_every)
         if found_free:
             n = self.explore_every
