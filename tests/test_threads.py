@@ -237,3 +237,31 @@ def test_a_first_slow_step_on_a_woken_team_does_not_prove_the_sign_wrong():
     run(tuner, m, 40)
     assert tuner.current == 2 and tuner.chosen[1] - ones <= 12
     assert tuner.explored["idle_signs_wrong"] == 0
+
+
+def test_the_idle_sign_sees_through_the_workers_own_pauses():
+    """Short requests: two steps, then a 30 ms pause for the next. In a pause the worker's own core
+    sits idle too, which is not a free core: beside a burner no sign comes of it, and once the
+    burner is gone the sign comes although no 0.1 s ran without a pause."""
+
+    class Crawl(Machine):
+        def cost(self, n, tokens):
+            return 0.0125 * (50.0 if n == 2 and self.busy else 1.0 if n == 1 else 0.5)
+
+    def requests(tuner, m, count):
+        for _ in range(count):
+            run(tuner, m, 2)
+            m.now += 0.030
+            m.idle_s += 0.030 * (1 if m.busy else 2)  # the worker's core; the other one too when quiet
+
+    m = Crawl()
+    m.threads = 2
+    tuner = ThreadTuner(2, m.set_threads, explore_every=32, clock=m.clock, idle=m.idle)
+    requests(tuner, m, 20)
+    m.busy = True
+    requests(tuner, m, 300)
+    assert tuner.current == 1 and tuner.explored["more_on_idle_cores"] == 0
+    m.busy = False
+    ones = tuner.chosen[1]
+    requests(tuner, m, 20)
+    assert tuner.current == 2 and tuner.chosen[1] - ones <= 8

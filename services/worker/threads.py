@@ -28,8 +28,8 @@ exploring it every 32 steps more than halved the stream. While fewer threads are
   its seconds, an exploration spends what it took, so explorations cost at most that share of
   the time however slow they turn out;
 - the cheap sign that the core came back is the cores' own idle time (/proc/stat): when at least
-  SPARE of a core sat idle while the steps ran back to back for WINDOW seconds, the next step of
-  each such kind explores at once, budget or not. A sign that proves wrong (more threads still
+  SPARE of a core sat idle over WINDOW seconds of steps, besides the worker's own pauses between
+  them, the next step of each such kind explores at once, budget or not. A sign that proves wrong (more threads still
   slower, two steps in a row) doubles the steps before the next one is heeded.
 """
 
@@ -45,8 +45,8 @@ MAX_BACKOFF = 8  # the longest interval between explorations: explore_every time
 SURPRISE = 2.0  # a step this many times its count's average makes the next one explore
 EXPLORE_SHARE = 0.05  # the most of the stepping time that exploring more threads may cost
 SPARE = 0.5  # cores idle (summed) while stepping that say a core is free again
-WINDOW = 0.1  # seconds of back-to-back steps over which the cores' idle time is judged (10 ticks)
-GAP = 0.02  # a pause between steps longer than this (the worker waited for work) starts a new window
+WINDOW = 0.1  # seconds (10 ticks) over which the cores' idle time is judged
+LONG_GAP = 1.0  # a pause between steps longer than this starts a new window (shorter ones are subtracted)
 MAX_HINT_BACKOFF = 64  # the most steps between heeded idle signs: explore_every times this
 
 
@@ -91,7 +91,8 @@ class ThreadTuner:
         self.hint_retried: set[int] = set()  # buckets whose sign's first step came out slower
         self.hint_every: dict[int, int] = {}  # per bucket: steps between heeded idle signs now
         self.hint_after: dict[int, int] = {}  # per bucket: the step count from which a sign is heeded
-        self.window: tuple[float, float | None] | None = None  # (start, idle seconds then) of back-to-back steps
+        self.window: tuple[float, float | None] | None = None  # (start, idle seconds then) of the window
+        self.paused = 0.0  # seconds between steps in the window (the worker's own core idle)
         self.last_end = float("-inf")
 
     def limit(self, max_threads: int) -> None:
@@ -192,20 +193,24 @@ class ThreadTuner:
         return out
 
     def _watch_idle(self, start: float) -> None:
-        """Before a step: a window of back-to-back steps starts here after a pause (the worker's own
-        idle time would count as a free core), or when fewer threads than all run."""
+        """Before a step: a window starts here when fewer threads than all run, or after a long pause.
+        A short pause (the worker waiting for its next request) stays in the window, its length taken
+        off the idle time: the worker's own core sat idle through it."""
         if self.idle is None or self.current == self.candidates[-1]:
             self.window = None
-        elif self.window is None or start - self.last_end > GAP:
-            self.window = (start, self.idle())
+        elif self.window is None or start - self.last_end > LONG_GAP:
+            self.window, self.paused = (start, self.idle()), 0.0
+        else:
+            self.paused += start - self.last_end
 
     def _judge_idle(self, end: float) -> None:
-        """After a step: when the window is long enough, did SPARE of a core sit idle in it?"""
+        """After a step: when the window is long enough, did SPARE of a core sit idle in it, besides
+        the worker's own pauses?"""
         if self.window is None or end - self.window[0] < WINDOW:
             return
-        (start, before), after = self.window, self.idle()
-        self.window = (end, after)
-        if before is None or after is None or (after - before) / (end - start) < SPARE:
+        (start, before), after, paused = self.window, self.idle(), self.paused
+        self.window, self.paused = (end, after), 0.0
+        if before is None or after is None or (after - before - paused) / (end - start) < SPARE:
             return
         top = self.candidates[-1]
         for b, k in self.count.items():
