@@ -16,6 +16,7 @@ import glob
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -210,10 +211,10 @@ def publish_dir(tmp: Path, final: Path) -> None:
     except OSError:  # another process published the same entry meanwhile: keep theirs
         shutil.rmtree(tmp, ignore_errors=True)
         return
-    stem, sep, _ = final.name.rpartition("-")
-    if final.parent.name == "prepared" and sep and stem.count("-") >= 1:
-        for old in final.parent.glob(glob.escape(stem) + "-*"):
-            if old != final and old.name.rpartition("-")[0] == stem:
+    lineage = re.fullmatch(r"(.+-[0-9a-f]{16})-[0-9a-f]{16}", final.name)  # prepared_dir's form, else None
+    if lineage is not None:
+        for old in final.parent.glob(glob.escape(lineage[1]) + "-*"):
+            if old != final and old.name.rpartition("-")[0] == lineage[1]:
                 log.info("removing %s: replaced by %s", old, final.name)
                 shutil.rmtree(old, ignore_errors=True)
 

@@ -42,6 +42,20 @@ def run(tuner: ThreadTuner, m: Machine, steps: int, tokens: int = 1) -> float:
     return total
 
 
+class Crawl(Machine):
+    """Two threads beside a burner cost 50 one-thread steps (measured: 540 ms against 12.5)."""
+
+    def cost(self, n, tokens):
+        return 0.0125 * (50.0 if n == 2 and self.busy else 1.0 if n == 1 else 0.5)
+
+
+def crawling(idle: bool, machine: type = Crawl) -> tuple[Machine, ThreadTuner]:
+    """A quiet machine of that kind on two threads and its tuner (reading the machine's idle time or not)."""
+    m = machine()
+    m.threads = 2
+    return m, ThreadTuner(2, m.set_threads, explore_every=32, clock=m.clock, idle=m.idle if idle else None)
+
+
 def test_the_faster_count_wins_and_a_busy_core_is_noticed_both_ways():
     m = Machine()
     m.threads = 2  # the step thread's initial setting
@@ -62,13 +76,7 @@ def test_exploring_more_threads_beside_a_burner_costs_at_most_its_share():
     """Beside a burner a two-thread step costs 50 one-thread ones (measured: 540 ms against 12.5).
     Exploring it every 32 steps would triple the time; within the budget it costs about 5%."""
 
-    class Crawl(Machine):
-        def cost(self, n, tokens):
-            return 0.0125 * (50.0 if n == 2 and self.busy else 1.0 if n == 1 else 0.5)
-
-    m = Crawl()
-    m.threads = 2
-    tuner = ThreadTuner(2, m.set_threads, explore_every=32, clock=m.clock, idle=m.idle)
+    m, tuner = crawling(idle=True)
     run(tuner, m, 100)
     m.busy = True
     run(tuner, m, 10)  # the burner is noticed: one thread from here on
@@ -84,13 +92,7 @@ def test_a_core_coming_back_is_seen_from_its_idle_time_and_a_wrong_sign_backs_of
     so at once. Where the idle time misleads (a quota, not a neighbour, holds the core), the
     explorations it causes thin out."""
 
-    class Crawl(Machine):
-        def cost(self, n, tokens):
-            return 0.0125 * (50.0 if n == 2 and self.busy else 1.0 if n == 1 else 0.5)
-
-    m = Crawl()
-    m.threads = 2
-    tuner = ThreadTuner(2, m.set_threads, explore_every=32, clock=m.clock, idle=m.idle)
+    m, tuner = crawling(idle=True)
     run(tuner, m, 100)
     m.busy = True
     run(tuner, m, 500)
@@ -110,13 +112,7 @@ def test_a_core_coming_back_is_seen_from_its_idle_time_and_a_wrong_sign_backs_of
 
 
 def test_without_idle_times_a_free_core_is_still_found_by_the_budget():
-    class Crawl(Machine):
-        def cost(self, n, tokens):
-            return 0.0125 * (50.0 if n == 2 and self.busy else 1.0 if n == 1 else 0.5)
-
-    m = Crawl()
-    m.threads = 2
-    tuner = ThreadTuner(2, m.set_threads, explore_every=32, clock=m.clock)
+    m, tuner = crawling(idle=False)
     run(tuner, m, 100)
     m.busy = True
     run(tuner, m, 500)
@@ -216,18 +212,15 @@ def test_a_first_slow_step_on_a_woken_team_does_not_prove_the_sign_wrong():
     3x); the one after it shows the real speed. The idle sign's exploration takes both before it
     calls the sign wrong, so the stream is back on both cores at once, not after a backed-off wait."""
 
-    class Waking(Machine):
+    class Waking(Crawl):
         last = 2
 
         def cost(self, n, tokens):
-            base = 0.0125 * (50.0 if n == 2 and self.busy else 1.0 if n == 1 else 0.5)
             woke = n == 2 and self.last == 1
             self.last = n
-            return base * (3.0 if woke else 1.0)
+            return super().cost(n, tokens) * (3.0 if woke else 1.0)
 
-    m = Waking()
-    m.threads = 2
-    tuner = ThreadTuner(2, m.set_threads, explore_every=32, clock=m.clock, idle=m.idle)
+    m, tuner = crawling(idle=True, machine=Waking)
     run(tuner, m, 100)
     m.busy = True
     run(tuner, m, 300)
@@ -244,19 +237,13 @@ def test_the_idle_sign_sees_through_the_workers_own_pauses():
     sits idle too, which is not a free core: beside a burner no sign comes of it, and once the
     burner is gone the sign comes although no 0.1 s ran without a pause."""
 
-    class Crawl(Machine):
-        def cost(self, n, tokens):
-            return 0.0125 * (50.0 if n == 2 and self.busy else 1.0 if n == 1 else 0.5)
-
     def requests(tuner, m, count):
         for _ in range(count):
             run(tuner, m, 2)
             m.now += 0.030
             m.idle_s += 0.030 * (1 if m.busy else 2)  # the worker's core; the other one too when quiet
 
-    m = Crawl()
-    m.threads = 2
-    tuner = ThreadTuner(2, m.set_threads, explore_every=32, clock=m.clock, idle=m.idle)
+    m, tuner = crawling(idle=True)
     requests(tuner, m, 20)
     m.busy = True
     requests(tuner, m, 300)

@@ -29,8 +29,8 @@ exploring it every 32 steps more than halved the stream. While fewer threads are
   the time however slow they turn out;
 - the cheap sign that the core came back is the cores' own idle time (/proc/stat): when at least
   SPARE of a core sat idle over WINDOW seconds of steps, besides the worker's own pauses between
-  them, the next step of each such kind explores at once, budget or not. A sign that proves wrong (more threads still
-  slower, two steps in a row) doubles the steps before the next one is heeded.
+  them, the next step of each such kind explores at once, budget or not. A sign that proves wrong
+  (more threads still slower, two steps in a row) doubles the steps before the next one is heeded.
 """
 
 from __future__ import annotations
