@@ -1,6 +1,8 @@
 """A decode step's decoder layers in one C++ call (kernels/cpu/fused_decode.cpp), for a bf16 model
-with int8 weights on a CPU with AVX2: at batch 1 the ~25 small operations of each layer and the
-fork and join of each projection cost more than the layer's arithmetic.
+with int8 weights on a CPU with AVX2, or with bf16 weights in the blocked layout on one with AVX-512
+BF16: at batch 1 the ~25 small operations of each layer and the fork and join of each projection
+cost more than the layer's arithmetic (bf16 batch-1 decode of SmolLM2 took 22-24 ms a token per
+operation on a 2-core AMX Xeon, where its 269 MB of weights stream in about 11).
 
 It applies to steps of decodes only (one new token per row, up to MAX_ROWS rows; a sequence
 verifying a proposal has one row per token) over a bf16 or int8 KV arena. It runs the per-operation path's own kernels (int8_linear.h, layer_ops.h,
@@ -15,6 +17,7 @@ import torch
 
 from . import cpu_build
 from .int8_linear import Int8Linear
+from .linear import Linear
 from .paged_attention import AttentionMetadata
 
 MAX_ROWS = 12  # the int8 kernel's tiles below the row count where it widens weights (int8_linear.h kWidenRows)
@@ -27,36 +30,45 @@ def kernel():
 
 
 class FusedDecode:
-    def __init__(self, plan):
+    def __init__(self, plan, max_rows: int = MAX_ROWS):
         self.plan = plan  # the C++ object: raw pointers to the weights, which the model keeps alive
+        self.max_rows = max_rows
 
     @classmethod
     def build(cls, layers: list[dict], attn_norm: list[torch.Tensor], mlp_norm: list[torch.Tensor],
               norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
               eps: float, scale: float) -> "FusedDecode | None":
         """layers: each layer's projections by name (PROJECTIONS); None unless every one is an int8
-        projection in the CPU kernel's layout in a bf16 CPU model and the kernel is built."""
+        projection in the CPU kernel's layout, or every one a bf16 projection in the blocked layout
+        on a CPU whose kernel runs it, in a bf16 CPU model, and the kernel is built."""
         projs = [layer[name] for layer in layers for name in PROJECTIONS]
-        if not all(isinstance(p, Int8Linear) and p.blocked is not None for p in projs):
+        mod = kernel()
+        if mod is None:
+            return None
+        max_rows = MAX_ROWS
+        if all(isinstance(p, Int8Linear) and p.blocked is not None for p in projs):
+            scales = [p.scale for p in projs]
+        elif all(isinstance(p, Linear) and p.blocked is not None and p.kernel is not None for p in projs) \
+                and mod.bf16_weights():
+            scales = []
+            if cpu_build.amx_gemm_min_rows():  # from there on Linear hands the rows to torch's GEMM
+                max_rows = min(MAX_ROWS, cpu_build.amx_gemm_min_rows() - 1)
+        else:
             return None
         if any(layer[name].bias is not None for layer in layers for name in PROJECTIONS[1:]):
             return None
         biases = [layer["qkv"].bias for layer in layers]
         if any(b is None for b in biases) and any(b is not None for b in biases):
             return None
-        if norm.dtype != torch.bfloat16 or norm.device.type != "cpu" or cos.dtype != torch.bfloat16:
+        if norm.dtype != torch.bfloat16 or norm.device.type != "cpu" or cos.dtype != torch.bfloat16 or max_rows < 1:
             return None
-        mod = kernel()
-        if mod is None:
-            return None
-        plan = mod.FusedDecode([p.blocked for p in projs], [p.scale for p in projs],
+        plan = mod.FusedDecode([p.blocked for p in projs], scales,
                                [] if biases[0] is None else biases, list(attn_norm) + list(mlp_norm) + [norm],
                                cos.contiguous(), sin.contiguous(), heads, kv_heads, head_dim, eps, scale)
-        return cls(plan)
+        return cls(plan, max_rows)
 
-    @staticmethod
-    def applies(n: int, meta: AttentionMetadata, kv_cache: torch.Tensor) -> bool:
-        return (n <= MAX_ROWS and meta.num_decodes == n and not meta.prefills
+    def applies(self, n: int, meta: AttentionMetadata, kv_cache: torch.Tensor) -> bool:
+        return (n <= self.max_rows and meta.num_decodes == n and not meta.prefills
                 and meta.decode_block_tables is not None and kv_cache.device.type == "cpu"
                 and kv_cache.dtype in (torch.bfloat16, torch.int8) and kv_cache.is_contiguous())
 

@@ -1,6 +1,6 @@
 """The fused decode step (kernels/cpu/fused_decode.cpp) against its oracle, the model's
-per-operation forward: bit for bit (hidden states and the KV it writes) on the tiny model with int8
-weights in bf16, over bf16 and int8 KV arenas, 1-12 decodes of different contexts, one and two
+per-operation forward: bit for bit (hidden states and the KV it writes) on the tiny model in bf16
+with int8 weights and with bf16 weights (where the CPU has AVX-512 BF16), over bf16 and int8 KV arenas, 1-12 decodes of different contexts, one and two
 threads, with and without a q|k|v bias, and with proposals verified as several rows of one sequence;
 and the engine's greedy tokens with it and without it, and with prompt lookup and without it."""
 
@@ -18,6 +18,9 @@ from meshserve.shared.model.weights import load_hf_dir
 
 pytestmark = pytest.mark.skipif(fused_decode.kernel() is None,
                                 reason="the fused decode kernel is not available (no AVX2 or no compiler)")
+BF16_FUSED = fused_decode.kernel() is not None and fused_decode.kernel().bf16_weights()
+bf16_only = pytest.mark.skipif(not BF16_FUSED, reason="bf16 weights run fused only with AVX-512 BF16")
+WHICH = ["plain", "bias", pytest.param("bf16", marks=bf16_only), pytest.param("bf16-bias", marks=bf16_only)]
 
 BLOCK = 16
 
@@ -31,6 +34,7 @@ def models(tiny_llama, tmp_path_factory):
     for name, path in (("plain", tiny_llama), ("bias", biased)):
         cfg, sd = load_hf_dir(path)
         out[name] = LlamaModel.from_hf(cfg, sd, torch.bfloat16, quantization="int8")
+        out["bf16" if name == "plain" else "bf16-bias"] = LlamaModel.from_hf(cfg, sd, torch.bfloat16)
     return out
 
 
@@ -71,7 +75,7 @@ def fused_and_per_operation(model, ids, pos, meta, kv):
     return got, want, kv_fused, kv_ref
 
 
-@pytest.mark.parametrize("which", ["plain", "bias"])
+@pytest.mark.parametrize("which", WHICH)
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8], ids=["bf16-kv", "int8-kv"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_fused_step_is_the_per_operation_step_bit_for_bit(models, which, kv_dtype, threads):
@@ -80,7 +84,7 @@ def test_fused_step_is_the_per_operation_step_bit_for_bit(models, which, kv_dtyp
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for n in (1, 3, fused_decode.MAX_ROWS):
+        for n in sorted({1, 3, model.fused.max_rows}):
             ids, pos, meta, kv = decode_step(model.cfg, n, kv_dtype, seed=n)
             assert model.fused.applies(n, meta, kv)
             got, want, kv_fused, kv_ref = fused_and_per_operation(model, ids, pos, meta, kv)
@@ -119,12 +123,13 @@ def verify_step(cfg, kv_dtype: torch.dtype, seed: int):
     return torch.randint(0, cfg.vocab_size, (n,), generator=g), pos, meta, kv
 
 
+@pytest.mark.parametrize("which", ["plain", pytest.param("bf16", marks=bf16_only)])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8], ids=["bf16-kv", "int8-kv"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_fused_verification_rows_are_the_per_operation_step_bit_for_bit(models, kv_dtype, threads):
+def test_fused_verification_rows_are_the_per_operation_step_bit_for_bit(models, which, kv_dtype, threads):
     """A row reads the K/V the sequence's earlier rows write in the same step: fused, every write
     comes before any attention (a barrier), as in the per-operation path."""
-    model = models["plain"]
+    model = models[which]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -144,14 +149,32 @@ def test_fused_step_only_where_it_applies(models, tiny_llama):
     assert not model.fused.applies(fused_decode.MAX_ROWS + 1, meta, kv)
     assert not model.fused.applies(fused_decode.MAX_ROWS + 1, meta, kv.float())
     cfg, sd = load_hf_dir(tiny_llama)
-    assert LlamaModel.from_hf(cfg, sd, torch.bfloat16).fused is None  # bf16 weights: no int8 projections
+    assert (LlamaModel.from_hf(cfg, sd, torch.bfloat16).fused is not None) == BF16_FUSED
     assert LlamaModel.from_hf(cfg, sd, torch.float32, quantization="int8").fused is None
+    assert LlamaModel.from_hf(cfg, sd, torch.float32).fused is None
 
 
-def test_engine_greedy_tokens_same_with_and_without_fused_step(models):
+@bf16_only
+def test_bf16_fused_step_stops_where_linear_hands_rows_to_the_amx_gemm(models, monkeypatch):
+    """On a CPU with AMX, Linear gives steps of amx_gemm_min_rows() rows or more to torch's GEMM
+    (other bits than the kernel's): the bf16 fused step takes only fewer rows, so it stays bit for
+    bit the per-operation step; int8 weights keep all 12 (their GEMM starts at a multiple)."""
+    from meshserve.kernels import cpu_build
+
+    monkeypatch.setattr(cpu_build, "amx_gemm_min_rows", lambda: 4)
+    rebuilt = {name: models[name]._fused_decode() for name in ("bf16", "plain")}
+    assert rebuilt["bf16"].max_rows == 3 and rebuilt["plain"].max_rows == fused_decode.MAX_ROWS
+    ids, pos, meta, kv = decode_step(models["bf16"].cfg, 4, torch.bfloat16, seed=0)
+    assert not rebuilt["bf16"].applies(4, meta, kv) and rebuilt["plain"].applies(4, meta, kv)
+    monkeypatch.setattr(cpu_build, "amx_gemm_min_rows", lambda: 1)
+    assert models["bf16"]._fused_decode() is None
+
+
+@pytest.mark.parametrize("which", ["plain", pytest.param("bf16", marks=bf16_only)])
+def test_engine_greedy_tokens_same_with_and_without_fused_step(models, which):
     from test_engine import make_prompts
 
-    model = models["plain"]
+    model = models[which]
     prompts = make_prompts(model.cfg.vocab_size, n=8)
     params = SamplingParams(max_tokens=12, temperature=0)
 
@@ -181,15 +204,18 @@ def test_engine_greedy_tokens_same_with_and_without_fused_step(models):
     assert with_fused == without
 
 
-def test_prompt_lookup_verifies_in_fused_steps_and_gives_the_tokens_of_plain_decoding(models, kernel_projections):
-    """Verification runs as decode rows, so with int8 weights (integer sums: a row's result does not
-    depend on the rows beside it) speculation changes no token; proposals are cut so that every
-    verification step of four streams fits the fused step's rows, and runs fused."""
+@pytest.mark.parametrize("which", ["plain", pytest.param("bf16", marks=bf16_only)])
+def test_prompt_lookup_verifies_in_fused_steps_and_gives_the_tokens_of_plain_decoding(models, which,
+                                                                                       kernel_projections):
+    """Verification runs as decode rows, so with int8 weights (integer sums) or bf16 ones on the
+    kernel's tiles (each row's sums in its own registers, in the same order) a row's result does
+    not depend on the rows beside it and speculation changes no token; proposals are cut so that
+    every verification step of four streams fits the fused step's rows, and runs fused."""
     from test_speculative import spec_engine
 
     from meshserve.shared.engine.speculative import SpeculativeConfig
 
-    model = models["plain"]
+    model = models[which]
     g = torch.Generator().manual_seed(1)
     base = [torch.randint(3, model.cfg.vocab_size, (n,), generator=g).tolist() for n in (6, 11, 17, 40)]
     prompts = [b * 3 for b in base]  # prompts that repeat themselves: lookups match

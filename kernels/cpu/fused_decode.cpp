@@ -1,5 +1,6 @@
 // A decode step's decoder layers in one call, CPU: bf16 activations, int8 weights in the n16k2 layout
-// (kernels/cpu/int8_linear.cpp), a bf16 or int8 paged KV arena.
+// (kernels/cpu/int8_linear.cpp) or bf16 weights in the n32k2 layout (kernels/cpu/linear.cpp, with
+// AVX-512 BF16), a bf16 or int8 paged KV arena.
 //
 // Why: at batch 1 a token of SmolLM2-135M is 30 layers of four projections of 0.3-1.8 MB each and
 // about 25 small operations around them (views, RoPE, the KV write, attention, norms, SwiGLU), each a
@@ -7,18 +8,19 @@
 // stack is one parallel region: the threads split each projection's weight blocks and meet at a
 // barrier only where one step needs another thread's results (five per layer); the small
 // per-row steps a thread needs next (adding to the residual, RMSNorm, quantizing a projection's input
-// to int16) each thread computes for itself, which costs less than a barrier. Attention runs one
+// to int16 for int8 weights) each thread computes for itself, which costs less than a barrier. Attention runs one
 // task per (sequence, KV head): that head's RoPE, its new K/V row written into the arena, then the
 // attention itself (with a proposal's rows being verified, all writes first, then a barrier, then
 // the attention). gate|up's blocks go to threads in (gate, up) pairs, so SwiGLU is applied as
 // soon as a pair is done.
 //
-// Every step runs the code of the per-operation path (int8_linear.h, layer_ops.h,
+// Every step runs the code of the per-operation path (int8_linear.h or linear.h, layer_ops.h,
 // paged_attention.h) on the same inputs, so the result is bit for bit that path's: LlamaModel's
 // per-operation forward is the oracle (tests/test_fused_decode.py).
 
 #include "int8_linear.h"
 #include "layer_ops.h"
+#include "linear.h"
 #include "paged_attention.h"
 
 #include <ATen/Parallel.h>
@@ -36,8 +38,9 @@ namespace {
 using bf16 = c10::BFloat16;
 
 struct Proj {
-  const int8_t* w = nullptr;
+  const int8_t* w8 = nullptr;  // int8 weights (n16k2) and their column scales,
   const float* scale = nullptr;
+  const bf16* w16 = nullptr;  // or bf16 weights (n32k2)
   std::vector<float> bias;  // fp32, empty: none
   int64_t N = 0, K = 0;
 };
@@ -56,10 +59,13 @@ bool available() {
 #endif
 }
 
+bool bf16_weights() { return MESHSERVE_AVX2 && MESHSERVE_BF16DOT; }
+
 #if MESHSERVE_AVX2
 class FusedDecode {
  public:
-  // weights, scales: per layer qkv, o, gate_up, down (4 x layers, blocked int8 and fp32 scales);
+  // weights, scales: per layer qkv, o, gate_up, down (4 x layers): blocked int8 and their fp32
+  // scales, or blocked bf16 and no scales;
   // qkv_bias: per layer, or empty; norms: the layers' attn_norm, then their mlp_norm, then the final
   // norm (bf16); cos, sin: [max_positions, head_dim / 2] bf16 tables; scale: attention's.
   FusedDecode(std::vector<at::Tensor> weights, std::vector<at::Tensor> scales, std::vector<at::Tensor> qkv_bias,
@@ -67,23 +73,32 @@ class FusedDecode {
               int64_t head_dim, double eps, double scale)
       : keep_(weights), hq_(heads), hkv_(kv_heads), d_(head_dim), eps_(float(eps)), scale_(float(scale)) {
     TORCH_CHECK(available(), "fused_decode: built without AVX2");
-    TORCH_CHECK(weights.size() % 4 == 0 && !weights.empty() && scales.size() == weights.size(),
-                "fused_decode: 4 weights and 4 scales per layer");
+    TORCH_CHECK(weights.size() % 4 == 0 && !weights.empty(), "fused_decode: 4 weights per layer");
+    int8_ = weights[0].scalar_type() == at::kChar;
+    bn_ = int8_ ? int8_linear::kBlockN : bf16_linear::kBlockN;
+    TORCH_CHECK(int8_ || bf16_weights(), "fused_decode: bf16 weights need AVX-512 BF16");
+    TORCH_CHECK(scales.size() == (int8_ ? weights.size() : 0), "fused_decode: 4 scales per layer for int8 weights, none for bf16");
     layers_ = int64_t(weights.size() / 4);
     TORCH_CHECK(qkv_bias.empty() || int64_t(qkv_bias.size()) == layers_, "fused_decode: one qkv bias per layer");
     TORCH_CHECK(int64_t(norms.size()) == 2 * layers_ + 1, "fused_decode: 2 norms per layer and the final one");
     TORCH_CHECK(hkv_ > 0 && hq_ % hkv_ == 0 && d_ % 2 == 0, "fused_decode: heads");
     for (size_t i = 0; i < weights.size(); ++i) {
       const at::Tensor& w = weights[i];
-      const at::Tensor& s = scales[i];
-      TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 4 && w.is_contiguous() && w.size(2) == int8_linear::kBlockN &&
-                      w.size(3) == 2, "fused_decode: weights in the int8 n16k2 layout");
-      TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.numel() == w.size(0) * int8_linear::kBlockN,
-                  "fused_decode: fp32 scales, one per output column");
+      TORCH_CHECK(w.scalar_type() == (int8_ ? at::kChar : at::kBFloat16) && w.dim() == 4 && w.is_contiguous() &&
+                      w.size(2) == bn_ && w.size(3) == 2,
+                  "fused_decode: all weights in the int8 n16k2 layout or all in the bf16 n32k2 one");
       Proj p;
-      p.w = w.data_ptr<int8_t>();
-      p.scale = s.data_ptr<float>();
-      p.N = w.size(0) * int8_linear::kBlockN;
+      if (int8_) {
+        const at::Tensor& s = scales[i];
+        TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.numel() == w.size(0) * bn_,
+                    "fused_decode: fp32 scales, one per output column");
+        p.w8 = w.data_ptr<int8_t>();
+        p.scale = s.data_ptr<float>();
+        keep_.push_back(s);
+      } else {
+        p.w16 = w.data_ptr<bf16>();
+      }
+      p.N = w.size(0) * bn_;
       p.K = w.size(1) * 2;
       if (i % 4 == 0 && !qkv_bias.empty() && qkv_bias[i / 4].defined()) {
         const at::Tensor b = qkv_bias[i / 4].to(at::kFloat).contiguous();
@@ -91,7 +106,6 @@ class FusedDecode {
         p.bias.assign(b.data_ptr<float>(), b.data_ptr<float>() + p.N);
       }
       proj_.push_back(std::move(p));
-      keep_.push_back(s);
     }
     hidden_ = proj_[1].N;
     const int64_t qkv_n = (hq_ + 2 * hkv_) * d_;
@@ -99,7 +113,7 @@ class FusedDecode {
       const Proj &qkv = proj(l, 0), &o = proj(l, 1), &gu = proj(l, 2), &down = proj(l, 3);
       TORCH_CHECK(qkv.N == qkv_n && qkv.K == hidden_, "fused_decode: layer ", l, " q|k|v is ", qkv.N, "x", qkv.K);
       TORCH_CHECK(o.N == hidden_ && o.K == hq_ * d_, "fused_decode: layer ", l, " o does not fit");
-      TORCH_CHECK(gu.K == hidden_ && gu.N % (2 * int8_linear::kBlockN) == 0, "fused_decode: layer ", l, " gate|up");
+      TORCH_CHECK(gu.K == hidden_ && gu.N % (2 * bn_) == 0, "fused_decode: layer ", l, " gate|up");
       TORCH_CHECK(down.N == hidden_ && down.K == gu.N / 2, "fused_decode: layer ", l, " down does not fit");
     }
     for (const at::Tensor& n : norms)
@@ -128,6 +142,7 @@ class FusedDecode {
     TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.sizes() == x.sizes(),
                 "fused_decode: out must be contiguous bf16 like x");
     TORCH_CHECK(n >= 1 && n < int8_linear::kWidenRows, "fused_decode: 1 to ", int8_linear::kWidenRows - 1, " rows");
+    static_assert(int8_linear::kWidenRows - 1 <= bf16_linear::kMaxMR, "a step's rows are one tile of either kernel");
     const bool int8_kv = kv_cache.scalar_type() == at::kChar;
     const int64_t R = int8_kv ? d_ + paged_attention::kScaleBytes : d_;
     TORCH_CHECK((int8_kv || kv_cache.scalar_type() == at::kBFloat16) && kv_cache.is_contiguous() && kv_cache.dim() == 5 &&
@@ -198,17 +213,33 @@ class FusedDecode {
 #else
       const int t = 0, T = 1;
 #endif
-      // This thread's own copy of the residual stream and of the next projection's input.
+      // This thread's own copy of the residual stream and of the next projection's input (int8
+      // weights: the rows quantized to int16; bf16: the rows themselves, read where they are).
       std::vector<bf16> r(xp, xp + n * H), h(n * H);
-      std::vector<int16_t> xq(n * kmax);
+      std::vector<int16_t> xq(int8_ ? n * kmax : 0);
       std::vector<float> sx(n), s(max_ctx * G), qf(G * d_), acc(G * d_), inv(G);
-      const auto quantize = [&](const bf16* rows, int64_t k, float levels) {
+      const bf16* xin = nullptr;
+      const auto input = [&](const bf16* rows, int64_t k, float levels) {
+        if (!int8_) {
+          xin = rows;
+          return;
+        }
         for (int64_t b = 0; b < n; ++b) int8_linear::quantize_row(rows + b * k, k, levels, xq.data() + b * k, sx.data() + b);
       };
+      // y's columns of blocks [nb0, nb1) of p, from the input set last.
+      const auto blocks = [&](const Proj& p, bf16* y, int64_t nb0, int64_t nb1) {
+        const float* bias = p.bias.empty() ? nullptr : p.bias.data();
+        if (int8_) {
+          int8_linear::int8_blocks(xq.data(), sx.data(), n, p.K, p.w8, p.scale, bias, y, p.N, nb0, nb1);
+        } else {
+#if MESHSERVE_BF16DOT
+          bf16_linear::bf16_blocks(xin, n, p.K, p.w16, bias, y, p.N, nb0, nb1);
+#endif
+        }
+      };
       const auto project = [&](const Proj& p, bf16* y) {
-        const auto [nb0, nb1] = share(p.N / int8_linear::kBlockN, t, T);
-        int8_linear::int8_blocks(xq.data(), sx.data(), n, p.K, p.w, p.scale, p.bias.empty() ? nullptr : p.bias.data(), y,
-                                 p.N, nb0, nb1);
+        const auto [nb0, nb1] = share(p.N / bn_, t, T);
+        blocks(p, y, nb0, nb1);
       };
       // r += y, then h = RMSNorm(r) * w, quantized for the next projection.
       const auto add_norm = [&](const bf16* y, const bf16* w) {
@@ -216,10 +247,10 @@ class FusedDecode {
           layer_ops::add_row(r.data() + b * H, y + b * H, H);
           layer_ops::norm_row(r.data() + b * H, w, h.data() + b * H, H, eps_);
         }
-        quantize(h.data(), H, levels_h);
+        input(h.data(), H, levels_h);
       };
       for (int64_t b = 0; b < n; ++b) layer_ops::norm_row(r.data() + b * H, norms_[0], h.data() + b * H, H, eps_);
-      quantize(h.data(), H, levels_h);
+      input(h.data(), H, levels_h);
       for (int64_t l = 0; l < layers_; ++l) {
         project(proj(l, 0), qkv.data());
 #pragma omp barrier
@@ -248,28 +279,25 @@ class FusedDecode {
             attend(al, task / hkv_, task % hkv_, s.data(), qf.data(), acc.data(), inv.data());
         }
 #pragma omp barrier
-        quantize(attn.data(), hq_ * d_, levels_a);
+        input(attn.data(), hq_ * d_, levels_a);
         project(proj(l, 1), o.data());
 #pragma omp barrier
         add_norm(o.data(), norms_[layers_ + l]);
-        {  // gate|up in (gate, up) block pairs, then SwiGLU on the pair's 16 columns
+        {  // gate|up in (gate, up) block pairs, then SwiGLU on the pair's columns
           const Proj& p = proj(l, 2);
-          const int64_t half_blocks = inter / int8_linear::kBlockN;
+          const int64_t half_blocks = inter / bn_;
           const auto [j0, j1] = share(half_blocks, t, T);
-          const float* bias = p.bias.empty() ? nullptr : p.bias.data();
           for (int64_t j = j0; j < j1; ++j) {
-            int8_linear::int8_blocks(xq.data(), sx.data(), n, p.K, p.w, p.scale, bias, gu.data(), p.N, j, j + 1);
-            int8_linear::int8_blocks(xq.data(), sx.data(), n, p.K, p.w, p.scale, bias, gu.data(), p.N,
-                                     j + half_blocks, j + half_blocks + 1);
+            blocks(p, gu.data(), j, j + 1);
+            blocks(p, gu.data(), j + half_blocks, j + half_blocks + 1);
             for (int64_t b = 0; b < n; ++b) {
-              const bf16* gr = gu.data() + b * 2 * inter + j * int8_linear::kBlockN;
-              layer_ops::silu_mul_row(gr, gr + inter, g.data() + b * inter + j * int8_linear::kBlockN,
-                                      int8_linear::kBlockN);
+              const bf16* gr = gu.data() + b * 2 * inter + j * bn_;
+              layer_ops::silu_mul_row(gr, gr + inter, g.data() + b * inter + j * bn_, bn_);
             }
           }
         }
 #pragma omp barrier
-        quantize(g.data(), inter, levels_i);
+        input(g.data(), inter, levels_i);
         project(proj(l, 3), o.data());
 #pragma omp barrier
         add_norm(o.data(), norms_[l + 1 < layers_ ? l + 1 : 2 * layers_]);
@@ -298,6 +326,8 @@ class FusedDecode {
   std::vector<const bf16*> norms_;
   at::Tensor cos_, sin_;
   int64_t layers_ = 0, hidden_ = 0, hq_, hkv_, d_;
+  bool int8_ = true;  // int8 weights, else bf16
+  int64_t bn_ = 0;    // the weights' output columns per block
   float eps_, scale_;
 };
 #endif
@@ -306,6 +336,7 @@ class FusedDecode {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether the AVX2 path was compiled in");
+  m.def("bf16_weights", &bf16_weights, "whether bf16 weights can run fused too (AVX-512 BF16)");
 #if MESHSERVE_AVX2
   py::class_<FusedDecode>(m, "FusedDecode")
       .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,

@@ -13,72 +13,19 @@
 // memory bandwidth); bigger batches keep the block in L1/L2 while every tile of 12 rows passes it.
 // Oracle: F.linear on the plain weight (tests/test_cpu_kernels.py).
 
+#include "linear.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
-#include <c10/util/BFloat16.h>
 
-#include <algorithm>
-#include <array>
-#include <cstdint>
-#include <cstring>
 #include <optional>
-#include <utility>
 #include <vector>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
-#define MESHSERVE_BF16DOT 1
-#endif
-
-namespace {
-
-constexpr int64_t kBlockN = 32;  // output columns per weight block
-constexpr int kMaxMR = 12;       // input rows per tile: 24 accumulators + 2 weight vectors + 1 broadcast
-
-#ifdef MESHSERVE_BF16DOT
-// out[m0:m0+MR, block columns] from one weight block ([K2][32][2] bf16) and MR input rows.
-template <int MR>
-void tile(const c10::BFloat16* x, int64_t K, const c10::BFloat16* wblock, const float* bias, c10::BFloat16* out,
-          int64_t ldo) {
-  __m512 acc[MR][2];
-  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-  for (int64_t k2 = 0; k2 < K / 2; ++k2) {
-    const char* wp = reinterpret_cast<const char*>(wblock + k2 * 2 * kBlockN);
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + 64);
-    for (int m = 0; m < MR; ++m) {
-      int32_t v;  // the row's pair of inputs, broadcast to every column
-      std::memcpy(&v, x + m * K + 2 * k2, sizeof v);
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(v);
-      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, xb);
-      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, xb);
-    }
-  }
-  const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
-  for (int m = 0; m < MR; ++m) {
-    // round to nearest even, as torch rounds fp32 to bf16
-    const __m256i r0 = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][0], b0));
-    const __m256i r1 = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][1], b1));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * ldo), r0);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * ldo + 16), r1);
-  }
-}
-
-using TileFn = void (*)(const c10::BFloat16*, int64_t, const c10::BFloat16*, const float*, c10::BFloat16*, int64_t);
-
-template <int... R>
-constexpr std::array<TileFn, sizeof...(R)> tiles(std::integer_sequence<int, R...>) {
-  return {&tile<R + 1>...};
-}
-constexpr auto kTiles = tiles(std::make_integer_sequence<int, kMaxMR>{});
-#endif
-
-}  // namespace
+using bf16_linear::kBlockN;
 
 bool available() {
-#ifdef MESHSERVE_BF16DOT
+#if MESHSERVE_BF16DOT
   return true;
 #else
   return false;
@@ -103,20 +50,12 @@ void linear_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& wb, cons
     const auto* bp = bias->data_ptr<c10::BFloat16>();
     for (int64_t n = 0; n < N; ++n) b[n] = float(bp[n]);
   }
-#ifdef MESHSERVE_BF16DOT
+#if MESHSERVE_BF16DOT
   const auto* xp = x.data_ptr<c10::BFloat16>();
   const auto* wp = wb.data_ptr<c10::BFloat16>();
   auto* op = out.data_ptr<c10::BFloat16>();
-  const int64_t block_elems = wb.size(1) * kBlockN * 2;
   at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
-    for (int64_t nb = nb0; nb < nb1; ++nb) {
-      const int64_t n0 = nb * kBlockN;
-      const float* bb = b.empty() ? nullptr : b.data() + n0;
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxMR) {
-        const int64_t mr = std::min<int64_t>(kMaxMR, M - m0);
-        kTiles[mr - 1](xp + m0 * K, K, wp + nb * block_elems, bb, op + m0 * N + n0, N);
-      }
-    }
+    bf16_linear::bf16_blocks(xp, M, K, wp, b.empty() ? nullptr : b.data(), op, N, nb0, nb1);
   });
 #endif
 }

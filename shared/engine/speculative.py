@@ -16,9 +16,9 @@ rejection_sampler.py), and the engine keeps the accepted tokens and rolls the re
   regime (docs/speculative.md: how the default was chosen and how to measure it).
 - Turned down when it does not pay: `Payoff` measures decode-only steps' output tokens per second
   with proposals and without, on this machine and model, and proposes only while verifying is
-  the faster (a fused int8 decode step can be faster than any verification on a CPU).
+  the faster (a fused decode step can be faster than any verification on a CPU).
 - Cut to the model's fast path: where the model runs decode-only steps of up to N rows in one
-  fused call (int8 weights on a CPU), proposals are cut so a verification step fits N rows.
+  fused call (int8 or blocked bf16 weights on a CPU), proposals are cut so a verification step fits N rows.
 - A structured-output request's proposal is cut where its grammar rejects a token.
 
 Torch-free at import (the launcher reads the flags here); the proposers load on use.
@@ -136,7 +136,7 @@ class Speculator:
     def propose(self, running: list["Sequence"], live_ids, max_rows: int | None = None) -> list["Sequence"]:
         """Sets seq.draft on the running sequences that decode and speculate this step; returns them.
         max_rows: the most rows a decode-only step may have and stay on the model's fast path (the
-        fused int8 step); proposals are cut to fit it, since a verification off that path costs
+        fused step); proposals are cut to fit it, since a verification off that path costs
         more than its tokens give (None: no such path)."""
         self.proposer.retain(live_ids)
         if len(running) > self.config.disable_by_batch_size or not self.payoff.proposes():

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from meshserve.kernels.fused_decode import MAX_ROWS as FUSED_MAX_ROWS, FusedDecode
+from meshserve.kernels.fused_decode import FusedDecode
 from meshserve.kernels.layer_ops import LayerOps
 from meshserve.kernels.int8_linear import quantize_weights
 from meshserve.kernels.linear import block_weights, projection
@@ -104,7 +104,7 @@ class LlamaModel:
         self.cos, self.sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
         self.scale = cfg.head_dim ** -0.5
         self.ops = LayerOps(self.dtype, self.device, cfg.rms_norm_eps)
-        # Decode-only steps of a bf16 model with int8 weights on the CPU: the layers in one call
+        # Decode-only steps of a bf16 model with int8 or blocked bf16 weights on the CPU: the layers in one call
         # (kernels/fused_decode.py), bit for bit the per-operation forward below; None elsewhere,
         # and until a layered load is complete (it reads the q|k|v biases when it is built).
         self.fused = self._fused_decode() if gate is None else None
@@ -131,7 +131,7 @@ class LlamaModel:
     @property
     def fused_decode_rows(self) -> int | None:
         """The most rows a decode-only step may have and run fused (None: it never runs fused)."""
-        return FUSED_MAX_ROWS if self.fused is not None else None
+        return self.fused.max_rows if self.fused is not None else None
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
