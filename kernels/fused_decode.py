@@ -4,11 +4,12 @@ BF16: at batch 1 the ~25 small operations of each layer and the fork and join of
 cost more than the layer's arithmetic (bf16 batch-1 decode of SmolLM2 took 22-24 ms a token per
 operation on a 2-core AMX Xeon, where its 269 MB of weights stream in about 11).
 
-It applies to steps of decodes only (one new token per row, up to MAX_ROWS rows; a sequence
-verifying a proposal has one row per token) over a bf16 or int8 KV arena. It runs the per-operation path's own kernels (int8_linear.h, layer_ops.h,
-paged_attention.h) in the same order on the same inputs, so its output is bit for bit that path's:
-LlamaModel's per-operation forward is its oracle, and everything else (prompts, LoRA, fp32, other
-devices, the kernels disabled) runs that path.
+It applies to steps of decodes only (one new token per row, up to `max_rows` rows; a sequence
+verifying a proposal has one row per token) over a bf16 or int8 KV arena. It runs the
+per-operation path's own kernels (int8_linear.h or linear.h, layer_ops.h, paged_attention.h) in
+the same order on the same inputs, so its output is bit for bit that path's: LlamaModel's
+per-operation forward is its oracle, and everything else (prompts, LoRA, fp32, other devices, the
+kernels disabled) runs that path.
 """
 
 from __future__ import annotations
