@@ -42,28 +42,25 @@ class FusedDecode:
         """layers: each layer's projections by name (PROJECTIONS); None unless every one is an int8
         projection in the CPU kernel's layout, or every one a bf16 projection in the blocked layout
         on a CPU whose kernel runs it, in a bf16 CPU model, and the kernel is built."""
+        if norm.dtype != torch.bfloat16 or norm.device.type != "cpu" or cos.dtype != torch.bfloat16:
+            return None
         projs = [layer[name] for layer in layers for name in PROJECTIONS]
-        mod = kernel()
-        if mod is None:
+        int8 = all(isinstance(p, Int8Linear) and p.blocked is not None for p in projs)
+        bf16 = all(isinstance(p, Linear) and p.blocked is not None and p.kernel is not None for p in projs)
+        mod = kernel() if int8 or bf16 else None
+        if mod is None or (bf16 and not mod.bf16_weights()):
             return None
         max_rows = MAX_ROWS
-        if all(isinstance(p, Int8Linear) and p.blocked is not None for p in projs):
-            scales = [p.scale for p in projs]
-        elif all(isinstance(p, Linear) and p.blocked is not None and p.kernel is not None for p in projs) \
-                and mod.bf16_weights():
-            scales = []
-            if cpu_build.amx_gemm_min_rows():  # from there on Linear hands the rows to torch's GEMM
-                max_rows = min(MAX_ROWS, cpu_build.amx_gemm_min_rows() - 1)
-        else:
-            return None
+        if bf16 and cpu_build.amx_gemm_min_rows():  # from there on Linear hands the rows to torch's GEMM
+            max_rows = min(MAX_ROWS, cpu_build.amx_gemm_min_rows() - 1)
         if any(layer[name].bias is not None for layer in layers for name in PROJECTIONS[1:]):
             return None
         biases = [layer["qkv"].bias for layer in layers]
         if any(b is None for b in biases) and any(b is not None for b in biases):
             return None
-        if norm.dtype != torch.bfloat16 or norm.device.type != "cpu" or cos.dtype != torch.bfloat16 or max_rows < 1:
+        if max_rows < 1:
             return None
-        plan = mod.FusedDecode([p.blocked for p in projs], scales,
+        plan = mod.FusedDecode([p.blocked for p in projs], [p.scale for p in projs] if int8 else [],
                                [] if biases[0] is None else biases, list(attn_norm) + list(mlp_norm) + [norm],
                                cos.contiguous(), sin.contiguous(), heads, kv_heads, head_dim, eps, scale)
         return cls(plan, max_rows)
