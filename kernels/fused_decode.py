@@ -22,6 +22,7 @@ from .linear import Linear
 from .paged_attention import AttentionMetadata
 
 MAX_ROWS = 12  # the int8 kernel's tiles below the row count where it widens weights (int8_linear.h kWidenRows)
+BF16_MAX_ROWS = 64  # kernels/cpu/fused_decode.cpp kMaxRowsBF16
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
@@ -50,9 +51,9 @@ class FusedDecode:
         mod = kernel() if int8 or bf16 else None
         if mod is None or (bf16 and not mod.bf16_weights()):
             return None
-        max_rows = MAX_ROWS
+        max_rows = MAX_ROWS if int8 else BF16_MAX_ROWS
         if bf16 and cpu_build.amx_gemm_min_rows():  # from there on Linear hands the rows to torch's GEMM
-            max_rows = min(MAX_ROWS, cpu_build.amx_gemm_min_rows() - 1)
+            max_rows = min(max_rows, cpu_build.amx_gemm_min_rows() - 1)
         if any(layer[name].bias is not None for layer in layers for name in PROJECTIONS[1:]):
             return None
         biases = [layer["qkv"].bias for layer in layers]

@@ -158,7 +158,8 @@ def test_fused_step_only_where_it_applies(models, tiny_llama):
 def test_bf16_fused_step_stops_where_linear_hands_rows_to_the_amx_gemm(models, monkeypatch):
     """On a CPU with AMX, Linear gives steps of amx_gemm_min_rows() rows or more to torch's GEMM
     (other bits than the kernel's): the bf16 fused step takes only fewer rows, so it stays bit for
-    bit the per-operation step; int8 weights keep all 12 (their GEMM starts at a multiple)."""
+    bit the per-operation step; int8 weights keep all 12 (their GEMM starts at a multiple); with no
+    AMX the bf16 step takes up to BF16_MAX_ROWS."""
     from meshserve.kernels import cpu_build
 
     monkeypatch.setattr(cpu_build, "amx_gemm_min_rows", lambda: 4)
@@ -168,6 +169,8 @@ def test_bf16_fused_step_stops_where_linear_hands_rows_to_the_amx_gemm(models, m
     assert not rebuilt["bf16"].applies(4, meta, kv) and rebuilt["plain"].applies(4, meta, kv)
     monkeypatch.setattr(cpu_build, "amx_gemm_min_rows", lambda: 1)
     assert models["bf16"]._fused_decode() is None
+    monkeypatch.setattr(cpu_build, "amx_gemm_min_rows", lambda: 0)  # no AMX: the bf16 tiles take every row
+    assert models["bf16"]._fused_decode().max_rows == fused_decode.BF16_MAX_ROWS
 
 
 @pytest.mark.parametrize("which", ["plain", pytest.param("bf16", marks=bf16_only)])
@@ -250,7 +253,7 @@ def test_prompt_lookup_verifies_in_fused_steps_and_gives_the_tokens_of_plain_dec
     assert spec == plain
     st = eng.stats["spec_decode"]
     assert st["num_verification_steps"] > 0 and st["num_accepted_tokens"] > 0
-    assert steps and max(steps) <= fused_decode.MAX_ROWS < 4 * (1 + 4)  # cut: 4 streams x 4 would not fit
+    assert steps and max(steps) <= model.fused.max_rows  # cut to fit (4 streams x 4 would be 20 rows)
     assert counting.verified == len(steps)  # every decode-only step that verified ran fused
 
 

@@ -45,6 +45,8 @@ struct Proj {
   int64_t N = 0, K = 0;
 };
 
+constexpr int64_t kMaxRowsBF16 = 64;  // bf16 tiles take any number of rows; the per-thread copies grow with them
+
 // [begin, end) of `n` items for thread t of `threads` (contiguous chunks, as at::parallel_for).
 inline std::pair<int64_t, int64_t> share(int64_t n, int t, int threads) {
   const int64_t chunk = (n + threads - 1) / threads;
@@ -141,8 +143,8 @@ class FusedDecode {
     const int64_t n = x.size(0);
     TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.sizes() == x.sizes(),
                 "fused_decode: out must be contiguous bf16 like x");
-    TORCH_CHECK(n >= 1 && n < int8_linear::kWidenRows, "fused_decode: 1 to ", int8_linear::kWidenRows - 1, " rows");
-    static_assert(int8_linear::kWidenRows - 1 <= bf16_linear::kMaxMR, "a step's rows are one tile of either kernel");
+    const int64_t max_rows = int8_ ? int8_linear::kWidenRows - 1 : kMaxRowsBF16;
+    TORCH_CHECK(n >= 1 && n <= max_rows, "fused_decode: 1 to ", max_rows, " rows");
     const bool int8_kv = kv_cache.scalar_type() == at::kChar;
     const int64_t R = int8_kv ? d_ + paged_attention::kScaleBytes : d_;
     TORCH_CHECK((int8_kv || kv_cache.scalar_type() == at::kBFloat16) && kv_cache.is_contiguous() && kv_cache.dim() == 5 &&
