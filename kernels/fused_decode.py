@@ -21,8 +21,7 @@ from .int8_linear import Int8Linear
 from .linear import Linear
 from .paged_attention import AttentionMetadata
 
-MAX_ROWS = 12  # the int8 kernel's tiles below the row count where it widens weights (int8_linear.h kWidenRows)
-BF16_MAX_ROWS = 64  # kernels/cpu/fused_decode.cpp kMaxRowsBF16
+MAX_ROWS = 64  # kernels/cpu/fused_decode.cpp kMaxRows
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
@@ -51,9 +50,11 @@ class FusedDecode:
         mod = kernel() if int8 or bf16 else None
         if mod is None or (bf16 and not mod.bf16_weights()):
             return None
-        max_rows = MAX_ROWS if int8 else BF16_MAX_ROWS
-        if bf16 and cpu_build.amx_gemm_min_rows():  # from there on Linear hands the rows to torch's GEMM
-            max_rows = min(max_rows, cpu_build.amx_gemm_min_rows() - 1)
+        # Up to the row count where a projection leaves its kernel's tiles in the per-operation path
+        # (torch's GEMM on AMX, int8's bf16 copy): fused, every row count runs the tiles.
+        max_rows = 0
+        while max_rows < MAX_ROWS and all(p.on_tiles(max_rows + 1) for p in projs):
+            max_rows += 1
         if any(layer[name].bias is not None for layer in layers for name in PROJECTIONS[1:]):
             return None
         biases = [layer["qkv"].bias for layer in layers]

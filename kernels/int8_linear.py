@@ -200,9 +200,17 @@ class Int8Linear:
             q = self.blocked[ids // BLOCK_N, :, ids % BLOCK_N, :].reshape(ids.shape[0], -1)
         return (q.float() * self.scale[ids, None]).to(dtype)
 
+    def copy_rows(self, rows: int) -> bool:
+        """Whether a bf16 step of `rows` rows runs the kept bf16 copy (many rows, no AMX)."""
+        return self.bf16 is not None and 0 < bf16_kernel_min_rows() <= rows
+
+    def on_tiles(self, rows: int) -> bool:
+        """Whether a bf16 step of `rows` rows runs this projection on the int8 kernel's tiles."""
+        return self.blocked is not None and not self.copy_rows(rows) and not self.gemm(rows)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocked is not None and x.dtype == torch.bfloat16:
-            if self.bf16 is not None and 0 < bf16_kernel_min_rows() <= x.shape[0]:  # many rows, no AMX
+            if self.copy_rows(x.shape[0]):  # many rows, no AMX
                 return self.bf16(x)
             if self.gemm(x.shape[0]):  # a prefill chunk or a big decode step, on AMX tiles
                 return F.linear(x, self.weight(x.dtype), self.bias)

@@ -85,9 +85,14 @@ class Linear:
             raise KeyError(name)
         return cls(weights.get(name), weights.get(bias) if bias else None, weights.get(name + BLOCKED))
 
+    def on_tiles(self, rows: int) -> bool:
+        """Whether a bf16 step of `rows` rows runs this projection on the kernel's tiles (else many
+        rows on AMX tiles: torch's GEMM on the plain form, other bits)."""
+        return self.kernel is not None and not (self.weight is not None and cpu_build.amx_gemm(rows))
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocked is not None and x.dtype == torch.bfloat16:
-            if self.weight is not None and cpu_build.amx_gemm(x.shape[0]):  # many rows on AMX tiles
+            if not self.on_tiles(x.shape[0]):  # many rows on AMX tiles
                 return F.linear(x, self.weight, self.bias)
             x = x.contiguous()
             out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)

@@ -154,23 +154,34 @@ def test_fused_step_only_where_it_applies(models, tiny_llama):
     assert LlamaModel.from_hf(cfg, sd, torch.float32).fused is None
 
 
-@bf16_only
-def test_bf16_fused_step_stops_where_linear_hands_rows_to_the_amx_gemm(models, monkeypatch):
-    """On a CPU with AMX, Linear gives steps of amx_gemm_min_rows() rows or more to torch's GEMM
-    (other bits than the kernel's): the bf16 fused step takes only fewer rows, so it stays bit for
-    bit the per-operation step; int8 weights keep all 12 (their GEMM starts at a multiple); with no
-    AMX the bf16 step takes up to BF16_MAX_ROWS."""
-    from meshserve.kernels import cpu_build
+@pytest.mark.parametrize("which", ["plain", pytest.param("bf16", marks=bf16_only)])
+@pytest.mark.parametrize("gemm_from", [4, 0], ids=["gemm-from-4", "no-gemm"])
+def test_fused_step_takes_the_rows_the_per_operation_path_runs_on_the_tiles(models, which, gemm_from, monkeypatch):
+    """The per-operation path hands a projection's many-row steps to torch's GEMM (AMX) or to int8's
+    bf16 copy, whose bits are not the tiles': the fused step takes every row count up to the first
+    where some projection leaves its tiles (at most MAX_ROWS), and is bit for bit that path there."""
+    from meshserve.kernels import cpu_build, linear
 
-    monkeypatch.setattr(cpu_build, "amx_gemm_min_rows", lambda: 4)
-    rebuilt = {name: models[name]._fused_decode() for name in ("bf16", "plain")}
-    assert rebuilt["bf16"].max_rows == 3 and rebuilt["plain"].max_rows == fused_decode.MAX_ROWS
-    ids, pos, meta, kv = decode_step(models["bf16"].cfg, 4, torch.bfloat16, seed=0)
-    assert not rebuilt["bf16"].applies(4, meta, kv) and rebuilt["plain"].applies(4, meta, kv)
-    monkeypatch.setattr(cpu_build, "amx_gemm_min_rows", lambda: 1)
-    assert models["bf16"]._fused_decode() is None
-    monkeypatch.setattr(cpu_build, "amx_gemm_min_rows", lambda: 0)  # no AMX: the bf16 tiles take every row
-    assert models["bf16"]._fused_decode().max_rows == fused_decode.BF16_MAX_ROWS
+    monkeypatch.setattr(cpu_build, "amx_gemm_min_rows", lambda: gemm_from)
+    model = models[which]
+    fused = model._fused_decode()
+    projs = [p for layer in model.proj for p in layer.values()]
+    assert 1 <= fused.max_rows <= fused_decode.MAX_ROWS
+    assert all(p.on_tiles(fused.max_rows) for p in projs)
+    assert fused.max_rows == fused_decode.MAX_ROWS or not all(p.on_tiles(fused.max_rows + 1) for p in projs)
+    plain_kept = all(p.weight is not None if isinstance(p, linear.Linear) else p.dequantized is not None for p in projs)
+    if gemm_from and plain_kept:  # loaded for AMX: the GEMM takes 4 rows
+        assert fused.max_rows == 3
+    ids, pos, meta, kv = decode_step(model.cfg, fused.max_rows + 1, torch.bfloat16, seed=0)
+    assert not fused.applies(fused.max_rows + 1, meta, kv)
+    ids, pos, meta, kv = decode_step(model.cfg, fused.max_rows, torch.bfloat16, seed=1)
+    before, model.fused = model.fused, fused
+    try:
+        assert fused.applies(fused.max_rows, meta, kv)
+        got, want, kv_fused, kv_ref = fused_and_per_operation(model, ids, pos, meta, kv)
+    finally:
+        model.fused = before
+    assert torch.equal(got, want) and torch.equal(kv_fused, kv_ref)
 
 
 @pytest.mark.parametrize("which", ["plain", pytest.param("bf16", marks=bf16_only)])

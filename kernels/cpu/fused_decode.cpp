@@ -45,7 +45,10 @@ struct Proj {
   int64_t N = 0, K = 0;
 };
 
-constexpr int64_t kMaxRowsBF16 = 64;  // bf16 tiles take any number of rows; the per-thread copies grow with them
+// The most rows a step may have: the tiles of either kernel take any number (int8's without the
+// widening its projection kernel does from kWidenRows: the same integer sums, so the same bits);
+// each thread's copies of the residual and the projection input grow with them.
+constexpr int64_t kMaxRows = 64;
 
 // [begin, end) of `n` items for thread t of `threads` (contiguous chunks, as at::parallel_for).
 inline std::pair<int64_t, int64_t> share(int64_t n, int t, int threads) {
@@ -143,8 +146,7 @@ class FusedDecode {
     const int64_t n = x.size(0);
     TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.sizes() == x.sizes(),
                 "fused_decode: out must be contiguous bf16 like x");
-    const int64_t max_rows = int8_ ? int8_linear::kWidenRows - 1 : kMaxRowsBF16;
-    TORCH_CHECK(n >= 1 && n <= max_rows, "fused_decode: 1 to ", max_rows, " rows");
+    TORCH_CHECK(n >= 1 && n <= kMaxRows, "fused_decode: 1 to ", kMaxRows, " rows");
     const bool int8_kv = kv_cache.scalar_type() == at::kChar;
     const int64_t R = int8_kv ? d_ + paged_attention::kScaleBytes : d_;
     TORCH_CHECK((int8_kv || kv_cache.scalar_type() == at::kBFloat16) && kv_cache.is_contiguous() && kv_cache.dim() == 5 &&
