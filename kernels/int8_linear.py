@@ -31,6 +31,11 @@ BLOCK_N = 16  # output columns per block of the layout
 # the AVX2 tiles, 48-64 against the AVX-512 VNNI ones).
 GEMM_FACTOR_AVX2 = 2
 GEMM_FACTOR_VNNI = 3.5
+# On the kept copy, from 1.5 times (24 rows): SmolLM2's four layer projections at 16 rows took
+# 0.30 ms on the int8 tiles against 0.34 on the GEMM, at 24 rows 0.46 against 0.39 (linear_bench,
+# AMX Xeon), so up to 23 rows a step loses little per operation, and a decode-only step of 16-23
+# rows runs fused on the tiles (kernels/fused_decode.py), 1.3-1.4x the per-operation step.
+GEMM_FACTOR_COPY = 1.5
 # On a CPU with AVX-512 BF16 and no AMX, from this many rows on an int8 projection runs the bf16
 # kernel (kernels/cpu/linear.cpp) on its kept dequantized copy in that kernel's blocked layout: a
 # step of many rows is bound by arithmetic, where bf16 dot products (vdpbf16ps) outrun the int8
@@ -175,7 +180,7 @@ class Int8Linear:
     def gemm(self, rows: int) -> bool:
         """Whether a bf16 step of `rows` rows runs this projection as torch's GEMM on AMX tiles."""
         if self.dequantized is not None:
-            return cpu_build.amx_gemm(rows)
+            return cpu_build.amx_gemm(rows, GEMM_FACTOR_COPY)
         vnni = self.kernel is not None and self.kernel.uses_vnni()
         return cpu_build.amx_gemm(rows, GEMM_FACTOR_VNNI if vnni else GEMM_FACTOR_AVX2)
 

@@ -118,11 +118,14 @@ def dequantized_copy_case(form: str, why: str):
 @needs_kernel
 def test_amx_cpu_keeps_the_dequantized_copy_and_runs_many_rows_on_it():
     """On a CPU with AMX, quantize_weights also keeps q * scale in bf16 (the bits the kernel's one-pass
-    dequantization gives), and a step of as many rows as send bf16 projections to the GEMM runs it
-    on that copy: what dequantizing per call gave, without the pass."""
+    dequantization gives), and a step of GEMM_FACTOR_COPY times as many rows as send bf16
+    projections to the GEMM runs it on that copy: what dequantizing per call gave, without the pass."""
+    from meshserve.kernels import cpu_build
+
     out, q, s, kept, per_call, g = dequantized_copy_case("plain", "no AMX on this CPU")
     assert torch.equal(out["p" + il.DEQUANTIZED], il.dequantize(q, s, torch.bfloat16))
-    assert kept.gemm(16) and not per_call.gemm(16) and not kept.gemm(1)
+    first = int(cpu_build.amx_gemm_min_rows() * il.GEMM_FACTOR_COPY)
+    assert kept.gemm(first) and not kept.gemm(first - 1) and not per_call.gemm(first) and not kept.gemm(1)
     for m in (1, 8, 16, 40, 64, 128):
         x = torch.randn(m, 576, generator=g).bfloat16()
         want = F.linear(x, per_call.weight(torch.bfloat16)) if kept.gemm(m) else per_call(x)
