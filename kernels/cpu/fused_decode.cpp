@@ -7,11 +7,11 @@
 // Python call of a few microseconds, and each projection one OpenMP fork and join. Here the whole
 // stack is one parallel region: the threads split each projection's weight blocks and meet at a
 // barrier only where one step needs another thread's results (five per layer); the small
-// per-row steps a thread needs next (adding to the residual, RMSNorm, quantizing a projection's input
-// to int16 for int8 weights) each thread computes for itself, which costs less than a barrier. Attention runs one
-// task per (sequence, KV head): that head's RoPE, its new K/V row written into the arena, then the
-// attention itself (with a proposal's rows being verified, all writes first, then a barrier, then
-// the attention). gate|up's blocks go to threads in (gate, up) pairs, so SwiGLU is applied as
+// per-row steps a thread needs next (adding to the residual, RMSNorm, quantizing a projection's
+// input to int16 for int8 weights) each thread computes for itself, which costs less than a
+// barrier. Attention runs one task per (sequence, KV head): that head's RoPE, its new K/V row
+// written into the arena, then the attention itself (with a proposal's rows being verified, all
+// writes first, then a barrier, then the attention). gate|up's blocks go to threads in (gate, up) pairs, so SwiGLU is applied as
 // soon as a pair is done.
 //
 // Every step runs the code of the per-operation path (int8_linear.h or linear.h, layer_ops.h,
@@ -245,7 +245,7 @@ class FusedDecode {
         const auto [nb0, nb1] = share(p.N / bn_, t, T);
         blocks(p, y, nb0, nb1);
       };
-      // r += y, then h = RMSNorm(r) * w, quantized for the next projection.
+      // r += y, then h = RMSNorm(r) * w, the next projection's input.
       const auto add_norm = [&](const bf16* y, const bf16* w) {
         for (int64_t b = 0; b < n; ++b) {
           layer_ops::add_row(r.data() + b * H, y + b * H, H);
