@@ -46,20 +46,20 @@ class FusedDecode:
             return None
         projs = [layer[name] for layer in layers for name in PROJECTIONS]
         int8 = all(isinstance(p, Int8Linear) and p.blocked is not None for p in projs)
-        bf16 = all(isinstance(p, Linear) and p.blocked is not None and p.kernel is not None for p in projs)
+        bf16 = all(isinstance(p, Linear) and p.blocked is not None for p in projs)  # blocked: its kernel is here
         mod = kernel() if int8 or bf16 else None
         if mod is None or (bf16 and not mod.bf16_weights()):
+            return None
+        if any(layer[name].bias is not None for layer in layers for name in PROJECTIONS[1:]):
+            return None
+        biases = [layer["qkv"].bias for layer in layers]
+        if any(b is None for b in biases) and any(b is not None for b in biases):
             return None
         # Up to the row count where a projection leaves its kernel's tiles in the per-operation path
         # (torch's GEMM on AMX, int8's bf16 copy): fused, every row count runs the tiles.
         max_rows = 0
         while max_rows < MAX_ROWS and all(p.on_tiles(max_rows + 1) for p in projs):
             max_rows += 1
-        if any(layer[name].bias is not None for layer in layers for name in PROJECTIONS[1:]):
-            return None
-        biases = [layer["qkv"].bias for layer in layers]
-        if any(b is None for b in biases) and any(b is not None for b in biases):
-            return None
         if max_rows < 1:
             return None
         plan = mod.FusedDecode([p.blocked for p in projs], [p.scale for p in projs] if int8 else [],

@@ -88,7 +88,7 @@ class Linear:
     def on_tiles(self, rows: int) -> bool:
         """Whether a bf16 step of `rows` rows runs this projection on the kernel's tiles (else many
         rows on AMX tiles: torch's GEMM on the plain form, other bits)."""
-        return self.kernel is not None and not (self.weight is not None and cpu_build.amx_gemm(rows))
+        return self.blocked is not None and not (self.weight is not None and cpu_build.amx_gemm(rows))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocked is not None and x.dtype == torch.bfloat16:
