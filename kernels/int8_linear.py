@@ -34,7 +34,8 @@ GEMM_FACTOR_VNNI = 3.5
 # On the kept copy, from 1.5 times (24 rows): SmolLM2's four layer projections at 16 rows took
 # 0.30 ms on the int8 tiles against 0.34 on the GEMM, at 24 rows 0.46 against 0.39 (linear_bench,
 # AMX Xeon), so up to 23 rows a step loses little per operation, and a decode-only step of 16-23
-# rows runs fused on the tiles (kernels/fused_decode.py), 1.3-1.4x the per-operation step.
+# rows runs fused on the tiles (kernels/fused_decode.py), 1.3x the per-operation step
+# (`python -m meshserve.bench.fused_decode_bench --quantization int8`).
 GEMM_FACTOR_COPY = 1.5
 # On a CPU with AVX-512 BF16 and no AMX, from this many rows on an int8 projection runs the bf16
 # kernel (kernels/cpu/linear.cpp) on its kept dequantized copy in that kernel's blocked layout: a

@@ -301,3 +301,21 @@ def test_layered_load_builds_the_fused_step_once_complete(tiny_llama, tmp_path):
     want = LlamaModel(cfg, final)
     want.fused = None
     assert torch.equal(got, want(ids, pos, meta, kv.clone()))
+
+
+def test_fused_decode_bench_times_both_paths(tiny_llama, tmp_path):
+    """bench/fused_decode_bench.py times the layers fused and per operation by row count; a count the
+    fused step does not take (more than MAX_ROWS) has no fused time."""
+    import json
+
+    from meshserve.bench.fused_decode_bench import main
+
+    out = tmp_path / "fused.json"
+    rows = f"1,{fused_decode.MAX_ROWS + 1}"
+    assert main(["--model", str(tiny_llama), "--quantization", "int8", "--rows", rows, "--context", "40",
+                 "--reps", "2", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["fused_max_rows"] >= 1
+    one, many = res["results"]
+    assert one["rows"] == 1 and one["fused_ms"] > 0 and one["per_operation_ms"] > 0
+    assert many["fused_ms"] is None and many["per_operation_ms"] > 0

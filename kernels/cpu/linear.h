@@ -35,7 +35,7 @@ void tile(const bf16* x, int64_t K, const bf16* wblock, const float* bias, bf16*
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + 64);
     // The stream from memory: without this, the hardware prefetcher alone left bf16 batch-1 decode's
-    // layers 1.5x slower (2-core AMX Xeon; `meshserve bench-engine --skip-hf --only batch1 --dtype bfloat16`).
+    // layers 1.4x slower (2-core AMX Xeon; `python -m meshserve.bench.fused_decode_bench --rows 1`).
     _mm_prefetch(wp + kPrefetchBytes, _MM_HINT_T0);
     _mm_prefetch(wp + kPrefetchBytes + 64, _MM_HINT_T0);
     for (int m = 0; m < MR; ++m) {
