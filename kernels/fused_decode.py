@@ -5,7 +5,9 @@ cost more than the layer's arithmetic (bf16 batch-1 decode of SmolLM2 took 22-24
 operation on a 2-core AMX Xeon, where its 269 MB of weights stream in about 11).
 
 It applies to steps of decodes only (one new token per row, up to `max_rows` rows; a sequence
-verifying a proposal has one row per token) over a bf16 or int8 KV arena. It runs the
+verifying a proposal has one row per token) over a bf16 or int8 KV arena. Where int8 weights keep
+a bf16 copy for many rows (AVX-512 BF16 without AMX), the steps of that many rows run fused on the
+copy, as a bf16 model's do (two plans, one per kind of tiles). It runs the
 per-operation path's own kernels (int8_linear.h or linear.h, layer_ops.h, paged_attention.h) in
 the same order on the same inputs, so its output is bit for bit that path's: LlamaModel's
 per-operation forward is its oracle, and everything else (prompts, LoRA, fp32, other devices, the
@@ -31,41 +33,45 @@ def kernel():
 
 
 class FusedDecode:
-    def __init__(self, plan, max_rows: int = MAX_ROWS):
-        self.plan = plan  # the C++ object: raw pointers to the weights, which the model keeps alive
-        self.max_rows = max_rows
+    def __init__(self, plans: list[tuple[int, object]]):
+        # (most rows, C++ plan) by rising row counts: a step of n rows runs the first plan whose
+        # most rows is n or more. The plans hold raw pointers to the weights, which the model keeps alive.
+        self.plans = plans
+        self.max_rows = plans[-1][0]
 
     @classmethod
     def build(cls, layers: list[dict], attn_norm: list[torch.Tensor], mlp_norm: list[torch.Tensor],
               norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
               eps: float, scale: float) -> "FusedDecode | None":
-        """layers: each layer's projections by name (PROJECTIONS); None unless every one is an int8
-        projection in the CPU kernel's layout, or every one a bf16 projection in the blocked layout
-        on a CPU whose kernel runs it, in a bf16 CPU model, and the kernel is built."""
+        """layers: each layer's projections by name (PROJECTIONS). A plan for each run of row counts
+        (from 1, up to MAX_ROWS) where every projection runs the same kind of tiles in the
+        per-operation path: the int8 kernel's (int8 weights) or the bf16 kernel's (bf16 weights, or
+        int8 ones' kept bf16 copy from its threshold: AVX-512 BF16 without AMX). None unless the model
+        is a bf16 CPU one whose first row counts are such a run, and the kernel is built."""
         if norm.dtype != torch.bfloat16 or norm.device.type != "cpu" or cos.dtype != torch.bfloat16:
             return None
         projs = [layer[name] for layer in layers for name in PROJECTIONS]
-        int8 = all(isinstance(p, Int8Linear) and p.blocked is not None for p in projs)
-        bf16 = all(isinstance(p, Linear) and p.blocked is not None for p in projs)  # blocked: its kernel is here
-        mod = kernel() if int8 or bf16 else None
-        if mod is None or (bf16 and not mod.bf16_weights()):
-            return None
-        if any(layer[name].bias is not None for layer in layers for name in PROJECTIONS[1:]):
+        mod = kernel() if all(isinstance(p, (Int8Linear, Linear)) for p in projs) else None
+        if mod is None or any(layer[name].bias is not None for layer in layers for name in PROJECTIONS[1:]):
             return None
         biases = [layer["qkv"].bias for layer in layers]
         if any(b is None for b in biases) and any(b is not None for b in biases):
             return None
-        # Up to the row count where a projection leaves its kernel's tiles in the per-operation path
-        # (torch's GEMM on AMX, int8's bf16 copy): fused, every row count runs the tiles.
-        max_rows = 0
-        while max_rows < MAX_ROWS and all(p.on_tiles(max_rows + 1) for p in projs):
-            max_rows += 1
-        if max_rows < 1:
-            return None
-        plan = mod.FusedDecode([p.blocked for p in projs], [p.scale for p in projs] if int8 else [],
-                               [] if biases[0] is None else biases, list(attn_norm) + list(mlp_norm) + [norm],
-                               cos.contiguous(), sin.contiguous(), heads, kv_heads, head_dim, eps, scale)
-        return cls(plan, max_rows)
+        plans, rows = [], 1
+        while rows <= MAX_ROWS:
+            tiles = [p.tiles(rows) for p in projs]
+            int8 = all(isinstance(t, Int8Linear) for t in tiles)
+            if not int8 and not (all(isinstance(t, Linear) for t in tiles) and mod.bf16_weights()):
+                break  # some projection leaves the tiles (torch's GEMM on AMX) or the kinds mix
+            last = rows
+            while last < MAX_ROWS and all(p.tiles(last + 1) is t for p, t in zip(projs, tiles)):
+                last += 1
+            plans.append((last, mod.FusedDecode(
+                [t.blocked for t in tiles], [t.scale for t in tiles] if int8 else [],
+                [] if biases[0] is None else biases, list(attn_norm) + list(mlp_norm) + [norm],
+                cos.contiguous(), sin.contiguous(), heads, kv_heads, head_dim, eps, scale)))
+            rows = last + 1
+        return cls(plans) if plans else None
 
     def applies(self, n: int, meta: AttentionMetadata, kv_cache: torch.Tensor) -> bool:
         return (n <= self.max_rows and meta.num_decodes == n and not meta.prefills
@@ -75,7 +81,9 @@ class FusedDecode:
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_cache: torch.Tensor) -> torch.Tensor:
         """x: the embedding rows [n, hidden]; returns the final hidden states, as the model's forward."""
+        n = x.shape[0]
+        plan = next(plan for most, plan in self.plans if n <= most)
         out = torch.empty_like(x)
-        self.plan.forward(out, x, positions, kv_cache, meta.slot_mapping, meta.decode_block_tables,
-                          meta.decode_context_lens, meta.block_size, meta.verify_rows)
+        plan.forward(out, x, positions, kv_cache, meta.slot_mapping, meta.decode_block_tables,
+                     meta.decode_context_lens, meta.block_size, meta.verify_rows)
         return out

@@ -17,11 +17,15 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from . import cpu_build, cuda_ops
+
+if TYPE_CHECKING:
+    from .linear import Linear
 
 BLOCK_N = 16  # output columns per block of the layout
 # A many-row bf16 step on a CPU with AMX hands int8 projections to torch's GEMM. On the dequantized
@@ -213,6 +217,13 @@ class Int8Linear:
     def on_tiles(self, rows: int) -> bool:
         """Whether a bf16 step of `rows` rows runs this projection on the int8 kernel's tiles."""
         return self.blocked is not None and not self.copy_rows(rows) and not self.gemm(rows)
+
+    def tiles(self, rows: int) -> "Int8Linear | Linear | None":
+        """What a bf16 step of `rows` rows runs on a kernel's tiles: these int8 weights, or their kept
+        bf16 copy (many rows, no AMX); None where torch's GEMM runs it."""
+        if self.copy_rows(rows):
+            return self.bf16.tiles(rows)
+        return self if self.on_tiles(rows) else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocked is not None and x.dtype == torch.bfloat16:

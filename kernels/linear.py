@@ -90,6 +90,10 @@ class Linear:
         rows on AMX tiles: torch's GEMM on the plain form, other bits)."""
         return self.blocked is not None and not (self.weight is not None and cpu_build.amx_gemm(rows))
 
+    def tiles(self, rows: int) -> "Linear | None":
+        """What a bf16 step of `rows` rows runs on the kernel's tiles: this projection, or None."""
+        return self if self.on_tiles(rows) else None
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocked is not None and x.dtype == torch.bfloat16:
             if not self.on_tiles(x.shape[0]):  # many rows on AMX tiles

@@ -1,15 +1,17 @@
 """The fused decode step (kernels/cpu/fused_decode.cpp) against its oracle, the model's
 per-operation forward: bit for bit (hidden states and the KV it writes) on the tiny model in bf16
-with int8 weights and with bf16 weights (where the CPU has AVX-512 BF16), over bf16 and int8 KV arenas, 1-12 decodes of different contexts, one and two
-threads, with and without a q|k|v bias, and with proposals verified as several rows of one sequence;
-and the engine's greedy tokens with it and without it, and with prompt lookup and without it."""
+with int8 weights (on their tiles, and on their bf16 copy where the CPU keeps one) and with bf16
+weights (where the CPU has AVX-512 BF16), over bf16 and int8 KV arenas, 1-64 decodes of different
+contexts, one and two threads, with and without a q|k|v bias, and with proposals verified as
+several rows of one sequence; and the engine's greedy tokens with it and without it, and with
+prompt lookup and without it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from meshserve.kernels import fused_decode
+from meshserve.kernels import fused_decode, int8_linear
 from meshserve.kernels.paged_attention import AttentionMetadata, quantize_kv
 from meshserve.shared.engine.llm_engine import EngineConfig, LLMEngine
 from meshserve.shared.engine.sequence import SamplingParams
@@ -84,7 +86,7 @@ def test_fused_step_is_the_per_operation_step_bit_for_bit(models, which, kv_dtyp
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for n in sorted({1, 3, model.fused.max_rows}):
+        for n in sorted({1, 3} | {most for most, _ in model.fused.plans} | {most + 1 for most, _ in model.fused.plans[:-1]}):
             ids, pos, meta, kv = decode_step(model.cfg, n, kv_dtype, seed=n)
             assert model.fused.applies(n, meta, kv)
             got, want, kv_fused, kv_ref = fused_and_per_operation(model, ids, pos, meta, kv)
@@ -167,8 +169,8 @@ def test_fused_step_takes_the_rows_the_per_operation_path_runs_on_the_tiles(mode
     fused = model._fused_decode()
     projs = [p for layer in model.proj for p in layer.values()]
     assert 1 <= fused.max_rows <= fused_decode.MAX_ROWS
-    assert all(p.on_tiles(fused.max_rows) for p in projs)
-    assert fused.max_rows == fused_decode.MAX_ROWS or not all(p.on_tiles(fused.max_rows + 1) for p in projs)
+    assert all(p.tiles(fused.max_rows) is not None for p in projs)
+    assert fused.max_rows == fused_decode.MAX_ROWS or not all(p.tiles(fused.max_rows + 1) for p in projs)
     plain_kept = all(p.weight is not None if isinstance(p, linear.Linear) else p.dequantized is not None for p in projs)
     if gemm_from and plain_kept:  # loaded for AMX: the GEMM takes 4 rows, int8's kept copy 1.5 x 4
         assert fused.max_rows == {"bf16": 3, "plain": 5}[which]
@@ -184,6 +186,43 @@ def test_fused_step_takes_the_rows_the_per_operation_path_runs_on_the_tiles(mode
     assert torch.equal(got, want) and torch.equal(kv_fused, kv_ref)
 
 
+@pytest.mark.skipif(not fused_decode.kernel() or int8_linear.dequantized_form() != "blocked",
+                    reason="int8 weights keep a blocked bf16 copy only on AVX-512 BF16 without AMX")
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8], ids=["bf16-kv", "int8-kv"])
+def test_int8_steps_of_many_rows_run_fused_on_the_bf16_copy(models, kv_dtype, monkeypatch):
+    """From the copy's threshold the per-operation path runs int8 projections on their bf16 copy:
+    the fused step has a second plan on the copy there, bit for bit that path."""
+    monkeypatch.setenv("MESHSERVE_INT8_BF16_MIN_ROWS", "5")
+    int8_linear.bf16_kernel_min_rows.cache_clear()
+    model = models["plain"]
+    before = model.fused
+    try:
+        model.fused = model._fused_decode()
+        assert [most for most, _ in model.fused.plans] == [4, fused_decode.MAX_ROWS]
+        for n in (4, 5, 9):
+            ids, pos, meta, kv = decode_step(model.cfg, n, kv_dtype, seed=n)
+            assert model.fused.applies(n, meta, kv)
+            got, want, kv_fused, kv_ref = fused_and_per_operation(model, ids, pos, meta, kv)
+            assert torch.equal(got, want), (n, (got.float() - want.float()).abs().max())
+            assert torch.equal(kv_fused, kv_ref)
+    finally:
+        model.fused = before
+        monkeypatch.undo()
+        int8_linear.bf16_kernel_min_rows.cache_clear()
+
+
+class Counting:
+    """A fused plan (the C++ object), counting its calls and those that verified proposals."""
+
+    def __init__(self, plan):
+        self.plan, self.calls, self.verified = plan, 0, 0
+
+    def forward(self, *args):
+        self.calls += 1
+        self.verified += bool(args[-1])
+        return self.plan.forward(*args)
+
+
 @pytest.mark.parametrize("which", ["plain", pytest.param("bf16", marks=bf16_only)])
 def test_engine_greedy_tokens_same_with_and_without_fused_step(models, which):
     from test_engine import make_prompts
@@ -195,21 +234,13 @@ def test_engine_greedy_tokens_same_with_and_without_fused_step(models, which):
     def run():
         return LLMEngine(model, EngineConfig(block_size=8, num_kv_blocks=256)).generate(prompts, params)
 
-    class Counting:  # the fused step's C++ object, counting its calls
-        def __init__(self, plan):
-            self.plan, self.calls = plan, 0
-
-        def forward(self, *args):
-            self.calls += 1
-            return self.plan.forward(*args)
-
-    plan = model.fused.plan
-    model.fused.plan = counting = Counting(plan)
+    plans = model.fused.plans
+    model.fused.plans = [(most, Counting(plan)) for most, plan in plans]
     try:
         with_fused = run()
     finally:
-        model.fused.plan = plan
-    assert counting.calls >= 8  # the decode-only steps ran fused
+        counted, model.fused.plans = model.fused.plans, plans
+    assert sum(c.calls for _, c in counted) >= 8  # the decode-only steps ran fused
     fused, model.fused = model.fused, None
     try:
         without = run()
@@ -236,16 +267,8 @@ def test_prompt_lookup_verifies_in_fused_steps_and_gives_the_tokens_of_plain_dec
     params = SamplingParams(max_tokens=24, temperature=0)
     plain = LLMEngine(model, EngineConfig(block_size=8, num_kv_blocks=256)).generate(prompts, params)
 
-    class Counting:  # the fused step's C++ object, counting the calls that verified
-        def __init__(self, plan):
-            self.plan, self.verified = plan, 0
-
-        def forward(self, *args):
-            self.verified += bool(args[-1])
-            return self.plan.forward(*args)
-
-    plan = model.fused.plan
-    model.fused.plan = counting = Counting(plan)
+    plans = model.fused.plans
+    model.fused.plans = counted = [(most, Counting(plan)) for most, plan in plans]
     try:
         eng = spec_engine(model, SpeculativeConfig("ngram", num_speculative_tokens=4, disable_by_batch_size=64))
         eng.speculator.payoff.proposes = lambda: True  # this test is about the tokens, not the speed
@@ -260,12 +283,12 @@ def test_prompt_lookup_verifies_in_fused_steps_and_gives_the_tokens_of_plain_dec
         eng.speculator.propose = recording
         spec = eng.generate(prompts, params)
     finally:
-        model.fused.plan = plan
+        model.fused.plans = plans
     assert spec == plain
     st = eng.stats["spec_decode"]
     assert st["num_verification_steps"] > 0 and st["num_accepted_tokens"] > 0
     assert steps and max(steps) <= model.fused.max_rows  # cut to fit (4 streams x 4 would be 20 rows)
-    assert counting.verified == len(steps)  # every decode-only step that verified ran fused
+    assert sum(c.verified for _, c in counted) == len(steps)  # every decode-only step that verified ran fused
 
 
 def test_layered_load_builds_the_fused_step_once_complete(tiny_llama, tmp_path):
