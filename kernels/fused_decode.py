@@ -73,6 +73,11 @@ class FusedDecode:
             rows = last + 1
         return cls(plans) if plans else None
 
+    def plan_rows(self, n: int) -> int:
+        """The most rows of the plan a step of n rows runs (0: none runs it): a step may grow to
+        that many (verifying proposals) and keep its tiles, hence its rows' bits."""
+        return next((most for most, _ in self.plans if n <= most), 0)
+
     def applies(self, n: int, meta: AttentionMetadata, kv_cache: torch.Tensor) -> bool:
         return (n <= self.max_rows and meta.num_decodes == n and not meta.prefills
                 and meta.decode_block_tables is not None and kv_cache.device.type == "cpu"

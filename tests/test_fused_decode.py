@@ -249,22 +249,18 @@ def test_engine_greedy_tokens_same_with_and_without_fused_step(models, which):
     assert with_fused == without
 
 
-@pytest.mark.parametrize("which", ["plain", pytest.param("bf16", marks=bf16_only)])
-def test_prompt_lookup_verifies_in_fused_steps_and_gives_the_tokens_of_plain_decoding(models, which,
-                                                                                       kernel_projections):
-    """Verification runs as decode rows, so with int8 weights (integer sums) or bf16 ones on the
-    kernel's tiles (each row's sums in its own registers, in the same order) a row's result does
-    not depend on the rows beside it and speculation changes no token; proposals are cut so that
-    every verification step of four streams fits the fused step's rows, and runs fused."""
+def speculate_against_plain(model, lengths=(6, 11, 17, 40), max_tokens=24):
+    """Four streams whose prompts repeat themselves (`lengths`, three times), greedy, without and with
+    prompt lookup (always proposing): (plain tokens, speculated tokens, the rows of each decode-only
+    step that verified, the fused plans' counters)."""
     from test_speculative import spec_engine
 
     from meshserve.shared.engine.speculative import SpeculativeConfig
 
-    model = models[which]
     g = torch.Generator().manual_seed(1)
-    base = [torch.randint(3, model.cfg.vocab_size, (n,), generator=g).tolist() for n in (6, 11, 17, 40)]
+    base = [torch.randint(3, model.cfg.vocab_size, (n,), generator=g).tolist() for n in lengths]
     prompts = [b * 3 for b in base]  # prompts that repeat themselves: lookups match
-    params = SamplingParams(max_tokens=24, temperature=0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
     plain = LLMEngine(model, EngineConfig(block_size=8, num_kv_blocks=256)).generate(prompts, params)
 
     plans = model.fused.plans
@@ -284,11 +280,48 @@ def test_prompt_lookup_verifies_in_fused_steps_and_gives_the_tokens_of_plain_dec
         spec = eng.generate(prompts, params)
     finally:
         model.fused.plans = plans
-    assert spec == plain
     st = eng.stats["spec_decode"]
     assert st["num_verification_steps"] > 0 and st["num_accepted_tokens"] > 0
-    assert steps and max(steps) <= model.fused.max_rows  # cut to fit (4 streams x 4 would be 20 rows)
+    return plain, spec, steps, counted
+
+
+@pytest.mark.parametrize("which", ["plain", pytest.param("bf16", marks=bf16_only)])
+def test_prompt_lookup_verifies_in_fused_steps_and_gives_the_tokens_of_plain_decoding(models, which,
+                                                                                       kernel_projections):
+    """Verification runs as decode rows, so with int8 weights (integer sums) or bf16 ones on the
+    kernel's tiles (each row's sums in its own registers, in the same order) a row's result does
+    not depend on the rows beside it and speculation changes no token; proposals are cut so that
+    every verification step of four streams fits the fused step's rows, and runs fused."""
+    model = models[which]
+    plain, spec, steps, counted = speculate_against_plain(model)
+    assert spec == plain
+    assert steps and max(steps) <= model.fused.max_rows
     assert sum(c.verified for _, c in counted) == len(steps)  # every decode-only step that verified ran fused
+
+
+@pytest.mark.skipif(not fused_decode.kernel() or int8_linear.dequantized_form() != "blocked",
+                    reason="int8 weights keep a blocked bf16 copy only on AVX-512 BF16 without AMX")
+def test_proposals_keep_a_step_on_the_tiles_its_plain_decode_runs(models, monkeypatch):
+    """int8 weights' bf16 copy (from 9 rows here) computes other bits than the int8 tiles: four
+    streams decode on the tiles (4 rows), so their proposals are cut to the tiles' 8 rows, never
+    into the copy's plan, and speculation changes no token (prompts of 3 tokens: their prefill,
+    12 rows, runs the copy in both runs alike)."""
+    monkeypatch.setenv("MESHSERVE_INT8_BF16_MIN_ROWS", "9")
+    int8_linear.bf16_kernel_min_rows.cache_clear()
+    model = models["plain"]
+    before = model.fused
+    try:
+        model.fused = model._fused_decode()
+        assert [most for most, _ in model.fused.plans] == [8, fused_decode.MAX_ROWS]
+        assert [model.fused_decode_rows(n) for n in (1, 4, 8, 9, 64, 65)] == [8, 8, 8, 64, 64, 0]
+        plain, spec, steps, counted = speculate_against_plain(model, lengths=(1, 1, 1, 1), max_tokens=40)
+    finally:
+        model.fused = before
+        monkeypatch.undo()
+        int8_linear.bf16_kernel_min_rows.cache_clear()
+    assert steps and max(steps) <= 8
+    assert counted[0][1].verified == len(steps) and counted[1][1].calls == 0
+    assert spec == plain
 
 
 def test_layered_load_builds_the_fused_step_once_complete(tiny_llama, tmp_path):

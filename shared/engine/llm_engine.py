@@ -276,12 +276,17 @@ class LLMEngine:
         keep = [(s, n) for s, n in zip(batch.seqs, batch.num_tokens) if id(s) not in short]
         return ScheduledBatch([s for s, _ in keep], [n for _, n in keep], sum(1 for _, n in keep if n == 1))
 
+    def _fused_rows(self) -> int | None:
+        """The rows a decode-only step of the running sequences may grow to with proposals and keep
+        the model's fused step and its tiles (None: the model has no fused step)."""
+        rows = getattr(self.model, "fused_decode_rows", None)
+        return rows(len(self.scheduler.running)) if rows is not None else None
+
     def step(self, run: Callable[[int, Callable[[], list]], list] | None = None) -> list[RequestOutput]:
         """run(num_tokens, compute): how the batch's model pass is run once it is scheduled (the
         worker's thread tuner picks the thread count by the step's size); by default, directly."""
         t0 = time.perf_counter()
-        proposed = (self.speculator.propose(self.scheduler.running, self.requests,
-                                            getattr(self.model, "fused_decode_rows", None))
+        proposed = (self.speculator.propose(self.scheduler.running, self.requests, self._fused_rows())
                     if self.speculator else [])
         try:
             outputs = self._step(run)

@@ -135,9 +135,10 @@ class Speculator:
 
     def propose(self, running: list["Sequence"], live_ids, max_rows: int | None = None) -> list["Sequence"]:
         """Sets seq.draft on the running sequences that decode and speculate this step; returns them.
-        max_rows: the most rows a decode-only step may have and stay on the model's fast path (the
-        fused step); proposals are cut to fit it, since a verification off that path costs
-        more than its tokens give (None: no such path)."""
+        max_rows: the most rows a decode-only step of these sequences may have and stay on the
+        model's fast path (the fused step, on the tiles a plain step runs, so every row keeps its
+        bits); proposals are cut to fit it, since a verification off that path costs more than
+        its tokens give and could change a greedy token (None: no such path)."""
         self.proposer.retain(live_ids)
         if len(running) > self.config.disable_by_batch_size or not self.payoff.proposes():
             return []

@@ -128,10 +128,11 @@ class LlamaModel:
         y = self.proj[i][name](x)
         return y if lora is None else lora.apply(y, x, i, name)
 
-    @property
-    def fused_decode_rows(self) -> int | None:
-        """The most rows a decode-only step may have and run fused (None: it never runs fused)."""
-        return self.fused.max_rows if self.fused is not None else None
+    def fused_decode_rows(self, rows: int) -> int | None:
+        """The most rows a decode-only step of `rows` rows may grow to (verifying proposals) and still
+        run fused on the same tiles, so with the same bits per row (0: a step of `rows` rows does not
+        run fused; None: no step does)."""
+        return self.fused.plan_rows(rows) if self.fused is not None else None
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
