@@ -73,10 +73,14 @@ class FusedDecode:
             rows = last + 1
         return cls(plans) if plans else None
 
+    def _plan(self, n: int) -> tuple[int, object]:
+        """(most rows, plan) of the plan a step of n rows runs; (0, None) where none runs it."""
+        return next(((most, plan) for most, plan in self.plans if n <= most), (0, None))
+
     def plan_rows(self, n: int) -> int:
         """The most rows of the plan a step of n rows runs (0: none runs it): a step may grow to
         that many (verifying proposals) and keep its tiles, hence its rows' bits."""
-        return next((most for most, _ in self.plans if n <= most), 0)
+        return self._plan(n)[0]
 
     def applies(self, n: int, meta: AttentionMetadata, kv_cache: torch.Tensor) -> bool:
         return (n <= self.max_rows and meta.num_decodes == n and not meta.prefills
@@ -86,8 +90,7 @@ class FusedDecode:
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_cache: torch.Tensor) -> torch.Tensor:
         """x: the embedding rows [n, hidden]; returns the final hidden states, as the model's forward."""
-        n = x.shape[0]
-        plan = next(plan for most, plan in self.plans if n <= most)
+        _, plan = self._plan(x.shape[0])
         out = torch.empty_like(x)
         plan.forward(out, x, positions, kv_cache, meta.slot_mapping, meta.decode_block_tables,
                      meta.decode_context_lens, meta.block_size, meta.verify_rows)
