@@ -8,6 +8,8 @@ prompt lookup and without it."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -23,6 +25,9 @@ pytestmark = pytest.mark.skipif(fused_decode.kernel() is None,
 BF16_FUSED = fused_decode.kernel() is not None and fused_decode.kernel().bf16_weights()
 bf16_only = pytest.mark.skipif(not BF16_FUSED, reason="bf16 weights run fused only with AVX-512 BF16")
 WHICH = ["plain", "bias", pytest.param("bf16", marks=bf16_only), pytest.param("bf16-bias", marks=bf16_only)]
+
+copy_only = pytest.mark.skipif(not fused_decode.kernel() or int8_linear.dequantized_form() != "blocked",
+                               reason="int8 weights keep a blocked bf16 copy only on AVX-512 BF16 without AMX")
 
 BLOCK = 16
 
@@ -186,18 +191,28 @@ def test_fused_step_takes_the_rows_the_per_operation_path_runs_on_the_tiles(mode
     assert torch.equal(got, want) and torch.equal(kv_fused, kv_ref)
 
 
-@pytest.mark.skipif(not fused_decode.kernel() or int8_linear.dequantized_form() != "blocked",
-                    reason="int8 weights keep a blocked bf16 copy only on AVX-512 BF16 without AMX")
+@contextlib.contextmanager
+def copy_from(model, rows: int, monkeypatch):
+    """int8 weights run their bf16 copy from `rows` rows, and the model's fused step is rebuilt so."""
+    monkeypatch.setenv("MESHSERVE_INT8_BF16_MIN_ROWS", str(rows))
+    int8_linear.bf16_kernel_min_rows.cache_clear()
+    before = model.fused
+    try:
+        model.fused = model._fused_decode()
+        yield
+    finally:
+        model.fused = before
+        monkeypatch.undo()
+        int8_linear.bf16_kernel_min_rows.cache_clear()
+
+
+@copy_only
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8], ids=["bf16-kv", "int8-kv"])
 def test_int8_steps_of_many_rows_run_fused_on_the_bf16_copy(models, kv_dtype, monkeypatch):
     """From the copy's threshold the per-operation path runs int8 projections on their bf16 copy:
     the fused step has a second plan on the copy there, bit for bit that path."""
-    monkeypatch.setenv("MESHSERVE_INT8_BF16_MIN_ROWS", "5")
-    int8_linear.bf16_kernel_min_rows.cache_clear()
     model = models["plain"]
-    before = model.fused
-    try:
-        model.fused = model._fused_decode()
+    with copy_from(model, 5, monkeypatch):
         assert [most for most, _ in model.fused.plans] == [4, fused_decode.MAX_ROWS]
         for n in (4, 5, 9):
             ids, pos, meta, kv = decode_step(model.cfg, n, kv_dtype, seed=n)
@@ -205,10 +220,6 @@ def test_int8_steps_of_many_rows_run_fused_on_the_bf16_copy(models, kv_dtype, mo
             got, want, kv_fused, kv_ref = fused_and_per_operation(model, ids, pos, meta, kv)
             assert torch.equal(got, want), (n, (got.float() - want.float()).abs().max())
             assert torch.equal(kv_fused, kv_ref)
-    finally:
-        model.fused = before
-        monkeypatch.undo()
-        int8_linear.bf16_kernel_min_rows.cache_clear()
 
 
 class Counting:
@@ -299,26 +310,17 @@ def test_prompt_lookup_verifies_in_fused_steps_and_gives_the_tokens_of_plain_dec
     assert sum(c.verified for _, c in counted) == len(steps)  # every decode-only step that verified ran fused
 
 
-@pytest.mark.skipif(not fused_decode.kernel() or int8_linear.dequantized_form() != "blocked",
-                    reason="int8 weights keep a blocked bf16 copy only on AVX-512 BF16 without AMX")
+@copy_only
 def test_proposals_keep_a_step_on_the_tiles_its_plain_decode_runs(models, monkeypatch):
     """int8 weights' bf16 copy (from 9 rows here) computes other bits than the int8 tiles: four
     streams decode on the tiles (4 rows), so their proposals are cut to the tiles' 8 rows, never
     into the copy's plan, and speculation changes no token (prompts of 3 tokens: their prefill,
     12 rows, runs the copy in both runs alike)."""
-    monkeypatch.setenv("MESHSERVE_INT8_BF16_MIN_ROWS", "9")
-    int8_linear.bf16_kernel_min_rows.cache_clear()
     model = models["plain"]
-    before = model.fused
-    try:
-        model.fused = model._fused_decode()
+    with copy_from(model, 9, monkeypatch):
         assert [most for most, _ in model.fused.plans] == [8, fused_decode.MAX_ROWS]
         assert [model.fused_decode_rows(n) for n in (1, 4, 8, 9, 64, 65)] == [8, 8, 8, 64, 64, 0]
         plain, spec, steps, counted = speculate_against_plain(model, lengths=(1, 1, 1, 1), max_tokens=40)
-    finally:
-        model.fused = before
-        monkeypatch.undo()
-        int8_linear.bf16_kernel_min_rows.cache_clear()
     assert steps and max(steps) <= 8
     assert counted[0][1].verified == len(steps) and counted[1][1].calls == 0
     assert spec == plain
