@@ -8,9 +8,9 @@ at once: `fixed` (`--fixed-threads`: every step on all cores, as before) and `tu
 each kind of step on 1 thread or all, whichever measures faster). A warm-up, then one greedy
 stream of --tokens tokens after a --prompt-tokens prompt, quiet and then with a burner (a process
 spinning on core 0) running; and mixed load (--concurrent streams at once) the same two ways. Each
-case runs --repeat times, quiet and busy and the two configurations taking turns (this machine's
-speed drifts up to 2x within minutes: turns share the drift fairly, and each turn makes the tuner
-notice the burner come and go again); prints the median decode tokens/s (after the first token)
+case runs --repeat times, quiet and busy and the two configurations taking turns, each measured
+first in every other turn (this machine's speed drifts up to 2x within minutes: turns share the
+drift fairly, and each turn makes the tuner notice the burner come and go again); prints the median decode tokens/s (after the first token)
 per case, every sample, and the ratios busy / quiet, tuned / fixed.
 """
 
@@ -91,14 +91,15 @@ def main(argv: list[str] | None = None) -> int:
         for case, n in (("batch1", 1), ("concurrent", a.concurrent)):
             if n == 0:
                 continue
-            for _ in range(a.repeat):
+            for turn in range(a.repeat):
+                order = list(meshes.items()) if turn % 2 == 0 else list(meshes.items())[::-1]
                 for state in ("quiet", "busy"):
                     burner = multiprocessing.Process(target=_burn, daemon=True) if state == "busy" else None
                     if burner is not None:
                         burner.start()
                         time.sleep(1.0)
                     try:
-                        for name, (_, url) in meshes.items():
+                        for name, (_, url) in order:  # each configuration first in every other turn
                             got = asyncio.run(_measure(url, a.model, prompt, a.tokens, n))
                             samples[name].setdefault(f"{case}_{state}", []).append(got)
                     finally:
