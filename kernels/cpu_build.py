@@ -76,6 +76,26 @@ def amx_gemm(rows: int, factor: float = 1) -> bool:
     return 0 < n <= rows
 
 
+@functools.cache
+def cpu_family() -> tuple[str, int] | None:
+    """(vendor, family) of this CPU from /proc/cpuinfo, e.g. ("AuthenticAMD", 26) for a Zen 5; None
+    where it does not say (not Linux, not x86)."""
+    vendor = family = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "vendor_id":
+                    vendor = value.strip()
+                elif key.strip() == "cpu family":
+                    family = int(value.strip())
+                if vendor is not None and family is not None:
+                    return vendor, family
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def _cpu_tag() -> str:
     flags = ""
     try:

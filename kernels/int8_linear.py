@@ -50,6 +50,11 @@ GEMM_FACTOR_COPY = 1.5
 # 32-40, the copy ahead from 48; mixed-64 in the engine 165 -> 191 tokens/s from 32 rows (186 from
 # 16). MESHSERVE_INT8_BF16_MIN_ROWS overrides it (0: keep no copy).
 BF16_KERNEL_MIN_ROWS = 32
+# Where another CPU was measured otherwise, by (vendor, family): a Zen 5 (AMD family 26) runs the
+# copy faster than the int8 tiles from about 12 rows (its bf16 dot products and memory are twice the
+# Zen 4's per core): 24 sequences decoding 1.16-1.18x with the copy from 12, 16 even
+# (docs/quantization.md, "int8's bf16 copy fused").
+BF16_KERNEL_MIN_ROWS_BY_CPU = {("AuthenticAMD", 26): 12}
 INT8 = "@int8"  # a weights dict holds a projection's int8 weight [N, K] under its name + this suffix,
 BLOCKED = "@int8n16k2"  # or its blocked form [N/16, K/2, 16, 2] (the CPU kernel's) under this one,
 SCALE = "@scale"  # and its fp32 scales [N] under this one;
@@ -96,11 +101,13 @@ def from_blocked(b: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def bf16_kernel_min_rows() -> int:
-    """BF16_KERNEL_MIN_ROWS (or its override); 0: never."""
+    """This CPU's threshold (BF16_KERNEL_MIN_ROWS_BY_CPU, else BF16_KERNEL_MIN_ROWS), or its override;
+    0: never."""
+    default = BF16_KERNEL_MIN_ROWS_BY_CPU.get(cpu_build.cpu_family(), BF16_KERNEL_MIN_ROWS)
     try:
-        return max(0, int(os.environ.get("MESHSERVE_INT8_BF16_MIN_ROWS", BF16_KERNEL_MIN_ROWS)))
+        return max(0, int(os.environ.get("MESHSERVE_INT8_BF16_MIN_ROWS", default)))
     except ValueError:
-        return BF16_KERNEL_MIN_ROWS
+        return default
 
 
 def dequantized_form() -> str | None:

@@ -150,6 +150,24 @@ def test_avx512_bf16_cpu_keeps_a_blocked_dequantized_copy_for_many_rows():
         assert torch.equal(kept(x), bf16(x) if m >= n else per_call(x)), m
 
 
+def test_the_copys_threshold_is_the_cpus_measured_one_unless_overridden(monkeypatch):
+    from meshserve.kernels import cpu_build
+
+    family = cpu_build.cpu_family()
+    assert family is None or (family[0] and family[1] > 0)
+    for cpu, env, want in ((("AuthenticAMD", 26), None, 12), (("AuthenticAMD", 25), None, 32), (None, None, 32),
+                           (("AuthenticAMD", 26), "40", 40), (("AuthenticAMD", 26), "0", 0)):
+        monkeypatch.setattr(cpu_build, "cpu_family", lambda cpu=cpu: cpu)
+        if env is None:
+            monkeypatch.delenv("MESHSERVE_INT8_BF16_MIN_ROWS", raising=False)
+        else:
+            monkeypatch.setenv("MESHSERVE_INT8_BF16_MIN_ROWS", env)
+        il.bf16_kernel_min_rows.cache_clear()
+        assert il.bf16_kernel_min_rows() == want, (cpu, env)
+    monkeypatch.undo()
+    il.bf16_kernel_min_rows.cache_clear()
+
+
 def test_tied_embedding_rows_from_either_layout():
     q, s = il.quantize(torch.randn(64, 24))
     ids = torch.tensor([0, 17, 63, 17, 5])
