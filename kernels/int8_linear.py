@@ -50,10 +50,10 @@ GEMM_FACTOR_COPY = 1.5
 # 32-40, the copy ahead from 48; mixed-64 in the engine 165 -> 191 tokens/s from 32 rows (186 from
 # 16). MESHSERVE_INT8_BF16_MIN_ROWS overrides it (0: keep no copy).
 BF16_KERNEL_MIN_ROWS = 32
-# Where another CPU was measured otherwise, by (vendor, family): a Zen 5 (AMD family 26) runs the
-# copy faster than the int8 tiles from about 12 rows (its bf16 dot products and memory are twice the
-# Zen 4's per core): 24 sequences decoding 1.16-1.18x with the copy from 12, 16 even
-# (docs/quantization.md, "int8's bf16 copy fused").
+# Where another CPU was measured otherwise, by (vendor, family): a Zen 5 (AMD family 26: 43.9 GB/s,
+# a bf16 peak of 871 GFLOP/s on two cores) runs the copy faster than the int8 tiles from about 12
+# rows: 16 and 24 sequences decoding 1.17-1.42x with it from 12 (docs/quantization.md, "int8's
+# bf16 copy fused").
 BF16_KERNEL_MIN_ROWS_BY_CPU = {("AuthenticAMD", 26): 12}
 INT8 = "@int8"  # a weights dict holds a projection's int8 weight [N, K] under its name + this suffix,
 BLOCKED = "@int8n16k2"  # or its blocked form [N/16, K/2, 16, 2] (the CPU kernel's) under this one,
