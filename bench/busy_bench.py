@@ -10,8 +10,9 @@ stream of --tokens tokens after a --prompt-tokens prompt, quiet and then with a 
 spinning on core 0) running; and mixed load (--concurrent streams at once) the same two ways. Each
 case runs --repeat times, quiet and busy and the two configurations taking turns, each measured
 first in every other turn (this machine's speed drifts up to 2x within minutes: turns share the
-drift fairly, and each turn makes the tuner notice the burner come and go again); prints the median decode tokens/s (after the first token)
-per case, every sample, and the ratios busy / quiet, tuned / fixed.
+drift fairly, and each turn makes the tuner notice the burner come and go again); prints the
+median decode tokens/s (after the first token) per case, every sample, and the ratios busy /
+quiet, tuned / fixed.
 """
 
 from __future__ import annotations

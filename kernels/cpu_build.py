@@ -77,34 +77,31 @@ def amx_gemm(rows: int, factor: float = 1) -> bool:
 
 
 @functools.cache
+def _cpuinfo() -> tuple[str, ...]:
+    """/proc/cpuinfo's lines (none where it cannot be read: not Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return tuple(f)
+    except OSError:
+        return ()
+
+
+@functools.cache
 def cpu_family() -> tuple[str, int] | None:
     """(vendor, family) of this CPU from /proc/cpuinfo, e.g. ("AuthenticAMD", 26) for a Zen 5; None
     where it does not say (not Linux, not x86)."""
-    vendor = family = None
+    fields = {}
+    for line in _cpuinfo():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
     try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "vendor_id":
-                    vendor = value.strip()
-                elif key.strip() == "cpu family":
-                    family = int(value.strip())
-                if vendor is not None and family is not None:
-                    return vendor, family
-    except (OSError, ValueError):
-        pass
-    return None
+        return fields["vendor_id"], int(fields["cpu family"])
+    except (KeyError, ValueError):
+        return None
 
 
 def _cpu_tag() -> str:
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features", "model name")):
-                    flags += line
-    except OSError:
-        pass
+    flags = "".join(line for line in _cpuinfo() if line.startswith(("flags", "Features", "model name")))
     return hashlib.sha1(f"{platform.machine()}\n{flags}".encode()).hexdigest()[:10]
 
 

@@ -18,7 +18,8 @@ rejection_sampler.py), and the engine keeps the accepted tokens and rolls the re
   with proposals and without, on this machine and model, and proposes only while verifying is
   the faster (a fused decode step can be faster than any verification on a CPU).
 - Cut to the model's fast path: where the model runs decode-only steps of up to N rows in one
-  fused call (int8 or blocked bf16 weights on a CPU), proposals are cut so a verification step fits N rows.
+  fused call (int8 or blocked bf16 weights on a CPU), proposals are cut so a verification step fits
+  the N rows of the fused plan its plain step runs (the same tiles, so the same bits per row).
 - A structured-output request's proposal is cut where its grammar rejects a token.
 
 Torch-free at import (the launcher reads the flags here); the proposers load on use.
