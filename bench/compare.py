@@ -44,6 +44,7 @@ from meshserve.bench.loadgen import (HTTPTarget, add_workload_arguments, build_b
 from meshserve.bench.report import RequestResult, plots, print_table, summarize
 from meshserve.bench.workload import Request, summary
 from meshserve.cli.errors import ArgumentParser
+from meshserve.shared.models_repo import context_length
 
 SYSTEMS = ("meshserve_mesh", "meshserve_engine", "transformers", "llama_cpp")
 RATIO_METRICS = {"output_throughput": ("output_throughput",), "request_throughput": ("request_throughput",),
@@ -52,25 +53,6 @@ RATIO_METRICS = {"output_throughput": ("output_throughput",), "request_throughpu
                  "e2e_p50": ("e2e", "p50"), "e2e_p99": ("e2e", "p99")}
 PAIRS = (("meshserve_mesh", "transformers"), ("meshserve_engine", "transformers"),
          ("meshserve_mesh", "llama_cpp"), ("meshserve_engine", "llama_cpp"), ("meshserve_mesh", "meshserve_engine"))
-
-
-def model_context_length(model: str) -> int:
-    """The model's context (max_position_embeddings, at most 32768 as the engine caps it) without its weights."""
-    from meshserve.shared.model.config import ModelConfig
-    from meshserve.shared.models_repo import resolve
-
-    path = resolve(model)
-    if path.is_dir() and (path / "config.json").is_file():
-        n = ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text())).max_position_embeddings
-    else:
-        import gguf
-
-        from meshserve.shared.model.weights import gguf_config
-
-        if path.is_dir():
-            path = sorted(path.glob("*.gguf"))[0]
-        n = gguf_config(gguf.GGUFReader(str(path))).max_position_embeddings
-    return min(int(n), 32768)
 
 
 def _sampling_params(q: Request):
@@ -290,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     from meshserve.shared.models_repo import load_tokenizer
 
     tokenizer = load_tokenizer(a.model)
-    a.max_model_len = min(a.max_model_len, model_context_length(a.model))
+    a.max_model_len = min(a.max_model_len, context_length(a.model))
     spec, reqs = prepare_workload(a, tokenizer.vocab_size, special_ids(tokenizer))
     bodies = [build_body(q, a.model) for q in reqs]
     for b in bodies:

@@ -18,11 +18,12 @@ import sys
 
 import httpx
 
-from meshserve.bench.compare import add_mesh_arguments, http_run, model_context_length, start_mesh, stop_mesh
+from meshserve.bench.compare import add_mesh_arguments, http_run, start_mesh, stop_mesh
 from meshserve.bench.loadgen import add_workload_arguments, build_body, prepare_workload, quiet_http_logs, slo_of, \
     special_ids, write_json
 from meshserve.bench.report import summarize
 from meshserve.bench.workload import summary
+from meshserve.shared.models_repo import context_length
 
 
 def configurations(n: int) -> list[tuple[str, int, int, bool]]:
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from meshserve.shared.models_repo import load_tokenizer
 
     tokenizer = load_tokenizer(a.model)
-    a.max_model_len = min(a.max_model_len, model_context_length(a.model))
+    a.max_model_len = min(a.max_model_len, context_length(a.model))
     spec, reqs = prepare_workload(a, tokenizer.vocab_size, special_ids(tokenizer))
     bodies = [build_body(q, a.model) | {"model": a.model} for q in reqs]
     res: dict = {"command": "meshserve bench-roles " + " ".join(argv if argv is not None else sys.argv[1:]),

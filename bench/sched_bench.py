@@ -31,11 +31,11 @@ import json
 import sys
 import time
 
-from meshserve.bench.compare import add_mesh_arguments, http_run, model_context_length, start_mesh, stop_mesh
+from meshserve.bench.compare import add_mesh_arguments, http_run, start_mesh, stop_mesh
 from meshserve.bench.loadgen import build_body, prepare_workload, quiet_http_logs, special_ids, write_json
 from meshserve.bench.report import RequestResult, summarize
 from meshserve.bench.workload import summary
-from meshserve.shared.models_repo import DEFAULT_MODEL
+from meshserve.shared.models_repo import DEFAULT_MODEL, context_length
 
 
 def _p99_ttft(results: list[RequestResult]) -> float | None:
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
 
     log = (lambda *x: None) if a.quiet else (lambda *x: print(*x, file=sys.stderr, flush=True))
     tokenizer = load_tokenizer(a.model)
-    a.max_model_len = min(a.max_model_len, model_context_length(a.model))
+    a.max_model_len = min(a.max_model_len, context_length(a.model))
     res: dict = {"command": "meshserve bench-sched " + " ".join(argv if argv is not None else sys.argv[1:]),
                  "model": a.model, "dtype": a.dtype,
                  "mesh": {"prefill": a.prefill, "decode": a.decode, "args": a.mesh_args}, "workloads": {}}

@@ -302,6 +302,11 @@ def model_config(name_or_path: str | Path, download: bool = True) -> "ModelConfi
     return gguf_config(gguf.GGUFReader(str(path)))
 
 
+def context_length(name_or_path: str | Path, download: bool = True) -> int:
+    """The context a model is served with by default (ModelConfig.context_length), from its config alone."""
+    return model_config(name_or_path, download).context_length
+
+
 def load_model_files(name_or_path: str | Path) -> tuple["ModelConfig", dict[str, "torch.Tensor"], "Tokenizer"]:
     """Config, HF-named state dict and tokenizer for a model name, HF directory or GGUF file."""
     from .model.weights import load_gguf, load_hf_dir

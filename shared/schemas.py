@@ -146,6 +146,7 @@ class TokenChunk(Message):
     num_cached_tokens: int = 0
     worker_id: str = ""
     error: str | None = None
+    error_status: int | None = None  # 400: the request itself cannot run (too long, ...); None: by `error`
     attempt: int = 0  # the GenerateRequest.attempt it belongs to
     prompt_logprobs: list[Logprob | None] | None = None  # the prompt's (echo), in the first chunk
     # No tokens, only news that the request is still waiting its turn (in the scheduler's queue, or

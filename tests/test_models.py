@@ -129,8 +129,8 @@ def _canary(models, v1: float) -> dict[str, tuple[Path, float]]:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    out = {name: make_tiny_llama(root / name, seed=seed, intermediate_size=width)
-           for name, seed, width in (("alpha", 11, 128), ("beta", 12, 96), ("gamma", 13, 160))}
+    out = {name: make_tiny_llama(root / name, seed=seed, intermediate_size=width, max_position_embeddings=context)
+           for name, seed, width, context in (("alpha", 11, 128, 256), ("beta", 12, 96, 256), ("gamma", 13, 160, 192))}
     broken = make_tiny_llama(root / "broken", seed=14)
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     import shutil
@@ -228,6 +228,22 @@ def test_a_model_that_cannot_load_fails_alone(mesh, oracle):
     assert again.value.status_code == 503
     with pytest.raises(openai.NotFoundError):
         _complete(mesh, "no-such-model")
+
+
+def test_each_model_is_served_with_its_own_context(mesh):
+    """The gateway knows each model's context (its config's): a chat without max_tokens may fill it,
+    and a request beyond it is refused there, before any worker switches to the model."""
+    st = _states(mesh)
+    assert st["alpha"]["max_model_len"] == 256 and st["gamma"]["max_model_len"] == 192
+    assert httpx.post(mesh.url + "/tokenize", json={"model": "gamma", "prompt": PROMPT}).json()["max_model_len"] == 192
+    client = OpenAI(base_url=mesh.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 192 tokens"):
+        client.completions.create(model="gamma", prompt=PROMPT, max_tokens=190)
+    r = client.chat.completions.create(model="gamma", messages=[{"role": "user", "content": PROMPT}],
+                                       extra_body={"ignore_eos": True})
+    assert r.usage.total_tokens == 192 and r.choices[0].finish_reason == "length", r.usage
+    assert len(client.completions.create(model="alpha", prompt=PROMPT, max_tokens=200, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text) > 0
 
 
 def _canary_call(m: Mesh) -> tuple[str | None, str]:

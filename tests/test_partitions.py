@@ -20,6 +20,7 @@ import time
 
 import httpx
 import nats
+import openai
 import orjson
 import pytest
 from mesh_util import Mesh
@@ -249,6 +250,10 @@ def test_a_model_over_its_memory_quota_stays_within_it_and_still_serves(two_mode
         assert _gauge(mesh, "meshserve:model_kv_quota_blocks", "small") == small["quota_blocks"]
         assert _gauge(mesh, "meshserve:model_kv_quota_blocks", "other") is None  # no quota, no series
         assert _gauge(mesh, "meshserve:model_kv_blocks", "other") > 0
+        # A request that can never fit the quota fails at once, as the request's own fault (a 400).
+        client = openai.OpenAI(base_url=mesh.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        with pytest.raises(openai.BadRequestError, match=r"tokens of KV cache.*the model's memory quota"):
+            client.completions.create(model="small", prompt=_prompt(0), max_tokens=200, extra_body={"ignore_eos": True})
 
 
 def _gauge(mesh: Mesh, name: str, model: str) -> float | None:
@@ -263,8 +268,6 @@ def _gauge(mesh: Mesh, name: str, model: str) -> float | None:
 async def _load(mesh: Mesh):
     """Both models' requests at once, while the kv-pool's count of the small model's blocks and its
     pressure broadcasts are watched."""
-    import openai
-
     nc = await nats.connect(mesh.nats_url)
     pressure, seen = [], []
 

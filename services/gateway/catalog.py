@@ -1,5 +1,5 @@
 """The gateway's view of the models it serves: the manifest (shared/manifest.py), and per model its
-tokenizer and generation defaults, loaded on first use (a model nobody asks for costs nothing here).
+tokenizer, generation defaults and context length, loaded on first use (a model nobody asks for costs nothing here).
 
 Requests name a model by its served name, an alias or a LoRA adapter's name (adapters.py: the
 request then runs on the adapter's base); `entry` resolves it (of a name with canary versions: one
@@ -16,7 +16,8 @@ import threading
 from dataclasses import dataclass, field
 
 from meshserve.shared.manifest import Manifest, ServedModel, load_manifest
-from meshserve.shared.models_repo import generation_defaults, load_tokenizer
+from meshserve.shared.model.config import MAX_CONTEXT
+from meshserve.shared.models_repo import context_length, generation_defaults, load_tokenizer
 from meshserve.shared.openai_protocol import OpenAIError
 from meshserve.shared.schemas import LoRARef
 from meshserve.shared.tokenizer import Tokenizer
@@ -31,6 +32,7 @@ class ModelEntry:
     spec: ServedModel
     tokenizer: Tokenizer
     generation_defaults: dict = field(default_factory=dict)
+    max_model_len: int = MAX_CONTEXT  # its context: prompt plus output (Catalog.max_model_len)
     lora: LoRARef | None = None  # a LoRA adapter of spec's model, served under its own name (adapters.py)
 
     @property
@@ -45,17 +47,24 @@ class ModelEntry:
 
 
 class Catalog:
-    def __init__(self, manifest: Manifest, path: str | None = None, preloaded: dict[str, ModelEntry] | None = None):
-        self.manifest, self.path = manifest, path
+    def __init__(self, manifest: Manifest, path: str | None = None, preloaded: dict[str, ModelEntry] | None = None,
+                 max_model_len: int | None = None):
+        """max_model_len: the longest context of any model here (the gateway's --max-model-len); None:
+        each model's own, as its workers serve it by default."""
+        self.manifest, self.path, self.max_model_len_cap = manifest, path, max_model_len
         self._entries: dict[str, ModelEntry] = dict(preloaded or {})
         self._lock = threading.Lock()
         self.adapters = Adapters(manifest)  # LoRA adapters of the manifest's models, and loaded at run time
 
     @classmethod
-    def single(cls, name: str, tokenizer: Tokenizer, defaults: dict | None = None, path: str | None = None):
+    def single(cls, name: str, tokenizer: Tokenizer, defaults: dict | None = None, path: str | None = None,
+               max_model_len: int | None = None):
         """One model whose tokenizer is already loaded (`--model`)."""
         m = Manifest.single(path or name, name)
-        return cls(m, None, {name: ModelEntry(m.models[0], tokenizer, dict(defaults or {}))})
+        catalog = cls(m, None, max_model_len=max_model_len)
+        catalog._entries[name] = ModelEntry(m.models[0], tokenizer, dict(defaults or {}),
+                                            catalog.max_model_len(m.models[0]))
+        return catalog
 
     @property
     def default(self) -> ModelEntry:
@@ -69,7 +78,7 @@ class Catalog:
         if adapter is not None:
             ref = self.adapters.ref(adapter)
             base = self.entry_of(adapter.base)
-            return ModelEntry(base.spec, base.tokenizer, base.generation_defaults, ref)
+            return ModelEntry(base.spec, base.tokenizer, base.generation_defaults, base.max_model_len, ref)
         spec = self.manifest.pick(name, random.random(), priority, tenant)
         if spec is None:
             served = self.manifest.names + [a.name for a in self.adapters.all()]
@@ -83,7 +92,7 @@ class Catalog:
             e = self._entries.get(spec.id)
             if e is not None and e.spec.path == spec.path:
                 if e.spec != spec:  # same weights, new settings (aliases, share, pinning)
-                    e = self._entries[spec.id] = ModelEntry(spec, e.tokenizer, e.generation_defaults)
+                    e = self._entries[spec.id] = ModelEntry(spec, e.tokenizer, e.generation_defaults, e.max_model_len)
                 return e
             try:
                 tok = load_tokenizer(spec.path)
@@ -91,8 +100,19 @@ class Catalog:
                 log.warning("model %s: cannot load its tokenizer from %s: %s", spec.name, spec.path, err)
                 raise OpenAIError(f"the model {spec.name!r} cannot be served: its tokenizer does not load from "
                                   f"{spec.path}: {err}", 500, type="server_error", code="model_load_failed") from None
-            e = self._entries[spec.id] = ModelEntry(spec, tok, generation_defaults(spec.path))
+            e = self._entries[spec.id] = ModelEntry(spec, tok, generation_defaults(spec.path), self.max_model_len(spec))
             return e
+
+    def max_model_len(self, spec: ServedModel) -> int:
+        """A model's context: its config's (ModelConfig.context_length, what its workers serve unless
+        started with a shorter --max-model-len, which the scheduler then enforces), at most this
+        gateway's --max-model-len."""
+        try:
+            n = context_length(spec.path)
+        except Exception as err:  # noqa: BLE001 - its tokenizer loaded, so the workers will say what is wrong
+            log.warning("model %s: cannot read its context length from %s: %s", spec.name, spec.path, err)
+            n = MAX_CONTEXT
+        return min(n, self.max_model_len_cap or n)
 
     def reload(self) -> Manifest:
         """Re-reads the manifest file (raises ManifestError, keeping the old one, when it is bad)."""

@@ -89,7 +89,7 @@ class Gateway:
     """What both front ends call; holds the connection, the tokenizer and the token streams."""
 
     def __init__(self, bus: Bus, tokenizer: Tokenizer, served_model_name: str, streams: TokenStreams,
-                 metrics: GatewayMetrics, max_model_len: int = 8192, stream_timeout: float = 300.0,
+                 metrics: GatewayMetrics, stream_timeout: float = 300.0,
                  request_log: RequestLog | None = None, auth: Auth | None = None, ready_timeout: float = 120.0,
                  generation_defaults: dict | None = None, catalog: Catalog | None = None,
                  limits: RequestLimits | None = None):
@@ -101,7 +101,7 @@ class Gateway:
         self.auth = auth or Auth(None)  # API keys and classes (the tenants file); none: open
         self.streams, self.metrics = streams, metrics
         self.request_log = request_log  # a line per ended request (request_log.py); None: off
-        self.max_model_len, self.stream_timeout = max_model_len, stream_timeout
+        self.stream_timeout = stream_timeout
         self.ready_timeout = ready_timeout  # how long a request waits for a starting mesh
         self.limits = limits or RequestLimits()  # body size, messages, stops, logprobs, nesting
         self.created = int(time.time())
@@ -141,10 +141,11 @@ class Gateway:
         model = self.catalog.entry(named if isinstance(named, str) else None, priority, tenant and tenant.name)
         tokenizer = model.tokenizer
         req = parse_request(kind, body, tokenizer.vocab_size, self.limits)
-        if isinstance(req, ChatCompletionRequest):
+        chat = isinstance(req, ChatCompletionRequest)
+        if chat:
             prompt = self.chat_prompt_ids(req, model=model)
-            self._check_length(prompt, "messages")
-            sampling = req.to_sampling(self.max_model_len - len(prompt), model.generation_defaults)
+            self._check_length(prompt, None, model, "messages")  # so that the default max_tokens is positive
+            sampling = req.to_sampling(model.max_model_len - len(prompt), model.generation_defaults)
             prompt_text = ""
         else:
             if isinstance(req.prompt, list):
@@ -157,9 +158,9 @@ class Gateway:
                 prompt = tokenizer.encode(req.prompt)
             if not prompt:
                 raise OpenAIError("the prompt encodes to no tokens", param="prompt")
-            self._check_length(prompt, "prompt")
             sampling = req.to_sampling(model.generation_defaults)
             prompt_text = req.prompt if isinstance(req.prompt, str) else tokenizer.decode(prompt)
+        self._check_length(prompt, sampling.max_tokens, model, "messages" if chat else "prompt")
         try:
             sampling.check()
         except LimitError as e:
@@ -184,11 +185,11 @@ class Gateway:
             raise OpenAIError(f"could not apply the chat template: {e}", param="messages") from None
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def _check_length(self, prompt: list[int], param: str) -> None:
-        """The prompt alone: the scheduler checks with max_tokens against the workers' context
-        (this gateway's --max-model-len may differ); this keeps a chat's default max_tokens positive."""
+    def _check_length(self, prompt: list[int], max_tokens: int | None, model: ModelEntry, param: str) -> None:
+        """Against the model's context (max_tokens None: the prompt alone); the scheduler checks again
+        against its workers' context, which a worker's --max-model-len may shorten."""
         try:
-            check_context_length(len(prompt), None, self.max_model_len, param)
+            check_context_length(len(prompt), max_tokens, model.max_model_len, param)
         except LimitError as e:
             raise _limit_error(e) from None
 
@@ -346,12 +347,13 @@ class Gateway:
             sts = [states.get(v.id, {}) for v in versions]
             hottest = min(sts, key=lambda x: STATE_ORDER.index(x.get("state", "unknown")))
             try:
-                defaults = self.catalog.entry_of(spec).generation_defaults
+                entry = self.catalog.entry_of(spec)
+                defaults, max_model_len = entry.generation_defaults, entry.max_model_len
             except OpenAIError:
-                defaults = {}
+                defaults, max_model_len = {}, self.catalog.max_model_len(spec)
             card = {"id": name, "object": "model", "created": self.created, "owned_by": "meshserve",
                     "root": spec.path if len(manifest.models) > 1 else name, "parent": None,
-                    "max_model_len": self.max_model_len, "generation_defaults": defaults,
+                    "max_model_len": max_model_len, "generation_defaults": defaults,
                     "state": hottest.get("state", "unknown"), "error": hottest.get("error"),
                     "workers": sum(x.get("workers", 0) for x in sts), "aliases": list(spec.aliases),
                     "version": spec.version, "pinned": spec.pinned, "load_times_s": hottest.get("load_times_s", {})}
@@ -369,10 +371,11 @@ class Gateway:
         by_id = {c["id"]: c for c in data}
         for a in self.catalog.adapters.all():  # LoRA adapters: their base's state, unless they fail to load
             base = by_id.get(a.base.name, {})
+            context = base.get("max_model_len") or self.catalog.max_model_len(a.base)
             got = await asyncio.to_thread(self.catalog.adapters.state, a)
             failed = isinstance(got, str)
             data.append({"id": a.name, "object": "model", "created": self.created, "owned_by": "meshserve",
-                         "root": a.path, "parent": a.base.name, "max_model_len": self.max_model_len,
+                         "root": a.path, "parent": a.base.name, "max_model_len": context,
                          "state": "failed" if failed else base.get("state", "unknown"),
                          "error": got if failed else base.get("error"), "workers": base.get("workers", 0),
                          "aliases": [], "version": None, "pinned": False, "load_times_s": {},

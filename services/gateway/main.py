@@ -42,8 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="model name, HF directory or .gguf file; only its tokenizer is loaded here")
     parser.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
-    parser.add_argument("--max-model-len", type=int, default=8192,
-                        help="context length; a chat without max_tokens may fill it (default: %(default)s)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="the longest context (prompt plus output) of any model here; a chat without "
+                             "max_tokens may fill it (default: each model's own, as its workers serve it)")
     parser.add_argument("--stream-timeout", type=float, default=300.0,
                         help="fail a request when no token arrives for this many seconds; a request waiting its "
                              "turn (queued or preempted) says so every 20 s, which starts it again (default: %(default)s)")
@@ -131,7 +132,7 @@ async def run(args) -> int:
     from .catalog import Catalog
 
     if getattr(args, "models", None):  # many models: tokenizers load on first use (catalog.py)
-        catalog = Catalog(load_manifest(args.models), args.models)
+        catalog = Catalog(load_manifest(args.models), args.models, max_model_len=args.max_model_len)
         served = catalog.manifest.models[0].name
         unknown = catalog.manifest.tenant_names - {t.name for t in (auth.config.tenants if auth.enabled else ())}
         if unknown:  # their requests would never reach the variant meant for them
@@ -145,7 +146,7 @@ async def run(args) -> int:
             tokenizer, defaults = None, {}
     else:
         tokenizer, defaults = load_tokenizer(args.model), generation_defaults(args.model)
-        catalog = Catalog.single(served, tokenizer, defaults, args.model)
+        catalog = Catalog.single(served, tokenizer, defaults, args.model, args.max_model_len)
     bus = await Bus.connect(args.nats_url or DEFAULT_NATS_URL, name=f"meshserve-gateway-{GATEWAY_ID[:8]}",
                             namespace=args.namespace)
     streams = TokenStreams(bus, GATEWAY_ID)
@@ -154,7 +155,7 @@ async def run(args) -> int:
         args.request_log, args.request_log_max_bytes, args.request_log_backups)
     if request_log:
         log.info("request log: %s", request_log.path)
-    gw = Gateway(bus, tokenizer, served, streams, GatewayMetrics(served), max_model_len=args.max_model_len,
+    gw = Gateway(bus, tokenizer, served, streams, GatewayMetrics(served),
                  stream_timeout=args.stream_timeout, request_log=request_log, auth=auth,
                  ready_timeout=args.ready_timeout, generation_defaults=defaults, catalog=catalog,
                  limits=limits_from_args(args))

@@ -57,9 +57,11 @@ def error_type(status_code: int) -> str:
     return "invalid_request_error" if status_code < 500 else "server_error"
 
 
-def mesh_failure(error: str) -> OpenAIError:
-    """A chunk's error as the client sees it: 503 when the mesh lacks capacity, else 500."""
-    status = 503 if any(w in error.lower() for w in ("no worker", "no_worker", "unavailable", "overload")) else 500
+def mesh_failure(error: str, status: int | None = None) -> OpenAIError:
+    """A chunk's error as the client sees it: its status (a request a worker refused: 400), else 503
+    when the mesh lacks capacity, else 500."""
+    if status is None:
+        status = 503 if any(w in error.lower() for w in ("no worker", "no_worker", "unavailable", "overload")) else 500
     return OpenAIError(f"generation failed: {error}", status, type=error_type(status))
 
 
@@ -206,7 +208,7 @@ class RequestStream:
             if chunk.error == WORKER_LOST and not chunk.finished:
                 self._worker_lost(chunk)
             else:
-                self._fail(mesh_failure(chunk.error))
+                self._fail(mesh_failure(chunk.error, chunk.error_status))
             return
         if chunk.index > len(self.token_ids):
             self._held[chunk.index] = chunk

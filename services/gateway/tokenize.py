@@ -71,7 +71,7 @@ def tokenize(gw: Gateway, body: Any) -> dict:
     else:
         tokens = model.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     strs = [model.tokenizer.id_to_token(t) for t in tokens] if req.return_token_strs else None
-    return TokenizeResponse(count=len(tokens), max_model_len=gw.max_model_len, tokens=tokens,
+    return TokenizeResponse(count=len(tokens), max_model_len=model.max_model_len, tokens=tokens,
                             token_strs=strs).model_dump()
 
 

@@ -338,7 +338,7 @@ class Worker:
                                     arrival_time=time.monotonic(), output_token_ids=req.output_token_ids,
                                     priority=req.priority, after=req.after, lora=lora)
         except RequestError as e:
-            await self._refuse(req, str(e), len(req.output_token_ids))
+            await self._refuse(req, str(e), len(req.output_token_ids), status=400)
             return
         self.streams[req.request_id] = req
         self.attempts[req.request_id] = req.attempt
@@ -350,11 +350,13 @@ class Worker:
         if self.role == "prefill":
             self.to_hand_off.add(req.request_id)
 
-    async def _refuse(self, req: GenerateRequest, error: str, index: int, seq: int = 0) -> None:
-        """Ends a request this worker cannot run, with the reason in its stream."""
+    async def _refuse(self, req: GenerateRequest, error: str, index: int, seq: int = 0,
+                      status: int | None = None) -> None:
+        """Ends a request this worker cannot run, with the reason in its stream (status 400: the
+        request's own fault)."""
         await self.bus.publish(req.stream_subject, TokenChunk(
             request_id=req.request_id, seq=seq, index=index, token_ids=[], finished=True,
-            finish_reason="error", error=error, worker_id=self.id, attempt=req.attempt))
+            finish_reason="error", error=error, error_status=status, worker_id=self.id, attempt=req.attempt))
         await self._done(req.request_id, "error", req.attempt)
 
     async def _lora(self, ref: LoRARef | None) -> str | None:
@@ -390,7 +392,7 @@ class Worker:
         except RequestError as e:  # its blocks are this worker's now: adopted, then freed by the abort
             self.blocks.adopt(h)
             self.engine.abort(req.request_id, "error")
-            await self._refuse(req, str(e), len(h.token_ids) - len(req.prompt_token_ids), h.next_seq)
+            await self._refuse(req, str(e), len(h.token_ids) - len(req.prompt_token_ids), h.next_seq, status=400)
             return
         self.blocks.adopt(h, lora)
         self.streams[req.request_id] = req

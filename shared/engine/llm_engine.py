@@ -43,7 +43,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_cache_bytes
     kv_cache_bytes: int = 2 << 30
-    max_model_len: int | None = None  # None: the model's context length (at most 32768)
+    max_model_len: int | None = None  # None: the model's context length (ModelConfig.context_length)
     enable_prefix_caching: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # Host memory for the KV of sequences preempted by swap (0: preemption recomputes). In the
@@ -88,7 +88,7 @@ class LLMEngine:
         self.model = model
         self.config = config = config or EngineConfig()
         cfg = model.cfg
-        self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 32768)
+        self.max_model_len = config.max_model_len or cfg.context_length
         device = getattr(model, "device", None)
         check_kv_cache_dtype(config.kv_cache_dtype)
         kv_dtype = getattr(torch, kv_arena_dtype(config.kv_cache_dtype, model.dtype))

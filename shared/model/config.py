@@ -8,6 +8,7 @@ from typing import Any, Literal, get_args
 # Weight formats a model can be loaded in besides its dtype (--quantization; kernels/int8_linear.py).
 Quantization = Literal["int8"]
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
+MAX_CONTEXT = 32768  # the longest context the engine takes from a model's config by default
 
 
 @dataclass
@@ -28,6 +29,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     architecture: str = "llama"
+
+    @property
+    def context_length(self) -> int:
+        """The model's context as served (an engine's default max_model_len): its own, at most MAX_CONTEXT."""
+        return min(self.max_position_embeddings, MAX_CONTEXT)
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
