@@ -57,7 +57,7 @@ def _kind(item: dict) -> str:
 
 
 def _prepare(llm: LLM, item: dict, served: str):
-    """Turns one input line into (kind, request, prompt ids, sampling params); raises OpenAIError."""
+    """Turns one input line into (kind, request, its prompts' ids, sampling params); raises OpenAIError."""
     from meshserve.shared.engine import wire
 
     kind = _kind(item)
@@ -73,22 +73,34 @@ def _prepare(llm: LLM, item: dict, served: str):
         except Exception as e:  # a template that raises is the caller's doing
             raise OpenAIError(f"could not apply the chat template: {e}", param="messages") from None
         sampling = req.to_sampling(llm.engine.max_model_len - len(prompt), llm.generation_defaults)
+        prompts = [prompt]
     else:
-        prompt = req.prompt if isinstance(req.prompt, list) else llm.tokenizer.encode(req.prompt)
+        prompts = [p if isinstance(p, list) else llm.tokenizer.encode(p) for p in req.prompts]
         sampling = req.to_sampling(llm.generation_defaults)
-    return kind, req, prompt, wire.sampling_params(sampling, req.stop_strings())
+    return kind, req, prompts, wire.sampling_params(sampling, req.stop_strings())
 
 
-def _add(llm: LLM, prompt: list[int], params, n: int) -> list[Completion]:
-    """n choices: the first, then the others after it (they share its prompt's blocks), seed + i each."""
-    first = llm.add(prompt, params)
-    rest = [llm.add(prompt, params if params.seed is None else dataclasses.replace(params, seed=params.seed + i),
-                    after=first.request_id) for i in range(1, n)]
-    return [first, *rest]
+def _add(llm: LLM, prompts: list[list[int]], params, n: int) -> list[Completion]:
+    """n choices of each prompt: the first, then the others after it (they share its prompt's blocks),
+    seed + i each. A prompt the engine refuses takes back the ones added before it."""
+    out: list[Completion] = []
+    try:
+        for prompt in prompts:
+            first = llm.add(prompt, params)
+            out += [first] + [llm.add(prompt, params if params.seed is None else
+                                      dataclasses.replace(params, seed=params.seed + i), after=first.request_id)
+                              for i in range(1, n)]
+    except Exception:
+        for c in out:
+            llm.engine.abort(c.request_id)
+        raise
+    return out
 
 
 def _body(llm: LLM, kind: str, served: str, req, cs: list[Completion], want_logprobs: bool) -> dict:
-    u = usage(len(cs[0].prompt_token_ids), sum(len(c.token_ids) for c in cs), cs[0].num_cached_tokens)
+    firsts = cs[::req.n]  # each prompt's first choice
+    u = usage(sum(len(c.prompt_token_ids) for c in firsts), sum(len(c.token_ids) for c in cs),
+              sum(c.num_cached_tokens for c in firsts))
     dec = llm.tokenizer.decode
     choices = []
     for i, c in enumerate(cs):
@@ -103,7 +115,8 @@ def _body(llm: LLM, kind: str, served: str, req, cs: list[Completion], want_logp
         lp = completion_logprobs(c.token_ids, c.logprobs, dec) if want_logprobs else None
         text = c.text
         if req.echo:
-            prompt_text = req.prompt if isinstance(req.prompt, str) else dec(c.prompt_token_ids)
+            given = req.prompts[i // req.n]
+            prompt_text = given if isinstance(given, str) else dec(c.prompt_token_ids)
             if want_logprobs:
                 plp = completion_logprobs(c.prompt_token_ids, c.prompt_logprobs or [None] * len(c.prompt_token_ids),
                                           dec)
@@ -127,8 +140,8 @@ def run_batch(llm: LLM, inp: IO[bytes], out: IO[bytes], served: str) -> tuple[in
         try:
             item = _read_line(line)
             cid = item.get("custom_id")
-            kind, req, prompt, params = _prepare(llm, item, served)
-            cs = _add(llm, prompt, params, req.n)
+            kind, req, prompts, params = _prepare(llm, item, served)
+            cs = _add(llm, prompts, params, req.n)
             pending.append((len(results), kind, req, cs, params.logprobs is not None, cid))
             results.append(None)
         except OpenAIError as e:

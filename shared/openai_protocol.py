@@ -55,7 +55,8 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-MAX_N = 16  # choices per request
+MAX_N = 16  # choices per prompt
+MAX_CHOICES = 128  # choices per request: a batch of prompts times n
 
 # OpenAI's defaults, for what neither the request nor the model's generation_config.json sets.
 OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
@@ -263,15 +264,24 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
 
     @model_validator(mode="after")
-    def _one_prompt(self):
+    def _batch(self):
+        """A list of texts or of token-id lists is a batch of prompts (OpenAI's and vLLM's form): each
+        gets n choices, numbered prompt by prompt. A batch of one is that prompt."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise ValueError("a batch of several prompts is not supported in one request; send one each")
-            self.prompt = p[0]
-        if self.prompt == "" or self.prompt == []:
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+            self.prompt = p = p[0]
+        if p == "" or p == [] or any(x == "" or x == [] for x in self.prompts):
             raise ValueError("prompt must not be empty")
+        if len(self.prompts) * self.n > MAX_CHOICES:
+            raise ValueError(f"{len(self.prompts)} prompts x n={self.n} is more than {MAX_CHOICES} choices "
+                             "in one request; send fewer prompts each")
         return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each a text or token ids: one, or the batch's."""
+        p = self.prompt
+        return list(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
 
     def check(self, vocab_size: int | None = None) -> None:
         super().check(vocab_size)

@@ -42,6 +42,11 @@ def test_batch_command(tiny_llama, tmp_path):
                   "tools": [TOOL], "tool_choice": "required"}},
         {"custom_id": "echo", "method": "POST", "url": "/v1/completions",
          "body": {"prompt": "The quick brown fox", "max_tokens": 0, "echo": True, "logprobs": 1}},
+        # a batch of prompts in one line: each prompt's choices, in order; one too long fails the line
+        {"custom_id": "prompts", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": ["Hello there", "The quick brown fox"], "max_tokens": 5, "temperature": 0, "echo": True}},
+        {"custom_id": "prompts-too-long", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": ["x", "x " * 300], "max_tokens": 2}},
     ]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_bytes(b"\n".join(orjson.dumps(x) for x in lines) + b"\nnot json\n")
@@ -62,12 +67,12 @@ def test_batch_command(tiny_llama, tmp_path):
     lp = by["text"]["response"]["body"]["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == by["text"]["response"]["body"]["usage"]["completion_tokens"]
     assert by["ids"]["response"]["body"]["usage"]["prompt_tokens"] == 4
-    for cid in ("bad-url", "bad-param", "too-long", None):
+    for cid in ("bad-url", "bad-param", "too-long", "prompts-too-long", None):
         assert by[cid]["response"]["status_code"] == 400
         assert by[cid]["response"]["body"]["error"]["message"]
         assert by[cid]["error"]["message"]
     assert "top_p" in by["bad-param"]["response"]["body"]["error"]["message"]
-    assert "7 succeeded, 4 failed" in r.stderr
+    assert "8 succeeded, 5 failed" in r.stderr
     n = by["n"]["response"]["body"]
     assert [c["index"] for c in n["choices"]] == [0, 1, 2] and n["usage"]["completion_tokens"] == 12
     assert len({c["text"] for c in n["choices"]}) > 1  # seed, seed + 1, seed + 2
@@ -77,6 +82,11 @@ def test_batch_command(tiny_llama, tmp_path):
     call = tool["message"]["tool_calls"][0]
     assert call["function"]["name"] == "weather" and call["id"].startswith("call_")
     jsonschema.validate(json.loads(call["function"]["arguments"]), TOOL["function"]["parameters"])
+    batch = by["prompts"]["response"]["body"]
+    text_prompt = by["text"]["response"]["body"]["usage"]["prompt_tokens"]
+    assert [c["index"] for c in batch["choices"]] == [0, 1] and batch["usage"]["prompt_tokens"] > text_prompt
+    assert batch["choices"][0]["text"].startswith("Hello there")
+    assert batch["choices"][1]["text"] == "The quick brown fox" + by["text"]["response"]["body"]["choices"][0]["text"]
     echo = by["echo"]["response"]["body"]["choices"][0]
     assert echo["text"] == "The quick brown fox" and echo["logprobs"]["token_logprobs"][0] is None
     assert len(echo["logprobs"]["tokens"]) == by["echo"]["response"]["body"]["usage"]["prompt_tokens"] > 1

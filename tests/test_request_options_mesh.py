@@ -17,6 +17,7 @@ import orjson
 import pytest
 import torch
 from json_schemas import SCHEMAS
+import openai
 from openai import AsyncOpenAI, OpenAI
 
 from mesh_util import Mesh
@@ -248,3 +249,32 @@ def test_echo_logprobs_equal_transformers(mesh, hf):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
         assert len(ch.logprobs.tokens) == len(ids) + max_tokens == len(ch.logprobs.text_offset)
         assert r.usage.completion_tokens == max_tokens
+
+
+def test_a_batch_of_prompts_is_each_prompt_alone(mesh):
+    """`prompt` as a list of texts or of token-id lists (OpenAI's and vLLM's batch): prompt k's i-th
+    choice is choice k * n + i, its text what that prompt alone gives, echo its own prompt; usage
+    counts each prompt once. Streamed chunks carry the same indexes."""
+    c = mesh.client
+    prompts = [LONG, "The quick brown fox", "Hello"]  # one handed off, two prefilled on the decode worker
+    alone = [c.completions.create(model=mesh.model, prompt=p, max_tokens=6, temperature=0).choices[0].text
+             for p in prompts]
+    r = c.completions.create(model=mesh.model, prompt=prompts, max_tokens=6, temperature=0, n=2)
+    assert [ch.index for ch in r.choices] == list(range(6))
+    assert [ch.text for ch in r.choices] == [t for t in alone for _ in range(2)]
+    n_prompt = sum(len(mesh.tokenizer.encode(p)) for p in prompts)
+    assert r.usage.prompt_tokens == n_prompt and r.usage.completion_tokens == 36
+    ids = [mesh.tokenizer.encode(p) for p in prompts]
+    echo = c.completions.create(model=mesh.model, prompt=ids, max_tokens=6, temperature=0, echo=True)
+    assert [ch.text for ch in echo.choices] == [mesh.tokenizer.decode(i) + t for i, t in zip(ids, alone)]
+    texts, usage = {}, None
+    for chunk in c.completions.create(model=mesh.model, prompt=prompts, max_tokens=6, temperature=0, stream=True,
+                                      stream_options={"include_usage": True}):
+        for ch in chunk.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+        usage = chunk.usage or usage
+    assert [texts[i] for i in range(3)] == alone and usage.prompt_tokens == n_prompt
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):  # one too long: none runs
+        c.completions.create(model=mesh.model, prompt=["Hello", "x " * 300], max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="choices in one request"):
+        c.completions.create(model=mesh.model, prompt=["Hello"] * 20, max_tokens=4, n=8)

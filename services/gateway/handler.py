@@ -45,15 +45,20 @@ VARIANT_HEADER = "meshserve-model-variant"  # the variant (manifest `variant`) t
 
 
 @dataclass
+class Prompt:
+    token_ids: list[int]
+    text: str = ""  # what echo returns (a completion's)
+
+
+@dataclass
 class Prepared:
     kind: Kind
     request: CompletionRequest | ChatCompletionRequest
-    prompt_token_ids: list[int]
+    prompts: list[Prompt]  # one; or a completion's batch of prompts, n choices each
     sampling: Sampling
     stop: list[str]  # stop strings: matched here, on the text; never sent
     priority: str
     tenant: Tenant | None = None
-    prompt_text: str = ""  # what echo returns
     model: ModelEntry | None = None  # the served model it runs on (catalog.py)
 
     @property
@@ -63,6 +68,10 @@ class Prepared:
     @property
     def n(self) -> int:
         return self.request.n
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p.token_ids) for p in self.prompts)
 
     def choice_sampling(self, index: int) -> Sampling:
         """Choice i's parameters: its own seeded stream, seed + i."""
@@ -143,29 +152,34 @@ class Gateway:
         req = parse_request(kind, body, tokenizer.vocab_size, self.limits)
         chat = isinstance(req, ChatCompletionRequest)
         if chat:
-            prompt = self.chat_prompt_ids(req, model=model)
-            self._check_length(prompt, None, model, "messages")  # so that the default max_tokens is positive
-            sampling = req.to_sampling(model.max_model_len - len(prompt), model.generation_defaults)
-            prompt_text = ""
+            ids = self.chat_prompt_ids(req, model=model)
+            self._check_length(ids, None, model, "messages")  # so that the default max_tokens is positive
+            sampling = req.to_sampling(model.max_model_len - len(ids), model.generation_defaults)
+            prompts = [Prompt(ids)]
         else:
-            if isinstance(req.prompt, list):
-                prompt = list(req.prompt)
-                try:
-                    check_token_ids(prompt, tokenizer.vocab_size)
-                except LimitError as e:
-                    raise _limit_error(e) from None
-            else:
-                prompt = tokenizer.encode(req.prompt)
-            if not prompt:
-                raise OpenAIError("the prompt encodes to no tokens", param="prompt")
+            prompts = [self._completion_prompt(x, tokenizer) for x in req.prompts]
             sampling = req.to_sampling(model.generation_defaults)
-            prompt_text = req.prompt if isinstance(req.prompt, str) else tokenizer.decode(prompt)
-        self._check_length(prompt, sampling.max_tokens, model, "messages" if chat else "prompt")
+        for x in prompts:
+            self._check_length(x.token_ids, sampling.max_tokens, model, "messages" if chat else "prompt")
         try:
             sampling.check()
         except LimitError as e:
             raise OpenAIError(str(e), param=e.param) from None
-        return Prepared(kind, req, prompt, sampling, req.stop_strings(), priority, tenant, prompt_text, model)
+        return Prepared(kind, req, prompts, sampling, req.stop_strings(), priority, tenant, model)
+
+    @staticmethod
+    def _completion_prompt(prompt: str | list[int], tokenizer: Tokenizer) -> Prompt:
+        """A completion's prompt (text or token ids) as token ids, and the text echo returns."""
+        if isinstance(prompt, list):
+            try:
+                check_token_ids(prompt, tokenizer.vocab_size)
+            except LimitError as e:
+                raise _limit_error(e) from None
+            return Prompt(list(prompt), tokenizer.decode(prompt))
+        ids = tokenizer.encode(prompt)
+        if not ids:
+            raise OpenAIError("the prompt encodes to no tokens", param="prompt")
+        return Prompt(ids, prompt)
 
     def check_model(self, model: str | None) -> ModelEntry:
         """The model a request names (its served name or an alias; none: the first of the manifest);
@@ -196,9 +210,10 @@ class Gateway:
     # -- submission
 
     async def submit(self, kind: Kind, body, tenant: Tenant | None = None) -> "Generation":
-        """Validates and submits (as `tenant`, from `authenticate`); n choices are n requests: the
-        first, then the others, which share its prompt. Raises OpenAIError before anything is sent
-        to the client. The caller must `close()` the returned Generation."""
+        """Validates and submits (as `tenant`, from `authenticate`); n choices of each prompt are n
+        requests: the first, then the others, which share its prompt (choice k * n + i is prompt k's
+        i-th). Raises OpenAIError before anything is sent to the client. The caller must `close()`
+        the returned Generation."""
         came = time.time()
         try:
             p = self.prepare(kind, body, tenant)
@@ -211,18 +226,23 @@ class Gateway:
         span = telemetry.start("gateway.request", None, request_id=rid, model=p.model.id,
                                model_version=p.model.spec.version, model_variant=p.model.spec.variant,
                                lora=p.model.lora and p.model.lora.name,
-                               prompt_tokens=len(p.prompt_token_ids), priority=p.priority)
+                               prompt_tokens=p.num_prompt_tokens, priority=p.priority)
         trace = telemetry.inject_span(span)
+        ids = [rid if j == 0 else f"{rid}-{j}" for j in range(len(p.prompts) * p.n)]
         requests = [GenerateRequest(
-            request_id=rid if i == 0 else f"{rid}-{i}", model=p.model.id,
-            prompt_token_ids=p.prompt_token_ids, sampling=p.choice_sampling(i), priority=p.priority,
-            stream_subject=self.streams.subject, arrival_time=arrival, trace=trace,
-            tenant=tenant and tenant.name, after=None if i == 0 else rid, lora=p.model.lora) for i in range(p.n)]
+            request_id=ids[k * p.n + i], model=p.model.id, prompt_token_ids=prompt.token_ids,
+            sampling=p.choice_sampling(i), priority=p.priority, stream_subject=self.streams.subject,
+            arrival_time=arrival, trace=trace, tenant=tenant and tenant.name,
+            after=None if i == 0 else ids[k * p.n], lora=p.model.lora)
+            for k, prompt in enumerate(p.prompts) for i in range(p.n)]
         streams = [self.streams.open(r) for r in requests]
         try:
             await self._submit_when_ready(streams[0])
-            if len(requests) > 1:  # after the first: the scheduler then knows where it went
-                await asyncio.gather(*(self._submit_when_ready(s) for s in streams[1:]))
+            # the other prompts' first choices, then the rest: the scheduler then knows where their first went
+            firsts = [s for j, s in enumerate(streams) if j and j % p.n == 0]
+            others = [s for j, s in enumerate(streams) if j % p.n]
+            for group in (firsts, others):
+                await asyncio.gather(*(self._submit_when_ready(s) for s in group))
         except BaseException as e:
             self._log_rejected(kind, body, arrival, e, p, rid)
             if isinstance(e, OpenAIError):
@@ -238,8 +258,8 @@ class Gateway:
                     self.settle(r, 0)
             raise
         self.metrics.queue.observe(time.time() - arrival)
-        self.metrics.prompt_tokens.inc(len(p.prompt_token_ids))
-        self.metrics.tenant_admitted(tenant, len(p.prompt_token_ids))
+        self.metrics.prompt_tokens.inc(p.num_prompt_tokens)
+        self.metrics.tenant_admitted(tenant, p.num_prompt_tokens)
         gen = Generation(self, p, requests, streams)
         gen.span = span
         return gen
@@ -295,7 +315,7 @@ class Gateway:
                 priority = tenant.default_priority  # the class it would have had
             model = p.model.name if p else (body.get("model") if isinstance(body, dict) else None)
             self.request_log.log_rejected(kind, body, model or self.served_model_name, arrival, e,
-                                          p and len(p.prompt_token_ids), priority,
+                                          p and p.num_prompt_tokens, priority,
                                           p and p.sampling.max_tokens, rid, tenant=tenant and tenant.name)
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
@@ -420,6 +440,7 @@ class Choice:
 
     def __init__(self, gen: "Generation", index: int, request: GenerateRequest, stream: RequestStream):
         self.gen, self.index, self.request, self._stream = gen, index, request, stream
+        self.prompt = gen.prepared.prompts[index // gen.prepared.n]
         self.token_ids: list[int] = []
         self.logprobs: list[Logprob | None] = []
         self.prompt_logprobs: list[Logprob | None] | None = None
@@ -532,7 +553,8 @@ class Generation:
 
     @property
     def num_cached_tokens(self) -> int:
-        return self.choices[0].num_cached_tokens
+        """Of each prompt once (its first choice's)."""
+        return sum(c.num_cached_tokens for c in self.choices[::self.prepared.n])
 
     @property
     def workers(self) -> list[str]:
@@ -600,7 +622,7 @@ class Generation:
             raise
 
     def usage(self) -> dict:
-        return usage(len(self.request.prompt_token_ids), len(self.token_ids), self.num_cached_tokens)
+        return usage(self.prepared.num_prompt_tokens, len(self.token_ids), self.num_cached_tokens)
 
     def _logprobs(self, token_ids: list[int], logprobs: list[Logprob | None] | None,
                   text_offset: int) -> dict | None:
@@ -615,10 +637,10 @@ class Generation:
     def _echo(self, c: Choice) -> tuple[str, dict | None]:
         """The prompt as echo returns it: its text, and its tokens' logprobs (the first null)."""
         if not self.want_logprobs:
-            return self.prepared.prompt_text, None
-        ids = self.prepared.prompt_token_ids
+            return c.prompt.text, None
+        ids = c.prompt.token_ids
         lps = c.prompt_logprobs or [None] * len(ids)
-        return self.prepared.prompt_text, completion_logprobs(ids, lps, self.prepared.tokenizer.decode)
+        return c.prompt.text, completion_logprobs(ids, lps, self.prepared.tokenizer.decode)
 
     def _tool_output(self, c: Choice) -> tuple[str | None, list[tool_calls.ToolCall]]:
         """(content, calls) of a chat choice under the request's tool_choice."""

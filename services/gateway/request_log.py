@@ -110,7 +110,7 @@ class RequestLog:
         self.write({
             "arrival": arrival, "id": req.request_id, "model": req.model, "class": req.priority,
             "tenant": req.tenant, "endpoint": gen.kind, "stream": bool(gen.stream),
-            "prompt_tokens": len(req.prompt_token_ids),
+            "prompt_tokens": gen.prepared.num_prompt_tokens,
             "cached_tokens": gen.num_cached_tokens, "output_tokens": len(gen.token_ids),
             "max_tokens": req.sampling.max_tokens,
             "ttft": None if gen.first_token_time is None else gen.first_token_time - arrival,
