@@ -50,6 +50,13 @@ def tiny_llama_tied(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_biased(tmp_path_factory) -> Path:
+    """A tiny Llama whose every projection has a (random) bias: attention_bias (q, k, v and o) and
+    mlp_bias (gate, up, down)."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-biased"), attention_bias=True, mlp_bias=True)
+
+
+@pytest.fixture(scope="session")
 def default_model_file() -> Path:
     """The default model's cached GGUF; skips when it has not been pulled (no network in tests)."""
     from meshserve.shared import models_repo

@@ -69,6 +69,21 @@ def test_greedy_matches_transformers(tiny, chunk, prefix, pool):
     assert eng.block_pool.num_free == eng.block_pool.num_blocks  # nothing leaked
 
 
+def test_biases_on_every_projection_match_transformers(tiny_llama_biased):
+    """A Llama with attention_bias biases o_proj too, and mlp_bias the MLP's three projections: each
+    is applied (they were once dropped), in chunked prefill, prefix hits and decode alike."""
+    from transformers import AutoModelForCausalLM
+
+    cfg, sd = load_hf_dir(tiny_llama_biased)
+    assert {"model.layers.0.self_attn.o_proj.bias", "model.layers.0.mlp.down_proj.bias"} <= set(sd)
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_biased), dtype=torch.float32).eval()
+    prompts = make_prompts(cfg.vocab_size, n=8)
+    ref = hf_greedy(hf, prompts, 16, cfg.eos_token_ids)
+    model = LlamaModel.from_hf(cfg, sd, torch.float32)
+    assert all(model.proj[0][name].bias is not None for name in ("qkv", "o", "gate_up", "down"))
+    assert engine(model, chunk=7).generate(prompts, SamplingParams(max_tokens=16, temperature=0)) == ref
+
+
 def test_step_runs_its_model_pass_through_the_given_runner(tiny):
     """The worker's thread tuner runs each model pass: it is told the size of the step being run
     (not the last one's), and the tokens are those of a plain step."""

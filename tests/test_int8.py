@@ -191,11 +191,13 @@ def dequantized_hf(path, tied: bool):
     return hf
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_int8_greedy_matches_transformers_on_dequantized_weights(tiny_llama, tiny_llama_tied, tied):
+@pytest.mark.parametrize("kind", ["plain", "tied", "biased"])
+def test_int8_greedy_matches_transformers_on_dequantized_weights(tiny_llama, tiny_llama_tied, tiny_llama_biased,
+                                                                 kind):
     from test_engine import make_prompts
 
-    path = tiny_llama_tied if tied else tiny_llama
+    tied = kind == "tied"
+    path = {"plain": tiny_llama, "tied": tiny_llama_tied, "biased": tiny_llama_biased}[kind]
     cfg, sd = load_hf_dir(path)
     weights = fuse_hf_weights(cfg, sd, torch.float32, quantization="int8")
     assert ("embed" in weights) == (not tied)  # a tied embedding is one int8 copy, also the lm_head
@@ -211,6 +213,8 @@ def test_int8_greedy_matches_transformers_on_dequantized_weights(tiny_llama, tin
     bf = LlamaModel.from_hf(cfg, sd, torch.bfloat16, quantization="int8")
     if il.kernel() is not None:
         assert bf.proj[0]["qkv"].blocked is not None and bf.head.blocked is not None
+    if kind == "biased":  # the fused step takes q|k|v biases only: these run per operation
+        assert bf.fused is None and bf.proj[0]["down"].bias is not None
     got = LLMEngine(bf, EngineConfig(block_size=8, num_kv_blocks=256)).generate(
         prompts, SamplingParams(max_tokens=4, temperature=0))
     assert sum(g[0] == r[0] for g, r in zip(got, ref)) >= len(ref) * 0.75

@@ -61,12 +61,17 @@ def fused_parts(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtyp
     yield finish(w)
     for i in range(cfg.num_hidden_layers):
         p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
-        w = {f"layers.{i}.qkv": t(torch.cat([sd[a + f"{x}_proj.weight"] for x in "qkv"]))}
-        if cfg.attention_bias:
-            w[f"layers.{i}.qkv_bias"] = t(torch.cat([sd[a + f"{x}_proj.bias"] for x in "qkv"]))
-        w[f"layers.{i}.o"] = t(sd[a + "o_proj.weight"])
-        w[f"layers.{i}.gate_up"] = t(torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]))
-        w[f"layers.{i}.down"] = t(sd[p + "mlp.down_proj.weight"])
+        fused = {"qkv": [a + f"{x}_proj" for x in "qkv"], "o": [a + "o_proj"],
+                 "gate_up": [p + "mlp.gate_proj", p + "mlp.up_proj"], "down": [p + "mlp.down_proj"]}
+        w = {}
+        for name, parts in fused.items():
+            weights = [sd[x + ".weight"] for x in parts]
+            w[f"layers.{i}.{name}"] = t(torch.cat(weights) if len(parts) > 1 else weights[0])
+            # Qwen2 biases q|k|v; a Llama with attention_bias also o, and with mlp_bias the MLP's three
+            if any(x + ".bias" in sd for x in parts):
+                w[f"layers.{i}.{name}_bias"] = t(torch.cat([
+                    sd[x + ".bias"] if x + ".bias" in sd else weights[k].new_zeros(weights[k].shape[0])
+                    for k, x in enumerate(parts)]))
         w[f"layers.{i}.attn_norm"] = t(sd[p + "input_layernorm.weight"])
         w[f"layers.{i}.mlp_norm"] = t(sd[p + "post_attention_layernorm.weight"])
         yield finish(w)
@@ -94,9 +99,8 @@ class LlamaModel:
         L = range(cfg.num_hidden_layers)
         self.attn_norm = [weights[f"layers.{i}.attn_norm"] for i in L]
         self.mlp_norm = [weights[f"layers.{i}.mlp_norm"] for i in L]
-        self.proj = [dict(qkv=projection(weights, f"layers.{i}.qkv", f"layers.{i}.qkv_bias"),
-                          o=projection(weights, f"layers.{i}.o"), gate_up=projection(weights, f"layers.{i}.gate_up"),
-                          down=projection(weights, f"layers.{i}.down")) for i in L]
+        self.proj = [{name: projection(weights, f"layers.{i}.{name}", f"layers.{i}.{name}_bias")
+                      for name in ("qkv", "o", "gate_up", "down")} for i in L]
         self.head = projection(weights, "embed" if cfg.tie_word_embeddings else "lm_head")
         self.embed = weights.get("embed")  # None: a tied int8 embedding, looked up through the head
         cos, sin = rope_cos_sin(cfg, max_positions or cfg.max_position_embeddings)

@@ -83,6 +83,9 @@ class LazyTensors(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._where[name].get_tensor(name)
 
+    def __contains__(self, name) -> bool:  # without reading the tensor (Mapping's would)
+        return name in self._where
+
     def __iter__(self):
         return iter(self._where)
 
