@@ -84,6 +84,49 @@ def test_biases_on_every_projection_match_transformers(tiny_llama_biased):
     assert engine(model, chunk=7).generate(prompts, SamplingParams(max_tokens=16, temperature=0)) == ref
 
 
+TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def _transformers_model(path, arch: str, **config):
+    """A tiny random model of a Transformers architecture, saved to `path`, biases and norms noised."""
+    import transformers
+
+    torch.manual_seed(7)
+    hf = getattr(transformers, f"{arch}ForCausalLM")(getattr(transformers, f"{arch}Config")(**TINY, **config)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(".bias") or "norm" in name:
+                p.add_(torch.randn(p.shape) * 0.1)
+    hf.save_pretrained(path)
+    return hf
+
+
+@pytest.mark.parametrize("arch,config", [("Qwen2", {}), ("Mistral", {"sliding_window": 48})])
+def test_other_llama_family_architectures_match_transformers(tmp_path, arch, config):
+    """Qwen2 (q|k|v biases, o none) and Mistral (a sliding window, within which attention is full:
+    served with its window as the context, so never beyond it)."""
+    hf = _transformers_model(tmp_path, arch, **config)
+    cfg, sd = load_hf_dir(tmp_path)
+    assert cfg.context_length == config.get("sliding_window", 256)
+    prompts = [p[:cfg.context_length - 16] for p in make_prompts(cfg.vocab_size, n=8)]
+    ref = hf_greedy(hf, prompts, 16, [2])
+    model = LlamaModel.from_hf(cfg, sd, torch.float32)
+    assert engine(model, chunk=7).generate(prompts, SamplingParams(max_tokens=16, temperature=0)) == ref
+    if "sliding_window" in config:
+        with pytest.raises(ValueError, match="sliding window"):
+            LLMEngine(model, EngineConfig(max_model_len=cfg.sliding_window + 1))
+
+
+@pytest.mark.parametrize("arch,config", [("Qwen3", {"head_dim": 16}), ("Gemma", {"head_dim": 16}), ("Phi3", {}),
+                                         ("Llama", {"hidden_act": "gelu"})])
+def test_architectures_this_decoder_is_not_are_refused_by_name(tmp_path, arch, config):
+    """Loaded as a Llama they would run, wrong (Qwen3's q/k norms, Gemma's scaled embedding, ...)."""
+    _transformers_model(tmp_path, arch, **config)
+    with pytest.raises(ValueError, match=f"{arch}ForCausalLM is not supported|'gelu' is not supported"):
+        load_hf_dir(tmp_path)
+
+
 def test_step_runs_its_model_pass_through_the_given_runner(tiny):
     """The worker's thread tuner runs each model pass: it is told the size of the step being run
     (not the last one's), and the tokens are those of a plain step."""

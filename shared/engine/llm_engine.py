@@ -89,6 +89,9 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         cfg = model.cfg
         self.max_model_len = config.max_model_len or cfg.context_length
+        if cfg.sliding_window and self.max_model_len > cfg.sliding_window:
+            raise ValueError(f"max_model_len {self.max_model_len} is beyond the model's sliding window of "
+                             f"{cfg.sliding_window} tokens, which this engine does not apply")
         device = getattr(model, "device", None)
         check_kv_cache_dtype(config.kv_cache_dtype)
         kv_dtype = getattr(torch, kv_arena_dtype(config.kv_cache_dtype, model.dtype))

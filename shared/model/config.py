@@ -9,6 +9,9 @@ from typing import Any, Literal, get_args
 Quantization = Literal["int8"]
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 MAX_CONTEXT = 32768  # the longest context the engine takes from a model's config by default
+# Hugging Face architectures that are this decoder (shared/model/llama.py); others are refused, not
+# run wrong (Qwen3's q/k norms, Gemma's activation and scaled embedding, Phi-3's fused names, ...).
+HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
 @dataclass
@@ -29,15 +32,24 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     architecture: str = "llama"
+    sliding_window: int | None = None  # Mistral's (and Qwen2's when used): how far back attention reaches
 
     @property
     def context_length(self) -> int:
-        """The model's context as served (an engine's default max_model_len): its own, at most MAX_CONTEXT."""
-        return min(self.max_position_embeddings, MAX_CONTEXT)
+        """The model's context as served (an engine's default max_model_len): its own, at most its
+        sliding window (within which attention is full attention, all this decoder computes) and
+        MAX_CONTEXT."""
+        return min(self.max_position_embeddings, self.sliding_window or MAX_CONTEXT, MAX_CONTEXT)
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         arch = (d.get("architectures") or ["LlamaForCausalLM"])[0]
+        if arch not in HF_ARCHITECTURES:
+            raise ValueError(f"the model's architecture {arch} is not supported (supported: "
+                             f"{', '.join(HF_ARCHITECTURES)})")
+        if d.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported (only silu)")
+        window = d.get("sliding_window") if d.get("use_sliding_window", "Qwen2" not in arch) else None
         heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
@@ -66,4 +78,5 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             architecture=arch,
+            sliding_window=int(window) if window else None,
         )
