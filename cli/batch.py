@@ -67,17 +67,18 @@ def _prepare(llm: LLM, item: dict, served: str):
                           status_code=404, param="model", code="model_not_found")
     if isinstance(req, ChatCompletionRequest):
         try:
-            prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
+            prompt = req.truncate(llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
                 req.template_messages(), add_generation_prompt=req.add_generation_prompt, tools=req.tool_dicts()),
-                add_special_tokens=False)
+                add_special_tokens=req.add_special_tokens))
         except Exception as e:  # a template that raises is the caller's doing
             raise OpenAIError(f"could not apply the chat template: {e}", param="messages") from None
         sampling = req.to_sampling(llm.engine.max_model_len - len(prompt), llm.generation_defaults)
         prompts = [prompt]
     else:
-        prompts = [p if isinstance(p, list) else llm.tokenizer.encode(p) for p in req.prompts]
+        prompts = [req.truncate(p if isinstance(p, list) else llm.tokenizer.encode(p, req.add_special_tokens))
+                   for p in req.prompts]
         sampling = req.to_sampling(llm.generation_defaults)
-    return kind, req, prompts, wire.sampling_params(sampling, req.stop_strings())
+    return kind, req, prompts, wire.sampling_params(sampling, **req.text_options())
 
 
 def _add(llm: LLM, prompts: list[list[int]], params, n: int) -> list[Completion]:
@@ -116,7 +117,8 @@ def _body(llm: LLM, kind: str, served: str, req, cs: list[Completion], want_logp
         text = c.text
         if req.echo:
             given = req.prompts[i // req.n]
-            prompt_text = given if isinstance(given, str) else dec(c.prompt_token_ids)
+            cut = req.truncate_prompt_tokens is not None  # then echo is the kept tokens' text
+            prompt_text = given if isinstance(given, str) and not cut else dec(c.prompt_token_ids)
             if want_logprobs:
                 plp = completion_logprobs(c.prompt_token_ids, c.prompt_logprobs or [None] * len(c.prompt_token_ids),
                                           dec)

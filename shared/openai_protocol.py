@@ -163,6 +163,10 @@ class _SamplingFields(BaseModel):
     guided_decoding_backend: str | None = None  # accepted: every backend name means llguidance here
     guided_whitespace_pattern: str | None = None
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's: how the output becomes text (where it is detokenized), and how much of the prompt is kept
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
 
     @field_validator("stop")
     @classmethod
@@ -186,6 +190,16 @@ class _SamplingFields(BaseModel):
     def stop_strings(self) -> list[str]:
         """The stop strings (matched on the text by whoever detokenizes; never on the wire)."""
         return [s for s in (self.stop or []) if s]
+
+    def text_options(self) -> dict[str, Any]:
+        """How the output's tokens become text: IncrementalDetokenizer's (and SamplingParams') fields."""
+        return {"stop": self.stop_strings(), "skip_special_tokens": self.skip_special_tokens,
+                "include_stop_str_in_output": self.include_stop_str_in_output}
+
+    def truncate(self, prompt: list[int]) -> list[int]:
+        """The prompt as computed: its last truncate_prompt_tokens tokens, when it is longer."""
+        k = self.truncate_prompt_tokens
+        return prompt[-k:] if k is not None and len(prompt) > k else prompt
 
     def logit_bias_ids(self, vocab_size: int | None = None) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -262,6 +276,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: a text prompt gets the tokenizer's BOS (or the like)
 
     @model_validator(mode="after")
     def _batch(self):
@@ -362,6 +377,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's BOS on top of what the template writes
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True

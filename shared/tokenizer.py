@@ -349,10 +349,12 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Tokenizer | _RustTokenizer, stop: Iterable[str] | None = None,
-                 skip_special_tokens: bool = True, use_decode_stream: bool | None = None):
+                 skip_special_tokens: bool = True, use_decode_stream: bool | None = None,
+                 include_stop_str_in_output: bool = False):
         self._tk = tokenizer.tk if isinstance(tokenizer, Tokenizer) else tokenizer
         self.stop = [s for s in (stop or []) if s]
         self.skip_special_tokens = skip_special_tokens
+        self.include_stop = include_stop_str_in_output  # the text ends after the stop string, not before
         self.token_ids: list[int] = []
         self.text = ""
         self.emitted = 0
@@ -426,7 +428,7 @@ class IncrementalDetokenizer:
                 best = (i, s)
         if best is None:
             return False
-        self.text = self.text[:best[0]]
+        self.text = self.text[:best[0] + (len(best[1]) if self.include_stop else 0)]
         self.stopped, self.matched_stop = True, best[1]
         return True
 

@@ -576,6 +576,26 @@ def test_stop_string_ends_the_response_and_aborts(client, mesh, tokenizer):
     assert wait_for(lambda: mesh.aborted(mesh.submits[-1].request_id), 5, "the stop Abort").reason == "stop"
 
 
+def test_vllm_text_and_prompt_options(client, mesh, tokenizer):
+    """include_stop_str_in_output keeps the stop string; truncate_prompt_tokens sends the prompt's last
+    tokens (and echo returns theirs); add_special_tokens is the prompt's encoding."""
+    r = client.completions.create(model=SERVED, prompt="x", max_tokens=50, stop=["fox"],
+                                  extra_body={"include_stop_str_in_output": True})
+    assert r.choices[0].text == SCRIPT.split("fox")[0] + "fox" and r.choices[0].finish_reason == "stop"
+    stream = client.completions.create(model=SERVED, prompt="x", max_tokens=50, stop="lazy", stream=True,
+                                       extra_body={"include_stop_str_in_output": True})
+    assert "".join(c.choices[0].text for c in stream) == SCRIPT.split("lazy")[0] + "lazy"
+    text = "one two three four five"
+    ids = tokenizer.encode(text)
+    r = client.completions.create(model=SERVED, prompt=text, max_tokens=2, echo=True,
+                                  extra_body={"truncate_prompt_tokens": 3})
+    assert mesh.submits[-1].prompt_token_ids == ids[-3:] and r.usage.prompt_tokens == 3
+    assert r.choices[0].text == tokenizer.decode(ids[-3:]) + tokenizer.decode(mesh.script[:2])
+    for add in (True, False):
+        client.completions.create(model=SERVED, prompt=text, max_tokens=1, extra_body={"add_special_tokens": add})
+        assert mesh.submits[-1].prompt_token_ids == tokenizer.encode(text, add_special_tokens=add)
+
+
 def test_lost_worker_is_invisible_to_the_client(client, mesh, tokenizer):
     stream = client.completions.create(model=SERVED, prompt="x", max_tokens=9, seed=LOSES_WORKER, stream=True)
     assert "".join(c.choices[0].text for c in stream) == tokenizer.decode(mesh.script[:9])

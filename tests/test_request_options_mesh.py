@@ -231,6 +231,16 @@ def test_n_choices_logit_bias_and_generation_defaults(mesh, hf):
     assert r.choices[0].text == mesh.tokenizer.decode(ref)
 
 
+def test_skip_special_tokens_false_shows_them(mesh):
+    c = mesh.client
+    body = {"ignore_eos": True, "logit_bias": {"2": 100}}  # the end-of-turn token, three times
+    r = c.completions.create(model=mesh.model, prompt=LONG, max_tokens=3, extra_body=body)
+    assert r.choices[0].text == "" and r.usage.completion_tokens == 3
+    r = c.completions.create(model=mesh.model, prompt=LONG, max_tokens=3,
+                             extra_body={**body, "skip_special_tokens": False})
+    assert r.choices[0].text == mesh.tokenizer.decode([2] * 3, skip_special_tokens=False) != ""
+
+
 def test_echo_logprobs_equal_transformers(mesh, hf):
     """The prompt tokens' logprobs (lm-eval's local-completions: echo, logprobs, max_tokens 0), first
     null, equal Transformers' in fp32, also when the prompt is already in the prefix cache."""

@@ -186,6 +186,14 @@ def test_stop_string_at_start_and_newline(tiny_tok):
     assert "".join(deltas) == "first line" and det.matched_stop == "\n\n"
 
 
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_stop_string_kept_with_include_stop_str_in_output(tiny_tok, chunk):
+    ids = tiny_tok.encode("Hello world! The end.")
+    det = IncrementalDetokenizer(tiny_tok, stop=["world", "end"], include_stop_str_in_output=True)
+    out = "".join(det.add(ids[i:i + chunk]) for i in range(0, len(ids), chunk)) + det.flush()
+    assert out == "Hello world" == det.text and det.matched_stop == "world"
+
+
 def test_partial_stop_is_held_back_then_flushed(tiny_tok):
     ids = tiny_tok.encode("Hello wo")
     det = IncrementalDetokenizer(tiny_tok, stop=["world", "xyz"])

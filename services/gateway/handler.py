@@ -56,7 +56,6 @@ class Prepared:
     request: CompletionRequest | ChatCompletionRequest
     prompts: list[Prompt]  # one; or a completion's batch of prompts, n choices each
     sampling: Sampling
-    stop: list[str]  # stop strings: matched here, on the text; never sent
     priority: str
     tenant: Tenant | None = None
     model: ModelEntry | None = None  # the served model it runs on (catalog.py)
@@ -152,12 +151,12 @@ class Gateway:
         req = parse_request(kind, body, tokenizer.vocab_size, self.limits)
         chat = isinstance(req, ChatCompletionRequest)
         if chat:
-            ids = self.chat_prompt_ids(req, model=model)
+            ids = req.truncate(self.chat_prompt_ids(req, req.add_special_tokens, model))
             self._check_length(ids, None, model, "messages")  # so that the default max_tokens is positive
             sampling = req.to_sampling(model.max_model_len - len(ids), model.generation_defaults)
             prompts = [Prompt(ids)]
         else:
-            prompts = [self._completion_prompt(x, tokenizer) for x in req.prompts]
+            prompts = [self._completion_prompt(x, req, tokenizer) for x in req.prompts]
             sampling = req.to_sampling(model.generation_defaults)
         for x in prompts:
             self._check_length(x.token_ids, sampling.max_tokens, model, "messages" if chat else "prompt")
@@ -165,21 +164,24 @@ class Gateway:
             sampling.check()
         except LimitError as e:
             raise OpenAIError(str(e), param=e.param) from None
-        return Prepared(kind, req, prompts, sampling, req.stop_strings(), priority, tenant, model)
+        return Prepared(kind, req, prompts, sampling, priority, tenant, model)
 
     @staticmethod
-    def _completion_prompt(prompt: str | list[int], tokenizer: Tokenizer) -> Prompt:
-        """A completion's prompt (text or token ids) as token ids, and the text echo returns."""
+    def _completion_prompt(prompt: str | list[int], req: CompletionRequest, tokenizer: Tokenizer) -> Prompt:
+        """A completion's prompt (text or token ids) as the token ids computed, and the text echo
+        returns (what was given, or the kept tokens' text when truncate_prompt_tokens cut it)."""
         if isinstance(prompt, list):
             try:
                 check_token_ids(prompt, tokenizer.vocab_size)
             except LimitError as e:
                 raise _limit_error(e) from None
-            return Prompt(list(prompt), tokenizer.decode(prompt))
-        ids = tokenizer.encode(prompt)
-        if not ids:
+            ids = req.truncate(list(prompt))
+            return Prompt(ids, tokenizer.decode(ids))
+        given = tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
+        if not given:
             raise OpenAIError("the prompt encodes to no tokens", param="prompt")
-        return Prompt(ids, prompt)
+        ids = req.truncate(given)
+        return Prompt(ids, prompt if ids is given else tokenizer.decode(ids))
 
     def check_model(self, model: str | None) -> ModelEntry:
         """The model a request names (its served name or an alias; none: the first of the manifest);
@@ -447,7 +449,7 @@ class Choice:
         self.text = ""
         self.finish_reason: str | None = None
         self.num_cached_tokens = 0
-        self._detok = IncrementalDetokenizer(gen.prepared.tokenizer, stop=gen.prepared.stop)
+        self._detok = IncrementalDetokenizer(gen.prepared.tokenizer, **gen.prepared.request.text_options())
         self._last_token_time: float | None = None
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

@@ -43,7 +43,9 @@ class OutputProcessor:
         self.active: dict[str, tuple[Completion, IncrementalDetokenizer]] = {}
 
     def add(self, completion: Completion, params: SamplingParams) -> None:
-        self.active[completion.request_id] = (completion, IncrementalDetokenizer(self.tokenizer, params.stop))
+        self.active[completion.request_id] = (completion, IncrementalDetokenizer(
+            self.tokenizer, params.stop, params.skip_special_tokens,
+            include_stop_str_in_output=params.include_stop_str_in_output))
 
     def process(self, outputs: list[RequestOutput]) -> list[Completion]:
         """Applies one step's outputs; returns the completions that finished."""

@@ -20,6 +20,8 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    skip_special_tokens: bool = True  # with stop and the next: how the output becomes text (OutputProcessor)
+    include_stop_str_in_output: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; 0: the sampled token's; k: plus the top k

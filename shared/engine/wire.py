@@ -9,11 +9,13 @@ from .sampler import TokenLogprobs
 from .sequence import SamplingParams
 
 
-def sampling_params(s: Sampling, stop: list[str] | None = None) -> SamplingParams:
-    """The engine's parameters for a request's wire Sampling. `stop`: stop strings, which never
-    travel (the gateway, or the in-process OutputProcessor, matches them on the text)."""
+def sampling_params(s: Sampling, stop: list[str] | None = None, skip_special_tokens: bool = True,
+                    include_stop_str_in_output: bool = False) -> SamplingParams:
+    """The engine's parameters for a request's wire Sampling. `stop` and the text options never
+    travel (the gateway, or the in-process OutputProcessor, detokenizes and matches them on the text)."""
     return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                          min_p=s.min_p, seed=s.seed, stop=list(stop or []), stop_token_ids=list(s.stop_token_ids),
+                          min_p=s.min_p, seed=s.seed, stop=list(stop or []), skip_special_tokens=skip_special_tokens,
+                          include_stop_str_in_output=include_stop_str_in_output, stop_token_ids=list(s.stop_token_ids),
                           ignore_eos=s.ignore_eos, logprobs=s.logprobs, logit_bias=s.logit_bias,
                           repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
                           frequency_penalty=s.frequency_penalty, min_tokens=s.min_tokens,
