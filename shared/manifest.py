@@ -23,6 +23,8 @@ A YAML list of models (or a mapping with the list under `models`), each:
       tenants: [nightly-jobs]       # `variant_for`); the one entry with neither is the default
       adapters:                     # LoRA adapters of this model (PEFT directories), each served
         - {name: chat-sql, path: ./adapters/sql}   # under its own name on the base's workers
+      speculative: {method: ngram}  # its own speculative decoding (docs/speculative.md), or false:
+                                    # none; without the key, the workers' --speculative flags
 
 `--model M` is the one-model manifest (`Manifest.single`). One module parses and checks it for every
 service (the gateway, the scheduler, the model-loader and the launcher read it; none imports torch
@@ -54,6 +56,27 @@ class AdapterEntry(BaseModel):
     path: str = Field(min_length=1)
 
 
+class SpeculativeEntry(BaseModel):
+    """A model's own speculative decoding: SpeculativeConfig's fields (shared/engine/speculative.py,
+    which holds the defaults of those left out)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Literal["ngram", "draft"]
+    model: str | None = Field(default=None, min_length=1)  # the draft model, for "draft"
+    num_speculative_tokens: int | None = Field(default=None, ge=1)
+    prompt_lookup_min: int | None = Field(default=None, ge=1)
+    prompt_lookup_max: int | None = Field(default=None, ge=1)
+    classes: tuple[Priority, ...] | None = None
+    disable_by_batch_size: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _draft_model(self) -> "SpeculativeEntry":
+        if (self.method == "draft") != (self.model is not None):
+            raise ValueError("speculative: method draft needs a `model` (the draft), and only it has one")
+        return self
+
+
 class ServedModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -73,6 +96,7 @@ class ServedModel(BaseModel):
     tenants: tuple[str, ...] | None = Field(default=None, min_length=1)
     layered_loading: bool | None = None
     adapters: tuple[AdapterEntry, ...] = ()
+    speculative: SpeculativeEntry | Literal[False] | None = None  # None: the workers' flags
 
     @property
     def id(self) -> str:
@@ -269,6 +293,9 @@ def load_manifest(path: str | Path, check_paths: bool = True) -> Manifest:
             item = {**item, "adapters": [{**a, "path": _relative_to(p, a["path"])}
                                          if isinstance(a, dict) and isinstance(a.get("path"), str) else a
                                          for a in item["adapters"]]}
+        spec = item.get("speculative") if isinstance(item, dict) else None
+        if isinstance(spec, dict) and isinstance(spec.get("model"), str):
+            item = {**item, "speculative": {**spec, "model": _relative_to(p, spec["model"])}}
         models.append(item)
     try:
         manifest = Manifest(models=models)
@@ -280,6 +307,8 @@ def load_manifest(path: str | Path, check_paths: bool = True) -> Manifest:
         for m in manifest.models:
             try:
                 check(m.path)
+                if m.speculative and m.speculative.model is not None:
+                    check(m.speculative.model)
             except (UnknownModel, KeyError) as e:
                 raise ManifestError(f"{p}: model {m.name!r}: {e}") from None
     return manifest

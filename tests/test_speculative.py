@@ -338,3 +338,50 @@ def test_a_failed_model_switch_keeps_the_workers_draft_in_use(tiny_llama, draft_
         assert users() == before
         assert client.completions.create(model="target", prompt=[5, 9, 14, 5, 9, 14, 5], max_tokens=MAX_NEW,
                                          temperature=0).choices[0].text == alone
+
+
+def test_manifest_chooses_speculation_per_model(tiny_llama, draft_dir, tmp_path):
+    """One worker, three models of one vocabulary: `speculative` in each manifest entry (prompt lookup,
+    a draft model, or false against the workers' --speculative ngram) is what the worker's engine
+    runs on each model as it switches between them; each model's greedy text is its own alone."""
+    from mesh_util import Mesh
+    from openai import OpenAI
+    from tiny_model import make_tiny_llama
+
+    plain = make_tiny_llama(tmp_path / "plain", seed=5)
+    other = make_tiny_llama(tmp_path / "other", seed=4)
+    manifest = tmp_path / "models.yaml"
+    manifest.write_text(f"- {{name: lookup, path: '{tiny_llama}', speculative: {{method: ngram, "
+                        "num_speculative_tokens: 4}}\n"
+                        f"- {{name: drafted, path: '{other}', speculative: {{method: draft, model: '{draft_dir}', "
+                        "num_speculative_tokens: 3}}\n"
+                        f"- {{name: plain, path: '{plain}', speculative: false}}\n")
+    prompt = "def add(a, b):\n    return a + b\n" * 3
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0)
+    want = {name: LLM(str(path), "float32").generate([prompt], params)[0].text
+            for name, path in (("lookup", tiny_llama), ("drafted", other), ("plain", plain))}
+    with Mesh(tiny_llama, tmp_path, prefill=0, decode=1, extra=["--models", str(manifest), "--speculative", "ngram"],
+              env={"MESHSERVE_CACHE": str(tmp_path / "cache")}) as m:
+        client = OpenAI(base_url=m.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def counters(name: str) -> dict:
+            """The worker's engine's counters once its heartbeat shows it on `name` after the request."""
+            deadline = time.monotonic() + 30
+            while True:
+                st = m.ask("scheduler.status")
+                w = st["workers"][0]
+                if w["model"] == name and w["tokens_streamed"] >= streamed + MAX_NEW:
+                    return st["spec_decode"]
+                assert time.monotonic() < deadline, st["workers"]
+                time.sleep(0.2)
+
+        for name in ("lookup", "drafted", "plain", "lookup"):
+            streamed = m.ask("scheduler.status")["workers"][0]["tokens_streamed"]
+            r = client.completions.create(model=name, prompt=prompt, max_tokens=MAX_NEW, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            assert r.choices[0].text == want[name], name
+            got = counters(name)
+            if name == "plain":
+                assert got.get("num_verification_steps", 0) == 0, got
+            else:
+                assert got["num_draft_tokens"] > 0 and got["num_verification_steps"] > 0, (name, got)

@@ -26,7 +26,7 @@ from meshserve.kernels.linear import converts_on_load
 from meshserve.shared import node_memory, shm
 from meshserve.shared.engine.llm_engine import EngineConfig, LLMEngine
 from meshserve.shared.engine.scheduler import SchedulerConfig
-from meshserve.shared.engine.speculative import config_from_args
+from meshserve.shared.engine.speculative import SpeculativeConfig, config_from_args
 from meshserve.shared.kv_layout import kv_arena_dtype, kv_row
 from meshserve.shared.model.config import ModelConfig
 from meshserve.shared.model.layer_gate import LayerGate, open_gate
@@ -113,9 +113,28 @@ async def open_weights(w: WeightsDescriptor) -> tuple[dict, LayerGate | None]:
     return weights, gate
 
 
-def speculation(worker, load: LoadRequest):
-    """The speculative flags are the worker's --model's: a model switched to runs without speculation."""
-    return config_from_args(worker.args) if load.model == worker.args.model else None
+def speculation(worker, load: LoadRequest, cfg: ModelConfig) -> SpeculativeConfig | None:
+    """A model's speculative decoding: its manifest entry's `speculative` (false: none); without one,
+    the worker's flags, for every model it serves (a draft model of the flags only for models of its
+    vocabulary: the others run without)."""
+    manifest = worker.manifest.current() if worker.manifest is not None else None
+    entry = manifest.get(load.name) if manifest is not None and load.name else None
+    if entry is not None and entry.speculative is not None:
+        if entry.speculative is False:
+            return None
+        spec = SpeculativeConfig(**entry.speculative.model_dump(exclude_none=True))
+        spec.validate()
+        return spec  # a draft of another vocabulary fails the load, saying so (LLMEngine)
+    spec = config_from_args(worker.args)
+    if spec is not None and spec.method == "draft" and load.model != worker.args.model:
+        from meshserve.shared.models_repo import model_config
+
+        vocab = model_config(spec.model).vocab_size
+        if vocab != cfg.vocab_size:
+            log.info("worker %s: %s runs without speculation: the draft model %s has another vocabulary (%d, not "
+                     "%d)", worker.id, load.name or load.model, spec.model, vocab, cfg.vocab_size)
+            return None
+    return spec
 
 
 def draft_load(worker, load: LoadRequest, spec) -> LoadRequest | None:
@@ -129,7 +148,7 @@ def draft_load(worker, load: LoadRequest, spec) -> LoadRequest | None:
 async def register_again(worker) -> None:
     """After a failed switch: the loader counted the worker off what it maps, and it still maps its
     model (and its draft, if it has one), so it says so again; else they could be evicted under it."""
-    draft = draft_load(worker, worker.load, speculation(worker, worker.load))
+    draft = draft_load(worker, worker.load, worker.engine.config.speculative)
     for load in [worker.load] + ([draft] if draft is not None else []):
         try:
             await worker.bus.request(worker.bus.subjects.models("load", worker.args.node_id), load,
@@ -160,7 +179,7 @@ async def build_engine(worker, load: LoadRequest,
     sched = SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
                             prefill_chunk_size=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
                             policy=a.scheduling, preemption_mode=a.preemption_mode)
-    spec = speculation(worker, load)
+    spec = speculation(worker, load, cfg)
     draft, dload = None, draft_load(worker, load, spec)
     if dload is not None:  # the draft's weights from the node's loader too
         dw = await bus.request(bus.subjects.models("load", a.node_id), dload, WeightsDescriptor, timeout=900)
