@@ -8,6 +8,7 @@ A YAML list of models (or a mapping with the list under `models`), each:
       version: "2"                  # shown in /v1/models and the `meshserve-model-version` header
       dtype: bfloat16               # float32 | bfloat16 (default: the command's --dtype)
       quantization: int8            # optional (docs/quantization.md)
+      kv_cache_dtype: int8          # its KV cache (auto | int8; default: the command's --kv-cache-dtype)
       pinned: true                  # never evicted from the loader's hot tier
       memory_quota_gb: 1.0          # its weights plus its KV blocks on a node (weights above it: the load
                                     # fails; KV: the kv-pool leases it at most the rest, shared/partitions.py)
@@ -86,6 +87,7 @@ class ServedModel(BaseModel):
     version: str | None = None
     dtype: Literal["float32", "bfloat16"] | None = None
     quantization: Quantization | None = None
+    kv_cache_dtype: Literal["auto", "int8"] | None = None  # None: the node's --kv-cache-dtype
     pinned: bool = False
     memory_quota_gb: float | None = Field(default=None, gt=0)
     cpus: int | str | None = None

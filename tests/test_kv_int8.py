@@ -166,3 +166,35 @@ def test_default_model_int8_kv_perplexity_within_2_percent_of_bf16(default_bf16)
     p8 = perplexity(default_bf16["model"], default_bf16["ids"], kv_cache_dtype="int8")
     assert p16 < 40 and p8 != p16
     assert abs(p8 / p16 - 1) < 0.02, (p16, p8)
+
+
+def test_manifest_chooses_the_kv_cache_per_model(tiny_llama, tmp_path):
+    """Two models of one KV shape, one with `kv_cache_dtype: int8`: each runs on its own arena (the
+    node makes an int8 one beside the fp32 one), and each one's greedy text through the mesh is the
+    in-process engine's with that KV cache."""
+    from mesh_util import Mesh
+    from openai import OpenAI
+    from tiny_model import make_tiny_llama
+
+    from meshserve.shared.engine.llm import LLM
+
+    other = make_tiny_llama(tmp_path / "other", seed=8)
+    manifest = tmp_path / "models.yaml"
+    manifest.write_text(f"- {{name: plain, path: '{tiny_llama}'}}\n"
+                        f"- {{name: small-kv, path: '{other}', kv_cache_dtype: int8}}\n")
+    prompts = [[5 + (i * 7 + j * 13) % 370 for j in range(40)] for i in range(3)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    want = {"plain": [c.text for c in LLM(str(tiny_llama), "float32").generate(prompts, params)],
+            "small-kv": [c.text for c in LLM(str(other), "float32", EngineConfig(kv_cache_dtype="int8"))
+                         .generate(prompts, params)]}
+    fp32 = [c.text for c in LLM(str(other), "float32").generate(prompts, params)]
+    assert fp32 != want["small-kv"]  # the rounding shows in these outputs, so the test can tell
+    with Mesh(tiny_llama, tmp_path, prefill=0, decode=1, extra=["--models", str(manifest)],
+              env={"MESHSERVE_CACHE": str(tmp_path / "cache")}) as m:
+        client = OpenAI(base_url=m.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        for name in ("plain", "small-kv", "plain"):
+            got = [client.completions.create(model=name, prompt=p, max_tokens=24, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text for p in prompts]
+            assert got == want[name], name
+        arenas = m.ask("kv.node0.status")["arenas"]
+        assert sorted(k.rsplit("-", 1)[1] for k in arenas) == ["float32", "int8"], list(arenas)

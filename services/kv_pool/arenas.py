@@ -172,7 +172,8 @@ def manifest_shapes(manifest, default_dtype: str,
                 configs[m.path] = model_config(m.path, download=False)
             cfg = configs[m.path]
             shape = KVShape(num_hidden_layers=cfg.num_hidden_layers, num_key_value_heads=cfg.num_key_value_heads,
-                            head_dim=cfg.head_dim, dtype=kv_arena_dtype(kv_cache_dtype, m.dtype or default_dtype))
+                            head_dim=cfg.head_dim, dtype=kv_arena_dtype(m.kv_cache_dtype or kv_cache_dtype,
+                                                                        m.dtype or default_dtype))
         except Exception as e:  # noqa: BLE001 - its arena comes from the reserve, if it ever runs
             log.warning("KV shape of model %s (%s) unknown at start: %s", m.id, m.path, e)
             shape = None

@@ -317,10 +317,11 @@ class KVPool:
             a = self.arenas[req.shape.key]
         else:
             key, nbytes = req.shape.key, self.budgets.for_arena(req.shape.key)
-            if (req.shape.dtype == "int8") != (getattr(self.args, "kv_cache_dtype", "auto") == "int8"):
+            flag = getattr(self.args, "kv_cache_dtype", "auto")
+            if (req.shape.dtype == "int8") != (flag == "int8") and key not in self.budgets.planned:
                 raise ValueError(f"a KV arena of {req.shape.dtype} asked for by {req.model}, but this kv-pool runs "
-                                 f"--kv-cache-dtype {getattr(self.args, 'kv_cache_dtype', 'auto')}: start the node's "
-                                 "kv-pool and workers with the same --kv-cache-dtype")
+                                 f"--kv-cache-dtype {flag} and its manifest gives no model that KV cache: start the "
+                                 "node's kv-pool and workers with the same --kv-cache-dtype (and manifest)")
             desc, buf = create_arena(self.bus.subjects.ns, self.node, req.shape, req.shape.dtype,
                                      self.args.block_size, nbytes, self.budgets.swap_for(nbytes),
                                      getattr(self.args, "device", "cpu"), self.desc.epoch,

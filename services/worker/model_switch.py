@@ -57,13 +57,26 @@ def kv_mismatch(cfg: ModelConfig, dtype: str, arena, kv_cache_dtype: str = "auto
     return None
 
 
-async def map_arena(worker, cfg: ModelConfig, dtype: str, served: str) -> tuple[ArenaDescriptor, object]:
+def manifest_entry(worker, load: LoadRequest):
+    """The manifest's entry of the model a load is for (None without a manifest, or for a model it
+    does not list)."""
+    manifest = worker.manifest.current() if worker.manifest is not None else None
+    return manifest.get(load.name) if manifest is not None and load.name else None
+
+
+def kv_cache_dtype(worker, load: LoadRequest) -> str:
+    """The model's KV cache: its manifest entry's `kv_cache_dtype`, else the worker's flag."""
+    entry = manifest_entry(worker, load)
+    return (entry and entry.kv_cache_dtype) or getattr(worker.args, "kv_cache_dtype", "auto")
+
+
+async def map_arena(worker, cfg: ModelConfig, dtype: str, served: str,
+                    kv_cache_dtype: str = "auto") -> tuple[ArenaDescriptor, object]:
     """The node's arena for this model's KV shape and its tensor over the same memory (no copy). The
     worker keeps every arena it mapped (`worker.kv_arenas`, by key) until the pool retires it: a switch
     back maps nothing again (and a CUDA IPC handle is opened once per process). The pool is asked
     each time: an arena retired and made again under the same key is new memory (its `arena_id`)."""
     a = worker.args
-    kv_cache_dtype = getattr(a, "kv_cache_dtype", "auto")
     shape = kv_shape(cfg, dtype, kv_cache_dtype)
     arena = await worker.pool.arena_of(shape, served)
     mapped = worker.kv_arenas.get(shape.key)
@@ -117,8 +130,7 @@ def speculation(worker, load: LoadRequest, cfg: ModelConfig) -> SpeculativeConfi
     """A model's speculative decoding: its manifest entry's `speculative` (false: none); without one,
     the worker's flags, for every model it serves (a draft model of the flags only for models of its
     vocabulary: the others run without)."""
-    manifest = worker.manifest.current() if worker.manifest is not None else None
-    entry = manifest.get(load.name) if manifest is not None and load.name else None
+    entry = manifest_entry(worker, load)
     if entry is not None and entry.speculative is not None:
         if entry.speculative is False:
             return None
@@ -165,7 +177,8 @@ async def build_engine(worker, load: LoadRequest,
     w = await bus.request(bus.subjects.models("load", a.node_id), load, WeightsDescriptor, timeout=900)
     node_memory.check_backend("weights", w.backend, getattr(a, "device", "cpu"))
     cfg = ModelConfig(**w.config)
-    arena, kv = await map_arena(worker, cfg, load.dtype, served)
+    kv_dtype = kv_cache_dtype(worker, load)
+    arena, kv = await map_arena(worker, cfg, load.dtype, served, kv_dtype)
     weights, gate = await open_weights(w)
     # Built on the step thread, like everything that runs torch ops in parallel: OpenMP keeps a
     # thread team per thread that opens parallel regions, and once the main thread had one
@@ -187,7 +200,7 @@ async def build_engine(worker, load: LoadRequest,
         draft = await loop.run_in_executor(worker.stepper, lambda: LlamaModel(ModelConfig(**dw.config), dweights,
                                                                               gate=dgate))
     config = EngineConfig(block_size=arena.block_size, max_model_len=a.max_model_len, scheduler=sched,
-                          speculative=spec, kv_cache_dtype=getattr(a, "kv_cache_dtype", "auto"))
+                          speculative=spec, kv_cache_dtype=kv_dtype)
     engine = await loop.run_in_executor(worker.stepper, lambda: LLMEngine(
         model, config, model_name=served, kv_cache=kv, tokenizer=tokenizer, draft_model=draft))
     engine.urgent = worker.urgent
