@@ -205,8 +205,13 @@ def test_models(gateway):
     body = r.json()
     assert body["object"] == "list" and [m["id"] for m in body["data"]] == [SERVED]
     assert body["data"][0]["object"] == "model"
-    models = openai.OpenAI(base_url=f"{gateway}/v1", api_key="x", max_retries=0).models.list()
-    assert [m.id for m in models.data] == [SERVED]
+    client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="x", max_retries=0)
+    assert [m.id for m in client.models.list().data] == [SERVED]
+    one = client.models.retrieve(SERVED)  # OpenAI's GET /v1/models/{model}: the card the list has
+    assert one.id == SERVED and one.model_dump() == client.models.list().data[0].model_dump()
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    check_error(httpx.get(f"{gateway}/v1/models/no/such/model"), 404, "model", "model_not_found")
 
 
 def _get_on(sock: socket.socket, path: str = "/v1/models") -> int:

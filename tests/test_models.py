@@ -201,6 +201,8 @@ def test_models_load_on_demand_with_lru_eviction_and_pinning(mesh, oracle):
     assert list(st) == ["alpha", "beta", "gamma", "broken", "canary"]
     assert st["alpha"]["state"] == "mapped" and st["alpha"]["pinned"] and st["alpha"]["workers"] == 1
     assert st["beta"]["state"] == st["gamma"]["state"] == "disk"
+    one = httpx.get(mesh.url + "/v1/models/canary", timeout=10).json()  # retrieve: the same card
+    assert one["id"] == "canary" and [v["version"] for v in one["versions"]] == ["1", "2"]
     # The one worker switches model for each: each output is that model's alone.
     for name in ("beta", "gamma"):
         assert _complete(mesh, name) == oracle[name], name

@@ -227,6 +227,12 @@ def create_app(gw: Gateway) -> FastAPI:
     async def models():
         return json_response(await gw.models())
 
+    @app.get("/v1/models/{model:path}", responses={200: {"model": openapi.ModelCard, "description": "one model"},
+                                                   404: {"model": openapi.ErrorBody, "description": "not served"}})
+    async def model(model: str):
+        """OpenAI's retrieve: the card /v1/models lists for this served name, alias or LoRA adapter."""
+        return json_response(await gw.model(model))
+
     @app.post("/admin/models/reload", responses={200: {"description": "the models now served"},
                                                  400: {"model": openapi.ErrorBody, "description": "a bad manifest"}})
     async def reload_models():

@@ -404,6 +404,18 @@ class Gateway:
                          "lora": {"path": a.path, "source": "runtime" if a.runtime else "manifest"}})
         return {"object": "list", "data": data}
 
+    async def model(self, name: str) -> dict:
+        """One model's card (OpenAI's GET /v1/models/{model}): by its served name, an alias or an
+        adapter's name; 404 for any other."""
+        adapter = self.catalog.adapters.find(name)
+        versions = self.catalog.manifest.versions(name)
+        want = adapter.name if adapter is not None else versions[0].name if versions else None
+        card = next((c for c in (await self.models())["data"] if c["id"] == want), None)
+        if card is None:
+            self.catalog.entry(name)  # raises the 404 every endpoint answers for an unknown model
+            raise OpenAIError(f"the model {name!r} does not exist", 404, param="model", code="model_not_found")
+        return card
+
     async def load_lora_adapter(self, body) -> dict:
         """vLLM's POST /v1/load_lora_adapter: checks the adapter against its base (a 4xx saying why it
         does not fit) and serves it under lora_name from then on (adapters.py)."""
