@@ -36,8 +36,8 @@ class OpenAIError(Exception):
 
 def validate_body(cls: type[BaseModel], body: Any) -> BaseModel:
     """A JSON body as `cls`, or OpenAIError(400) naming the first field that is wrong ("unknown
-    field" for one a model that forbids extras does not have). The gateway's small endpoints
-    (/tokenize, /detokenize, the LoRA admin routes) read their bodies with it."""
+    field" for one a model that forbids extras does not have): the completion requests, the
+    gateway's small endpoints (/tokenize, /detokenize, the LoRA admin routes)."""
     from pydantic import ValidationError
 
     if not isinstance(body, dict):
@@ -52,7 +52,10 @@ def validate_body(cls: type[BaseModel], body: Any) -> BaseModel:
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
 MAX_N = 16  # choices per prompt
@@ -63,6 +66,8 @@ OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "
 
 
 class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     name: str = "response"
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
@@ -70,6 +75,8 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -436,8 +443,6 @@ class ChatCompletionRequest(_SamplingFields):
 def parse_request(kind: Literal["completions", "chat"], body: Any, vocab_size: int | None = None,
                   limits: RequestLimits | None = None) -> CompletionRequest | ChatCompletionRequest:
     """Validates a request body; raises OpenAIError(400) saying what is wrong, naming the field."""
-    from pydantic import ValidationError
-
     cls = CompletionRequest if kind == "completions" else ChatCompletionRequest
     if not isinstance(body, dict):
         raise OpenAIError("the request body must be a JSON object")
@@ -445,12 +450,7 @@ def parse_request(kind: Literal["completions", "chat"], body: Any, vocab_size: i
         check_request_size(body, limits or RequestLimits())
     except LimitError as e:
         raise OpenAIError(str(e), param=e.param, code=e.code) from None
-    try:
-        req = cls.model_validate(body)
-    except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(x) for x in err.get("loc", ())) or None
-        raise OpenAIError(f"{param + ': ' if param else ''}{err['msg']}", param=param) from None
+    req = validate_body(cls, body)
     req.check(vocab_size)
     return req
 

@@ -133,6 +133,10 @@ BAD = [
     ("/v1/completions", b'{"prompt": [1000000]}', "prompt", None),
     ("/v1/completions", b'{"prompt": "hi", "priority": "urgent"}', "priority", None),
     ("/v1/completions", b'{"prompt": "' + b"hello " * 200 + b'"}', "prompt", "context_length_exceeded"),
+    ("/v1/completions", b'{"prompt": "hi", "stream": true, "stream_options": {"bogus": 1}}', "stream_options.bogus",
+     None),  # a nested object's unknown key is refused too, not ignored
+    ("/v1/completions", b'{"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": '
+                        b'{"schema": {}, "strictly": true}}}', "response_format.json_schema.strictly", None),
     ("/v1/chat/completions", b'{"messages": []}', "messages", None),
     ("/v1/chat/completions", b'{"messages": [{"role": "wizard", "content": "hi"}]}', None, None),
     ("/v1/chat/completions", b'{"messages": "hi"}', "messages", None),
@@ -567,6 +571,14 @@ def test_chat_streaming_with_usage(client, mesh, tokenizer):
                                        max_completion_tokens=4)
     assert r.choices[0].message.content == tokenizer.decode(mesh.script[:4])
     assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens == 4
+
+
+def test_continuous_usage_stats(client, mesh, tokenizer):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far."""
+    chunks = list(client.completions.create(model=SERVED, prompt="x", max_tokens=6, stream=True,
+                                            stream_options={"continuous_usage_stats": True}))
+    done = [c.usage.completion_tokens for c in chunks]
+    assert done == sorted(done) and done[-1] == 6 and all(c.usage.prompt_tokens == 1 for c in chunks)
 
 
 def test_stop_string_ends_the_response_and_aborts(client, mesh, tokenizer):

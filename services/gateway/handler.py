@@ -685,13 +685,14 @@ class Generation:
     async def chunks(self) -> AsyncIterator[dict]:
         """The streaming response, chunk by chunk (OpenAI's JSON); raises OpenAIError mid-stream.
         Each chunk carries one choice's delta, with its index."""
-        include_usage = bool(self.prepared.request.stream_options and
-                             self.prepared.request.stream_options.include_usage)
+        options = self.prepared.request.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = bool(options and options.continuous_usage_stats)  # vLLM's: the usage so far in each
         state = {c.index: _ChunkState(self, c) for c in self.choices}
         async for d in self.deltas():
             for chunk in state[d.index].chunks(d):
-                if include_usage:
-                    chunk["usage"] = None  # as OpenAI: every chunk has the key, only the last one a value
+                if include_usage or continuous:  # as OpenAI: every chunk has the key, only the last one a value
+                    chunk["usage"] = self.usage() if continuous else None
                 yield chunk
         if include_usage:
             obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
