@@ -339,8 +339,10 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
     def template(self) -> dict[str, Any]:
-        """The message as a chat template expects it: Transformers' convention, arguments as objects."""
-        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        """The message as a chat template expects it: Transformers' convention, arguments as objects;
+        keys of its own (say `reasoning_content`) go to the template as they are, as Transformers
+        passes them."""
+        out: dict[str, Any] = {**(self.model_extra or {}), "role": self.role, "content": self.text()}
         if self.tool_calls:
             calls = []
             for c in self.tool_calls:

@@ -267,3 +267,15 @@ def test_default_model_streaming(smol):
     det = IncrementalDetokenizer(ours, stop=["Japanese"])
     out = "".join(det.add(i) for i in ids) + det.flush()
     assert out == "Sure! 日本語 means " and det.matched_stop == "Japanese"
+
+
+def test_a_messages_own_keys_reach_the_chat_template():
+    """As Transformers passes message dicts whole: a template may read keys OpenAI does not define."""
+    from meshserve.shared.openai_protocol import parse_request
+    from meshserve.shared.tokenizer import render_chat_template
+
+    req = parse_request("chat", {"messages": [{"role": "assistant", "content": "4", "reasoning_content": "2+2"}]})
+    msgs = req.template_messages()
+    assert msgs == [{"role": "assistant", "content": "4", "reasoning_content": "2+2"}]
+    template = "{% for m in messages %}<think>{{ m.reasoning_content }}</think>{{ m.content }}{% endfor %}"
+    assert render_chat_template(template, msgs, add_generation_prompt=False) == "<think>2+2</think>4"
