@@ -67,9 +67,8 @@ def _prepare(llm: LLM, item: dict, served: str):
                           status_code=404, param="model", code="model_not_found")
     if isinstance(req, ChatCompletionRequest):
         try:
-            prompt = req.truncate(llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
-                req.template_messages(), add_generation_prompt=req.add_generation_prompt, tools=req.tool_dicts()),
-                add_special_tokens=req.add_special_tokens))
+            prompt = req.truncate(llm.tokenizer.encode(req.render(llm.tokenizer),
+                                                       add_special_tokens=req.add_special_tokens))
         except Exception as e:  # a template that raises is the caller's doing
             raise OpenAIError(f"could not apply the chat template: {e}", param="messages") from None
         sampling = req.to_sampling(llm.engine.max_model_len - len(prompt), llm.generation_defaults)

@@ -387,6 +387,11 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
     add_special_tokens: bool = False  # vLLM's: the tokenizer's BOS on top of what the template writes
+    # vLLM's: the request's own template (rendered sandboxed, as the model's), more variables for
+    # it, and a prompt that ends inside the last (assistant) message, which generation continues
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -412,6 +417,24 @@ class ChatCompletionRequest(_SamplingFields):
         for i, t in enumerate(self.tools or []):
             if t.function.parameters is not None:
                 check_constraint("json_schema", json.dumps(t.function.parameters), f"tools[{i}].function.parameters")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise _refuse("needs add_generation_prompt: false (the prompt ends inside the last message, not after "
+                          "it)", "continue_final_message")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise _refuse("needs an assistant message last (the one to continue)", "continue_final_message")
+        taken = sorted(set(self.chat_template_kwargs or {}) & TEMPLATE_VARIABLES)
+        if taken:
+            raise _refuse(f"{taken[0]!r} is set by the request itself", "chat_template_kwargs")
+
+    def render(self, tokenizer) -> str:
+        """The prompt's text: the messages through the chat template (the request's own, else the
+        model's), as Transformers' apply_chat_template(tokenize=False) renders them. Raises
+        ValueError for a template that fails or a final message it does not show."""
+        messages = self.template_messages()
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=self.add_generation_prompt,
+                                             tools=self.tool_dicts(), chat_template=self.chat_template,
+                                             **(self.chat_template_kwargs or {}))
+        return continue_final(text, messages[-1]["content"]) if self.continue_final_message else text
 
     def tool_mode(self) -> Literal["none", "auto", "required", "named"]:
         if not self.tools or self.tool_choice == "none":
@@ -440,6 +463,22 @@ class ChatCompletionRequest(_SamplingFields):
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.template() for m in self.messages]
+
+
+TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "chat_template"})
+
+
+def continue_final(text: str, final: str) -> str:
+    """A rendered conversation cut right after its final message's content, so that generation
+    continues that message (Transformers' continue_final_message: a template may strip the
+    content's trailing whitespace, so the cut is after the stripped content unless it kept it)."""
+    core = final.strip()
+    if not core:
+        raise ValueError("the final message is empty: nothing to continue (use add_generation_prompt)")
+    if core not in text:
+        raise ValueError("the final message does not appear in the rendered chat template")
+    at, kept = text.rindex(core), final.lstrip()
+    return text[:at + (len(kept) if text[at:at + len(kept)] == kept else len(core))]
 
 
 def parse_request(kind: Literal["completions", "chat"], body: Any, vocab_size: int | None = None,

@@ -322,12 +322,13 @@ class Tokenizer:
         return {k: v for k, v in names.items() if v is not None}
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, **kwargs: Any) -> str:
+                            tools: list[dict] | None = None, chat_template: str | None = None, **kwargs: Any) -> str:
         """Render the conversation to a prompt string (not tokenized), like
-        Transformers' ``apply_chat_template(..., tokenize=False)``."""
-        if not self.chat_template:
+        Transformers' ``apply_chat_template(..., tokenize=False)``; chat_template: instead of the model's."""
+        template = chat_template or self.chat_template
+        if not template:
             raise ValueError("this tokenizer has no chat template")
-        return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+        return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt,
                                     tools=tools, **{**self.special_tokens_map(), **kwargs})
 
 

@@ -114,7 +114,9 @@ def test_tokenize_messages_is_the_chat_prompt(base, mesh, client, tokenizer):  #
     ("/tokenize", {}, 400, "prompt"),
     ("/tokenize", {"messages": []}, 400, "messages"),
     ("/tokenize", {"messages": CHAT, "continue_final_message": True}, 400, "continue_final_message"),
-    ("/tokenize", {"messages": CHAT, "chat_template": "{{ 1 }}"}, 400, "chat_template"),
+    ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs"),
+    ("/tokenize", {"messages": CHAT, "add_generation_prompt": False, "continue_final_message": True}, 400,
+     "continue_final_message"),  # the last message is the user's: nothing to continue
     ("/detokenize", {"tokens": [5, 10 ** 9]}, 400, "tokens"),
     ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
 ])

@@ -279,3 +279,21 @@ def test_a_messages_own_keys_reach_the_chat_template():
     assert msgs == [{"role": "assistant", "content": "4", "reasoning_content": "2+2"}]
     template = "{% for m in messages %}<think>{{ m.reasoning_content }}</think>{{ m.content }}{% endfor %}"
     assert render_chat_template(template, msgs, add_generation_prompt=False) == "<think>2+2</think>4"
+
+
+def test_chat_request_template_options_render_as_transformers(tiny_llama):
+    """vLLM's continue_final_message, chat_template and chat_template_kwargs, against Transformers'
+    apply_chat_template on the same tokenizer."""
+    from transformers import AutoTokenizer
+
+    from meshserve.shared.openai_protocol import parse_request
+
+    hf, tok = AutoTokenizer.from_pretrained(str(tiny_llama)), Tokenizer.from_hf_dir(tiny_llama)
+    msgs = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "The color is "}]
+    req = parse_request("chat", {"messages": msgs, "add_generation_prompt": False, "continue_final_message": True})
+    want = hf.apply_chat_template(msgs, tokenize=False, continue_final_message=True)
+    assert req.render(tok) == want and want.endswith("assistant\nThe color is ")  # no end of turn
+    custom = "{% for m in messages %}[{{ m.role }}|{{ greeting }}]{{ m.content }}{% endfor %}"
+    req = parse_request("chat", {"messages": msgs[:1], "chat_template": custom, "chat_template_kwargs": {"greeting": "hi"}})
+    assert req.render(tok) == hf.apply_chat_template(msgs[:1], tokenize=False, chat_template=custom, greeting="hi",
+                                                     add_generation_prompt=True) == "[user|hi]Name a color."

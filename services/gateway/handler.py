@@ -194,9 +194,7 @@ class Gateway:
         /tokenize answers for messages, so both must come from here)."""
         tokenizer = (model or self.check_model(req.model)).tokenizer
         try:
-            text = tokenizer.apply_chat_template(req.template_messages(),
-                                                 add_generation_prompt=req.add_generation_prompt,
-                                                 tools=req.tool_dicts())
+            text = req.render(tokenizer)
         except Exception as e:  # noqa: BLE001 - a template that raises is the caller's doing
             raise OpenAIError(f"could not apply the chat template: {e}", param="messages") from None
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)

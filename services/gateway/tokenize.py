@@ -30,11 +30,11 @@ class TokenizeChatRequest(BaseModel):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
-    continue_final_message: bool = Field(default=False, description="refused when true (not supported)")
+    continue_final_message: bool = Field(default=False, description="the prompt ends inside the last message")
     add_special_tokens: bool = Field(default=False, description="add BOS/EOS on top of what the chat template writes")
     return_token_strs: bool = False
-    chat_template: str | None = Field(default=None, description="refused when set: the model's template is used")
-    chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="refused when set")
+    chat_template: str | None = Field(default=None, description="a template of the request's own")
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="more variables for the template")
 
 
 class TokenizeResponse(BaseModel):
@@ -61,9 +61,6 @@ def tokenize(gw: Gateway, body: Any) -> dict:
     req = validate_body(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
     model = gw.check_model(req.model)
     if chat:
-        for name in ("continue_final_message", "chat_template", "chat_template_kwargs"):
-            if getattr(req, name):
-                raise OpenAIError(f"{name}: not supported", param=name)
         # the same request a chat completion would be (tools and all), minus /tokenize's own fields
         chat_req = parse_request("chat", {k: v for k, v in body.items()
                                           if k not in ("add_special_tokens", "return_token_strs")})
