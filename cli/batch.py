@@ -17,6 +17,7 @@ from typing import IO, TYPE_CHECKING
 import orjson
 
 from meshserve.shared import tool_calls
+from meshserve.shared.limits import RequestLimits
 from meshserve.shared.openai_protocol import (ChatCompletionRequest, OpenAIError, chat_choice, chat_logprobs,
                                               chat_response, completion_choice, completion_logprobs,
                                               completion_response, join_logprobs, new_id, parse_request, usage)
@@ -61,7 +62,8 @@ def _prepare(llm: LLM, item: dict, served: str):
     from meshserve.shared.engine import wire
 
     kind = _kind(item)
-    req = parse_request(kind, item.get("body"), llm.tokenizer.vocab_size)
+    # the file is the user's own: a line may bring its own chat template
+    req = parse_request(kind, item.get("body"), llm.tokenizer.vocab_size, RequestLimits(trust_request_chat_template=True))
     if req.model not in (None, served, llm.model_name):
         raise OpenAIError(f"the model {req.model!r} does not exist; this batch serves {served!r}",
                           status_code=404, param="model", code="model_not_found")

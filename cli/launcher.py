@@ -457,7 +457,7 @@ def gateway_limit_options(a) -> list[str]:
         value = getattr(a, flag.replace("-", "_"), None)
         if value is not None:
             out += [f"--{flag}", str(value)]
-    return out
+    return out + (["--trust-request-chat-template"] if getattr(a, "trust_request_chat_template", False) else [])
 
 
 def add_device_argument(p) -> None:

@@ -104,6 +104,9 @@ class RequestLimits:
     max_stop: int = 16  # stop sequences
     max_logprobs: int = MAX_LOGPROBS  # logprobs / top_logprobs
     max_json_depth: int = 64  # nesting of arrays and objects in the body (JSON schemas included)
+    # A chat request's own template (vLLM's field of the same name, behind the same flag): rendered
+    # sandboxed, but a template may still loop for as long as it likes in the gateway.
+    trust_request_chat_template: bool = False
 
 
 REQUEST_LIMIT_FLAGS = ("max-body-bytes", "max-messages", "max-stop", "max-logprobs", "max-json-depth")
@@ -121,6 +124,9 @@ def add_request_limit_arguments(parser, defaults: bool = True) -> None:
         value = getattr(base, flag.replace("-", "_"))
         parser.add_argument(f"--{flag}", type=_bounded(flag), default=value if defaults else None,
                             help=f"{_HELP[flag]} (default: {value})")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="accept chat requests that bring their own chat_template (off: refused with a 400, since "
+                             "a template runs in the gateway for as long as it loops)")
 
 
 def _bounded(flag: str):
@@ -140,7 +146,8 @@ def _bounded(flag: str):
 def limits_from_args(args) -> RequestLimits:
     base = RequestLimits()
     return RequestLimits(**{f: getattr(args, f, None) if getattr(args, f, None) is not None else getattr(base, f)
-                            for f in (flag.replace("-", "_") for flag in REQUEST_LIMIT_FLAGS)})
+                            for f in (flag.replace("-", "_") for flag in REQUEST_LIMIT_FLAGS)},
+                         trust_request_chat_template=bool(getattr(args, "trust_request_chat_template", False)))
 
 
 def json_depth_exceeds(value, limit: int) -> bool:

@@ -492,6 +492,9 @@ def parse_request(kind: Literal["completions", "chat"], body: Any, vocab_size: i
     except LimitError as e:
         raise OpenAIError(str(e), param=e.param, code=e.code) from None
     req = validate_body(cls, body)
+    if getattr(req, "chat_template", None) is not None and not (limits or RequestLimits()).trust_request_chat_template:
+        raise _refuse("a request's own chat template is refused unless the gateway runs with "
+                      "--trust-request-chat-template", "chat_template")
     req.check(vocab_size)
     return req
 

@@ -142,6 +142,7 @@ async def _ignore(e):
     ({"messages": [{"role": "user", "content": "hi"}] * 9}, 400, "messages", None),
     ({"prompt": "hi", "logprobs": 6}, 400, "logprobs", None),
     ({"prompt": "hi", "guided_json": {"a": [[[[[[[[[[[[[[[[{}]]]]]]]]]]]]]]]]}}, 400, None, "json_too_deep"),
+    ({"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 1 }}"}, 400, "chat_template", None),
 ])
 def test_limits_answer_with_openai_errors(mesh, body, status, param, code):
     kind = "chat/completions" if "messages" in body else "completions"

@@ -53,7 +53,8 @@ def hf(model_dir):
 
 @pytest.fixture(scope="module")
 def mesh(model_dir, tmp_path_factory):
-    with Mesh(model_dir, tmp_path_factory.mktemp("mesh-options"), prefill=1, decode=1) as m:
+    with Mesh(model_dir, tmp_path_factory.mktemp("mesh-options"), prefill=1, decode=1,
+              extra=["--trust-request-chat-template"]) as m:
         m.client = OpenAI(base_url=m.url + "/v1", api_key="unused")
         m.tokenizer = Tokenizer.from_hf_dir(model_dir)
         yield m
@@ -229,6 +230,26 @@ def test_n_choices_logit_bias_and_generation_defaults(mesh, hf):
     r = c.completions.create(model=mesh.model, prompt=ids, max_tokens=12, temperature=0,
                              extra_body={"min_tokens": 12})
     assert r.choices[0].text == mesh.tokenizer.decode(ref)
+
+
+def test_chat_templates_own_and_continued(mesh):
+    """Through `meshserve up --trust-request-chat-template`: a chat's own template and a continued
+    final message give the prompt they render, so the completion of that prompt's ids."""
+    c = mesh.client
+    own = "{% for m in messages %}{{ m.role }}: {{ m.content }}{% if add_generation_prompt %} answer:{% endif %}{% endfor %}"
+    msgs = [{"role": "user", "content": LONG}]
+    r = c.chat.completions.create(model=mesh.model, messages=msgs, max_tokens=6, temperature=0,
+                                  extra_body={"chat_template": own})
+    ids = mesh.tokenizer.encode(f"user: {LONG} answer:", add_special_tokens=False)
+    want = c.completions.create(model=mesh.model, prompt=ids, max_tokens=6, temperature=0).choices[0].text
+    assert r.choices[0].message.content == want and r.usage.prompt_tokens == len(ids)
+    msgs += [{"role": "assistant", "content": "The weather"}]
+    r = c.chat.completions.create(model=mesh.model, messages=msgs, max_tokens=6, temperature=0,
+                                  extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    ids = mesh.tokenizer.encode(mesh.tokenizer.apply_chat_template(msgs, add_generation_prompt=False)
+                                .rsplit("The weather", 1)[0] + "The weather", add_special_tokens=False)
+    want = c.completions.create(model=mesh.model, prompt=ids, max_tokens=6, temperature=0).choices[0].text
+    assert r.choices[0].message.content == want and r.usage.prompt_tokens == len(ids)
 
 
 def test_skip_special_tokens_false_shows_them(mesh):

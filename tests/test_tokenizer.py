@@ -286,7 +286,8 @@ def test_chat_request_template_options_render_as_transformers(tiny_llama):
     apply_chat_template on the same tokenizer."""
     from transformers import AutoTokenizer
 
-    from meshserve.shared.openai_protocol import parse_request
+    from meshserve.shared.limits import RequestLimits
+    from meshserve.shared.openai_protocol import OpenAIError, parse_request
 
     hf, tok = AutoTokenizer.from_pretrained(str(tiny_llama)), Tokenizer.from_hf_dir(tiny_llama)
     msgs = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "The color is "}]
@@ -294,6 +295,9 @@ def test_chat_request_template_options_render_as_transformers(tiny_llama):
     want = hf.apply_chat_template(msgs, tokenize=False, continue_final_message=True)
     assert req.render(tok) == want and want.endswith("assistant\nThe color is ")  # no end of turn
     custom = "{% for m in messages %}[{{ m.role }}|{{ greeting }}]{{ m.content }}{% endfor %}"
-    req = parse_request("chat", {"messages": msgs[:1], "chat_template": custom, "chat_template_kwargs": {"greeting": "hi"}})
+    body = {"messages": msgs[:1], "chat_template": custom, "chat_template_kwargs": {"greeting": "hi"}}
+    with pytest.raises(OpenAIError, match="--trust-request-chat-template"):  # a gateway's default
+        parse_request("chat", body)
+    req = parse_request("chat", body, limits=RequestLimits(trust_request_chat_template=True))
     assert req.render(tok) == hf.apply_chat_template(msgs[:1], tokenize=False, chat_template=custom, greeting="hi",
                                                      add_generation_prompt=True) == "[user|hi]Name a color."

@@ -63,7 +63,7 @@ def tokenize(gw: Gateway, body: Any) -> dict:
     if chat:
         # the same request a chat completion would be (tools and all), minus /tokenize's own fields
         chat_req = parse_request("chat", {k: v for k, v in body.items()
-                                          if k not in ("add_special_tokens", "return_token_strs")})
+                                          if k not in ("add_special_tokens", "return_token_strs")}, limits=gw.limits)
         tokens = gw.chat_prompt_ids(chat_req, add_special_tokens=req.add_special_tokens, model=model)
     else:
         tokens = model.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
