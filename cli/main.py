@@ -260,9 +260,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         serves_here = args.command in ("up", "serve") or (args.command == "batch" and not args.url)
         if serves_here:  # an unknown model, before anything starts (batch --url names a served model)
-            from meshserve.shared.models_repo import check
+            from meshserve.shared.models_repo import check, model_config
 
             check(args.model)
+            if not getattr(args, "models", None):  # a model this decoder does not run: refused in one line
+                try:
+                    model_config(args.model, download=False)
+                except FileNotFoundError:
+                    pass  # a known model not pulled yet, or files the loader will say more about
+                except ValueError as e:
+                    return fail(prog, f"--model {args.model}: {e}")
         return args.func(args) or 0
     except USER_ERRORS as e:  # a mistake in what the command was given: one line, never a traceback
         return fail(prog, e)

@@ -22,6 +22,10 @@ def meshserve(*args: str, timeout: float = 120) -> subprocess.Popen:
 def test_command_line_errors_are_one_line(tmp_path):
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("name: [unclosed\n")
+    gemma = tmp_path / "gemma"  # a config of an architecture this decoder is not
+    gemma.mkdir()
+    (gemma / "config.json").write_text('{"architectures": ["GemmaForCausalLM"], "vocab_size": 8, "hidden_size": 8, '
+                                       '"intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1}')
     cases = [  # (arguments, what the line must say)
         (["models", "pull", "no-such-model"], "unknown model 'no-such-model'"),
         (["up", "--model", "no-such-model", "--port", str(free_port())], "unknown model 'no-such-model'"),
@@ -33,6 +37,7 @@ def test_command_line_errors_are_one_line(tmp_path):
          "cannot reach http://127.0.0.1:"),
         (["analyze", str(tmp_path / "no-log.jsonl")], "no-log.jsonl"),
         (["up", "--prefill", "two"], "invalid int value: 'two'"),
+        (["up", "--model", str(gemma), "--port", str(free_port())], "GemmaForCausalLM is not supported"),
     ]
     procs = [(args, want, meshserve(*args)) for args, want in cases]  # at once: each start imports a lot
     for args, want, p in procs:
