@@ -257,6 +257,13 @@ def test_each_model_is_served_with_its_own_context(mesh):
     assert r.usage.total_tokens == 192 and r.choices[0].finish_reason == "length", r.usage
     assert len(client.completions.create(model="alpha", prompt=PROMPT, max_tokens=200, temperature=0,
                                          extra_body={"ignore_eos": True}).choices[0].text) > 0
+    # each request's series carry the model it ran on
+    text = httpx.get(mesh.url + "/metrics", timeout=10).text
+    series = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("meshserve:")}
+    assert series['meshserve:generation_tokens_total{model_name="gamma"}'] >= r.usage.completion_tokens
+    assert series['meshserve:e2e_request_latency_seconds_count{model_name="gamma"}'] >= 1
+    assert series['meshserve:request_success_total{finished_reason="length",model_name="alpha"}'] >= 1
 
 
 def _canary_call(m: Mesh) -> tuple[str | None, str]:

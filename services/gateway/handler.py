@@ -257,9 +257,10 @@ class Gateway:
                 if admitted or len(requests) > 1:  # not refused at admission: it may have been admitted
                     self.settle(r, 0)
             raise
-        self.metrics.queue.observe(time.time() - arrival)
-        self.metrics.prompt_tokens.inc(p.num_prompt_tokens)
-        self.metrics.tenant_admitted(tenant, p.num_prompt_tokens)
+        m = self.metrics.of(p.model.spec.name)
+        m.queue.observe(time.time() - arrival)
+        m.prompt_tokens.inc(p.num_prompt_tokens)
+        m.tenant_admitted(tenant, p.num_prompt_tokens)
         gen = Generation(self, p, requests, streams)
         gen.span = span
         return gen
@@ -505,7 +506,7 @@ class Choice:
         if self.gen.want_logprobs:
             self.logprobs += logprobs if logprobs is not None else [None] * len(token_ids)
         self.text += text
-        m = self.gen.gw.metrics
+        m = self.gen.gw.metrics.of(self.gen.prepared.model.spec.name)
         if token_ids:
             if self._last_token_time is None:
                 self.first_token_time = now

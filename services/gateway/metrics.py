@@ -175,29 +175,31 @@ class _StatusCounters:
 
 
 class GatewayMetrics:
-    """A private registry, so several gateways (or tests) in one process do not collide."""
+    """A private registry, so several gateways (or tests) in one process do not collide. A request's
+    own series (latencies, tokens, outcomes, its tenant's counts) carry the served name of the model
+    it ran on (`of(model)`); the mesh-wide ones, from the scheduler's status, and refusals before a
+    model is known carry the gateway's first model's."""
 
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self, model_name: str):
         self.registry = r = CollectorRegistry()
         labels = ["model_name"]
-        self.ttft = Histogram("meshserve:time_to_first_token_seconds", "Time to first token.", labels,
-                              buckets=TTFT_BUCKETS, registry=r).labels(model_name)
-        self.itl = Histogram("meshserve:inter_token_latency_seconds", "Time between output tokens.", labels,
-                             buckets=ITL_BUCKETS, registry=r).labels(model_name)
-        self.e2e = Histogram("meshserve:e2e_request_latency_seconds", "Arrival to last token.", labels,
-                             buckets=REQUEST_BUCKETS, registry=r).labels(model_name)
-        self.queue = Histogram("meshserve:request_queue_time_seconds",
-                               "Arrival until the scheduler accepted the request (approximation).", labels,
-                               buckets=REQUEST_BUCKETS, registry=r).labels(model_name)
-        self.prompt_tokens = Counter("meshserve:prompt_tokens", "Prompt tokens submitted.", labels,
-                                     registry=r).labels(model_name)
-        self.generation_tokens = Counter("meshserve:generation_tokens", "Tokens generated.", labels,
-                                         registry=r).labels(model_name)
+        self._ttft = Histogram("meshserve:time_to_first_token_seconds", "Time to first token.", labels,
+                               buckets=TTFT_BUCKETS, registry=r)
+        self._itl = Histogram("meshserve:inter_token_latency_seconds", "Time between output tokens.", labels,
+                              buckets=ITL_BUCKETS, registry=r)
+        self._e2e = Histogram("meshserve:e2e_request_latency_seconds", "Arrival to last token.", labels,
+                              buckets=REQUEST_BUCKETS, registry=r)
+        self._queue = Histogram("meshserve:request_queue_time_seconds",
+                                "Arrival until the scheduler accepted the request (approximation).", labels,
+                                buckets=REQUEST_BUCKETS, registry=r)
+        self._prompt_tokens = Counter("meshserve:prompt_tokens", "Prompt tokens submitted.", labels, registry=r)
+        self._generation_tokens = Counter("meshserve:generation_tokens", "Tokens generated.", labels, registry=r)
         self._success = Counter("meshserve:request_success", "Finished requests.", labels + ["finished_reason"],
                                 registry=r)
         self._model = model_name
+        self._models: dict[str, ModelMetrics] = {}
         # Per tenant (the tenants file; tenant="" for requests without a known key).
         tl = labels + ["tenant"]
         self._tenant_requests = Counter("meshserve:tenant_requests", "Requests admitted, by tenant.", tl, registry=r)
@@ -225,26 +227,16 @@ class GatewayMetrics:
         self._counters = _StatusCounters(model_name)
         r.register(self._counters)
 
-    def observe_itl(self, seconds: float, num_tokens: int) -> None:
-        """A chunk of several tokens counts as that many tokens, evenly spaced."""
-        for _ in range(num_tokens):
-            self.itl.observe(seconds / num_tokens)
-
-    def finished(self, reason: str) -> None:
-        self._success.labels(self._model, reason).inc()
+    def of(self, model: str) -> "ModelMetrics":
+        """The series of requests that ran on `model` (a served name)."""
+        m = self._models.get(model)
+        if m is None:
+            m = self._models[model] = ModelMetrics(self, model)
+        return m
 
     @staticmethod
     def _tenant(tenant) -> str:
         return "" if tenant is None else tenant.name
-
-    def tenant_admitted(self, tenant, prompt_tokens: int) -> None:
-        if tenant is not None:
-            self._tenant_requests.labels(self._model, tenant.name).inc()
-            self._tenant_prompt.labels(self._model, tenant.name).inc(prompt_tokens)
-
-    def tenant_generated(self, tenant, num_tokens: int) -> None:
-        if tenant is not None:
-            self._tenant_generation.labels(self._model, tenant.name).inc(num_tokens)
 
     def tenant_rejected(self, tenant, reason: str | None) -> None:
         """`reason` None: not an admission refusal (a bad request, say), not counted here."""
@@ -270,3 +262,32 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ModelMetrics:
+    """One served model's request series (GatewayMetrics.of)."""
+
+    def __init__(self, parent: GatewayMetrics, model: str):
+        self._p, self.model = parent, model
+        self.ttft, self.itl, self.e2e = (parent._ttft.labels(model), parent._itl.labels(model),
+                                         parent._e2e.labels(model))
+        self.queue = parent._queue.labels(model)
+        self.prompt_tokens = parent._prompt_tokens.labels(model)
+        self.generation_tokens = parent._generation_tokens.labels(model)
+
+    def observe_itl(self, seconds: float, num_tokens: int) -> None:
+        """A chunk of several tokens counts as that many tokens, evenly spaced."""
+        for _ in range(num_tokens):
+            self.itl.observe(seconds / num_tokens)
+
+    def finished(self, reason: str) -> None:
+        self._p._success.labels(self.model, reason).inc()
+
+    def tenant_admitted(self, tenant, prompt_tokens: int) -> None:
+        if tenant is not None:
+            self._p._tenant_requests.labels(self.model, tenant.name).inc()
+            self._p._tenant_prompt.labels(self.model, tenant.name).inc(prompt_tokens)
+
+    def tenant_generated(self, tenant, num_tokens: int) -> None:
+        if tenant is not None:
+            self._p._tenant_generation.labels(self.model, tenant.name).inc(num_tokens)
