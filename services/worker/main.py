@@ -57,6 +57,28 @@ log = logging.getLogger("meshserve.worker")
 KEEP_LORAS = 16  # LoRA adapters a worker keeps loaded (the least recently used idle one goes first)
 
 
+# Engine counters a worker reports over its whole life: a model switch builds a new engine, whose
+# counters start again at 0, and the scheduler's sums (and /metrics' counters) must not go back.
+ENGINE_COUNTERS = ("prefix_queries", "prefix_hits", "num_preemptions", "num_priority_preemptions",
+                   "interrupted_steps", "preemptions_by_mode", "spec_decode")
+
+
+def with_past(stats: dict, past: dict) -> dict:
+    """An engine's stats with the counters of the engines before it added (ENGINE_COUNTERS; the
+    by-mode and speculative ones are dicts of counts)."""
+    out = dict(stats)
+    for key, before in past.items():
+        now = stats.get(key)
+        if isinstance(before, dict):
+            now = dict(now or {})
+            for k, n in before.items():
+                now[k] = now.get(k, 0) + n
+            out[key] = now
+        else:
+            out[key] = (now or 0) + before
+    return out
+
+
 def _set_threads(n: int) -> None:
     """torch threads of the calling (step) thread; 0 leaves the default (all cores)."""
     if n:
@@ -106,6 +128,7 @@ class Worker:
         self.unpublished: list[RequestOutput] = []  # a decode step's outputs, streamed while the next step runs
         self.received_by_priority = dict.fromkeys(PRIORITIES, 0)  # requests the scheduler sent to prefill
         self.pending_model = None  # (ModelSwitch, its message): applied once the engine is empty
+        self.past_counters: dict = {}  # the counters of the engines it ran before (with_past)
         self.lora_used: dict[str, float] = {}  # the engine's LoRA adapters -> when a request last named one
         # Node-level compute priority among the node's workers (compute_claims.py).
         cpu = getattr(args, "device", "cpu") == "cpu"
@@ -243,6 +266,8 @@ class Worker:
         (to their arena), the new model's are leased from its arena under its quota, and its compute
         partition applies."""
         await self.blocks.close()
+        self.past_counters = {k: v for k, v in with_past(self.engine.stats, self.past_counters).items()
+                              if k in ENGINE_COUNTERS}
         self.engine, self.served, self.load, self.arena = engine, served, load, arena
         self.pool.model, self.pool.weights_bytes, self.pool.arena = served, weights_bytes, arena.key
         self.blocks = KVBlocks(engine, self.pool, self.args.lease_blocks, self.arena.swap_blocks, report=self._post,
@@ -640,7 +665,7 @@ class Worker:
     async def _heartbeat(self) -> None:
         """What this worker runs and can take (the scheduler admits from it), and its counters."""
         e, pool = self.engine, self.engine.block_pool
-        stats = e.stats
+        stats = with_past(e.stats, self.past_counters)
         pending_prefill, pending_decode = self._pending_tokens()
         rates = e.scheduler.costs.rates
         await self.bus.publish(self.bus.subjects.heartbeat, Heartbeat(
