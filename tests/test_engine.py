@@ -102,9 +102,11 @@ def _transformers_model(path, arch: str, **config):
     return hf
 
 
-@pytest.mark.parametrize("arch,config", [("Qwen2", {}), ("Mistral", {"sliding_window": 48})])
+@pytest.mark.parametrize("arch,config", [("Qwen2", {}), ("Qwen3", {"head_dim": 32}),
+                                         ("Mistral", {"sliding_window": 48})])
 def test_other_llama_family_architectures_match_transformers(tmp_path, arch, config):
-    """Qwen2 (q|k|v biases, o none) and Mistral (a sliding window, within which attention is full:
+    """Qwen2 (q|k|v biases, o none), Qwen3 (an RMSNorm over each q and k head before RoPE; heads
+    wider than hidden / heads here) and Mistral (a sliding window, within which attention is full:
     served with its window as the context, so never beyond it)."""
     hf = _transformers_model(tmp_path, arch, **config)
     cfg, sd = load_hf_dir(tmp_path)
@@ -113,15 +115,19 @@ def test_other_llama_family_architectures_match_transformers(tmp_path, arch, con
     ref = hf_greedy(hf, prompts, 16, [2])
     model = LlamaModel.from_hf(cfg, sd, torch.float32)
     assert engine(model, chunk=7).generate(prompts, SamplingParams(max_tokens=16, temperature=0)) == ref
+    if arch == "Qwen3":  # bf16 and int8 weights run it too (per operation: the fused step has no q/k norms)
+        for quantization in (None, "int8"):
+            bf = LlamaModel.from_hf(cfg, sd, torch.bfloat16, quantization=quantization)
+            got = engine(bf).generate(prompts, SamplingParams(max_tokens=4, temperature=0))
+            assert bf.fused is None and sum(g[0] == r[0] for g, r in zip(got, ref)) >= len(ref) * 0.75
     if "sliding_window" in config:
         with pytest.raises(ValueError, match="sliding window"):
             LLMEngine(model, EngineConfig(max_model_len=cfg.sliding_window + 1))
 
 
-@pytest.mark.parametrize("arch,config", [("Qwen3", {"head_dim": 16}), ("Gemma", {"head_dim": 16}), ("Phi3", {}),
-                                         ("Llama", {"hidden_act": "gelu"})])
+@pytest.mark.parametrize("arch,config", [("Gemma", {"head_dim": 16}), ("Phi3", {}), ("Llama", {"hidden_act": "gelu"})])
 def test_architectures_this_decoder_is_not_are_refused_by_name(tmp_path, arch, config):
-    """Loaded as a Llama they would run, wrong (Qwen3's q/k norms, Gemma's scaled embedding, ...)."""
+    """Loaded as a Llama they would run, wrong (Gemma's activation and scaled embedding, ...)."""
     _transformers_model(tmp_path, arch, **config)
     with pytest.raises(ValueError, match=f"{arch}ForCausalLM is not supported|'gelu' is not supported"):
         load_hf_dir(tmp_path)

@@ -141,6 +141,23 @@ def test_gguf_roundtrip_qwen2(tmp_path):
     assert_same_tensors(sd, expected)
 
 
+def test_gguf_roundtrip_qwen3(tiny_llama, tmp_path):
+    """qwen3 GGUFs carry each layer's q and k norms (attn_q_norm, attn_k_norm), not permuted."""
+    import shutil
+
+    from test_engine import _transformers_model
+
+    d = tmp_path / "q3"
+    _transformers_model(d, "Qwen3", head_dim=32)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_llama / f, d / f)
+    hf_cfg, hf_sd = load_hf_dir(d)
+    cfg, sd = load_gguf(write_tiny_gguf(d, tmp_path / "q3.gguf", arch="qwen3"))
+    assert cfg.architecture == "Qwen3ForCausalLM" and cfg.qk_norm and hf_cfg.qk_norm and cfg.head_dim == 32
+    assert "model.layers.1.self_attn.k_norm.weight" in sd
+    assert_same_tensors(sd, hf_sd)
+
+
 def test_tiny_gguf_agrees_with_transformers(tiny_llama, tmp_path):
     """Transformers reads our test GGUF back to the HF tensors too, so the writer above
     follows llama.cpp's conventions (it is not just wrong in the same way as the reader)."""

@@ -10,8 +10,8 @@ Quantization = Literal["int8"]
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 MAX_CONTEXT = 32768  # the longest context the engine takes from a model's config by default
 # Hugging Face architectures that are this decoder (shared/model/llama.py); others are refused, not
-# run wrong (Qwen3's q/k norms, Gemma's activation and scaled embedding, Phi-3's fused names, ...).
-HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# run wrong (Gemma's activation and scaled embedding, Phi-3's fused names, ...).
+HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 @dataclass
@@ -33,6 +33,7 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     architecture: str = "llama"
     sliding_window: int | None = None  # Mistral's (and Qwen2's when used): how far back attention reaches
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each q and k head before RoPE
 
     @property
     def context_length(self) -> int:
@@ -49,7 +50,7 @@ class ModelConfig:
                              f"{', '.join(HF_ARCHITECTURES)})")
         if d.get("hidden_act", "silu") not in ("silu", "swish"):
             raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported (only silu)")
-        window = d.get("sliding_window") if d.get("use_sliding_window", "Qwen2" not in arch) else None
+        window = d.get("sliding_window") if d.get("use_sliding_window", "Qwen" not in arch) else None
         heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
@@ -79,4 +80,5 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             architecture=arch,
             sliding_window=int(window) if window else None,
+            qk_norm=arch == "Qwen3ForCausalLM",
         )

@@ -17,6 +17,7 @@ log = logging.getLogger("meshserve.shared.model.weights")
 GGUF_ARCHS = {
     "llama": ("LlamaForCausalLM", False, True),
     "qwen2": ("Qwen2ForCausalLM", True, False),
+    "qwen3": ("Qwen3ForCausalLM", False, False),
 }
 
 
@@ -119,4 +120,5 @@ def gguf_config(reader: Any) -> ModelConfig:
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos_ids,
         architecture=hf_arch,
+        qk_norm=hf_arch == "Qwen3ForCausalLM",
     )

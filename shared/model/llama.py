@@ -72,6 +72,8 @@ def fused_parts(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtyp
                 w[f"layers.{i}.{name}_bias"] = t(torch.cat([
                     sd[x + ".bias"] if x + ".bias" in sd else weights[k].new_zeros(weights[k].shape[0])
                     for k, x in enumerate(parts)]))
+        if cfg.qk_norm:
+            w[f"layers.{i}.q_norm"], w[f"layers.{i}.k_norm"] = t(sd[a + "q_norm.weight"]), t(sd[a + "k_norm.weight"])
         w[f"layers.{i}.attn_norm"] = t(sd[p + "input_layernorm.weight"])
         w[f"layers.{i}.mlp_norm"] = t(sd[p + "post_attention_layernorm.weight"])
         yield finish(w)
@@ -99,6 +101,8 @@ class LlamaModel:
         L = range(cfg.num_hidden_layers)
         self.attn_norm = [weights[f"layers.{i}.attn_norm"] for i in L]
         self.mlp_norm = [weights[f"layers.{i}.mlp_norm"] for i in L]
+        self.qk_norm = [(weights[f"layers.{i}.q_norm"], weights[f"layers.{i}.k_norm"]) for i in L] if cfg.qk_norm \
+            else None  # Qwen3's RMSNorm over each q and k head
         self.proj = [{name: projection(weights, f"layers.{i}.{name}", f"layers.{i}.{name}_bias")
                       for name in ("qkv", "o", "gate_up", "down")} for i in L]
         self.head = projection(weights, "embed" if cfg.tie_word_embeddings else "lm_head")
@@ -115,6 +119,8 @@ class LlamaModel:
 
     def _fused_decode(self) -> FusedDecode | None:
         cfg = self.cfg
+        if cfg.qk_norm:  # the fused step has no q/k norms: such a model decodes per operation
+            return None
         return FusedDecode.build(self.proj, self.attn_norm, self.mlp_norm, self.norm, self.cos, self.sin,
                                  cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps,
                                  self.scale)
@@ -164,6 +170,9 @@ class LlamaModel:
             if stop is not None and stop(i):
                 raise Interrupted(i)
             qkv = self._project(i, "qkv", h, lora)
+            if self.qk_norm is not None:
+                for (lo, hi), w in zip(((0, hq), (hq, hq + hkv)), self.qk_norm[i]):
+                    qkv[:, lo * d:hi * d] = ops.rms_norm(qkv[:, lo * d:hi * d].reshape(-1, d), w).view(n, -1)
             ops.rope_(qkv, positions, self.cos, self.sin, hq + hkv, d)
             q = qkv[:, :hq * d].view(n, hq, d)
             k = qkv[:, hq * d:(hq + hkv) * d].view(n, hkv, d)
