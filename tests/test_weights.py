@@ -141,6 +141,30 @@ def test_gguf_roundtrip_qwen2(tmp_path):
     assert_same_tensors(sd, expected)
 
 
+def test_llama3_rope_from_a_gguf_matches_transformers(tmp_path):
+    """llama.cpp keeps Llama 3's rope scaling as rope_freqs (a factor per frequency), not in the
+    metadata; once read (it was ignored), the GGUF's greedy tokens are Transformers' on the HF model."""
+    from oracle import hf_greedy
+    from transformers import AutoModelForCausalLM
+
+    from meshserve.shared.engine.llm import LLM
+    from meshserve.shared.engine.sequence import SamplingParams
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+    d = make_tiny_llama(tmp_path / "l3", rope_scaling=scaling)
+    path = write_tiny_gguf(d, tmp_path / "l3.gguf")
+    cfg, _ = load_gguf(path)
+    assert cfg.rope_freq_factors is not None and cfg.rope_freq_factors[0] == 1.0 and cfg.rope_freq_factors[-1] == 8.0
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 384, (n,), generator=g).tolist() for n in (5, 40, 90)]
+    hf = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+    want = hf_greedy(hf, prompts, 24, [2])
+    got = [c.token_ids for c in LLM(str(path), "float32").generate(prompts, SamplingParams(max_tokens=24,
+                                                                                          temperature=0))]
+    assert got == want
+
+
 def test_gguf_roundtrip_qwen3(tiny_llama, tmp_path):
     """qwen3 GGUFs carry each layer's q and k norms (attn_q_norm, attn_k_norm), not permuted."""
     import shutil

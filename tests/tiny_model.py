@@ -169,6 +169,28 @@ def llama_cpp_permute(w, n_head: int):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def llama3_rope_factors(theta: float, head_dim: int, s: dict):
+    """Llama 3's rope scaling as the per-frequency factors llama.cpp's converter writes (rope_freqs):
+    1 for high frequencies, `factor` for low ones, a smooth blend between."""
+    import math
+
+    import numpy as np
+
+    factor, low, high, old = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0), \
+        s["original_max_position_embeddings"]
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
 def write_tiny_gguf(hf_dir: str | Path, path: str | Path, arch: str = "llama", pre: str = "gpt2") -> Path:
     """Convert a ``make_tiny_llama`` directory to an F32 GGUF the way llama.cpp's converter would:
     llama.* (or qwen2.*) metadata, q/k rows permuted for llama (not for qwen2), and the
@@ -219,6 +241,9 @@ def write_tiny_gguf(hf_dir: str | Path, path: str | Path, arch: str = "llama", p
     if tok_cfg.get("chat_template"):
         w.add_chat_template(tok_cfg["chat_template"])
 
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if scaling.get("rope_type") == "llama3":  # as llama.cpp's converter stores it: a factor per frequency
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(theta, head_dim, scaling))
     for name, t in sd.items():
         base, _, suffix = name.rpartition(".")
         if base.startswith("model.layers."):

@@ -34,6 +34,8 @@ class ModelConfig:
     architecture: str = "llama"
     sliding_window: int | None = None  # Mistral's (and Qwen2's when used): how far back attention reaches
     qk_norm: bool = False  # Qwen3: an RMSNorm over each q and k head before RoPE
+    # A GGUF's rope_freqs (how llama.cpp stores Llama 3's rope scaling): each frequency divided by its factor
+    rope_freq_factors: list[float] | None = None
 
     @property
     def context_length(self) -> int:

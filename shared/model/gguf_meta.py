@@ -93,9 +93,8 @@ def gguf_config(reader: Any) -> ModelConfig:
         orig = get("rope.scaling.original_context_length")
         if orig:
             rope_scaling["original_max_position_embeddings"] = int(orig)
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        log.warning("GGUF has rope_freqs.weight (llama3-style rope scaling); it is ignored, "
-                    "which only matters beyond the original context length")
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    freq_factors = None if freqs is None else [float(x) for x in freqs.data.reshape(-1)]  # head_dim / 2 floats
 
     names = {t.name for t in reader.tensors}
     eos_ids = []
@@ -121,4 +120,5 @@ def gguf_config(reader: Any) -> ModelConfig:
         eos_token_ids=eos_ids,
         architecture=hf_arch,
         qk_norm=hf_arch == "Qwen3ForCausalLM",
+        rope_freq_factors=freq_factors,
     )

@@ -71,6 +71,8 @@ def rope_cos_sin(cfg: ModelConfig, max_positions: int) -> tuple[torch.Tensor, to
         inv_freq, attn_factor = _inv_freq_yarn(base, dim, s, cfg.max_position_embeddings)
     elif kind != "default":
         raise ValueError(f"unsupported rope scaling {kind!r} (supported: default, linear, llama3, yarn)")
+    if cfg.rope_freq_factors is not None:  # a GGUF's rope_freqs: Llama 3's scaling as llama.cpp stores it
+        inv_freq = inv_freq / torch.tensor(cfg.rope_freq_factors, dtype=torch.float32)
     t = torch.arange(max_positions, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)
     return freqs.cos() * attn_factor, freqs.sin() * attn_factor

@@ -123,8 +123,8 @@ _GGUF_GLOBAL_NAMES = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-# Tensors llama.cpp writes that have no Hugging Face parameter; skipped quietly
-# (gguf_config already warns about rope_freqs). Any other unknown tensor gets a warning.
+# Tensors llama.cpp writes that have no Hugging Face parameter; skipped quietly (gguf_config reads
+# rope_freqs into the config's rope_freq_factors). Any other unknown tensor gets a warning.
 _GGUF_SKIP = {"rope_freqs"}
 
 
