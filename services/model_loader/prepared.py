@@ -34,8 +34,9 @@ from meshserve.shared.schemas import TensorSpec
 
 log = logging.getLogger("meshserve.model_loader")
 
+# the modules that make the prepared bytes, and the config kept beside them (config.py, gguf_meta.py)
 RECIPE_MODULES = ("meshserve.shared.model.weights", "meshserve.shared.model.llama", "meshserve.kernels.linear",
-                  "meshserve.kernels.int8_linear")
+                  "meshserve.kernels.int8_linear", "meshserve.shared.model.config", "meshserve.shared.model.gguf_meta")
 RECIPE_DISTRIBUTIONS = ("gguf", "torch")
 
 
