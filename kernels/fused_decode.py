@@ -42,12 +42,13 @@ class FusedDecode:
     @classmethod
     def build(cls, layers: list[dict], attn_norm: list[torch.Tensor], mlp_norm: list[torch.Tensor],
               norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
-              eps: float, scale: float) -> "FusedDecode | None":
+              eps: float, scale: float, qk_norms: list[torch.Tensor] | None = None) -> "FusedDecode | None":
         """layers: each layer's projections by name (PROJECTIONS). A plan for each run of row counts
         (from 1, up to MAX_ROWS) where every projection runs the same kind of tiles in the
         per-operation path: the int8 kernel's (int8 weights) or the bf16 kernel's (bf16 weights, or
         int8 ones' kept bf16 copy from its threshold: AVX-512 BF16 without AMX). None unless the model
-        is a bf16 CPU one whose first row counts are such a run, and the kernel is built."""
+        is a bf16 CPU one whose first row counts are such a run, and the kernel is built. qk_norms: per
+        layer its q and k head norms (Qwen3), or None."""
         if norm.dtype != torch.bfloat16 or norm.device.type != "cpu" or cos.dtype != torch.bfloat16:
             return None
         projs = [layer[name] for layer in layers for name in PROJECTIONS]
@@ -69,7 +70,7 @@ class FusedDecode:
             plans.append((last, mod.FusedDecode(
                 [t.blocked for t in tiles], [t.scale for t in tiles] if int8 else [],
                 [] if biases[0] is None else biases, list(attn_norm) + list(mlp_norm) + [norm],
-                cos.contiguous(), sin.contiguous(), heads, kv_heads, head_dim, eps, scale)))
+                cos.contiguous(), sin.contiguous(), heads, kv_heads, head_dim, eps, scale, list(qk_norms or []))))
             rows = last + 1
         return cls(plans) if plans else None
 

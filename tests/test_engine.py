@@ -115,11 +115,11 @@ def test_other_llama_family_architectures_match_transformers(tmp_path, arch, con
     ref = hf_greedy(hf, prompts, 16, [2])
     model = LlamaModel.from_hf(cfg, sd, torch.float32)
     assert engine(model, chunk=7).generate(prompts, SamplingParams(max_tokens=16, temperature=0)) == ref
-    if arch == "Qwen3":  # bf16 and int8 weights run it too (per operation: the fused step has no q/k norms)
+    if arch == "Qwen3":  # bf16 and int8 weights run it too (decode steps fused, with the q/k norms)
         for quantization in (None, "int8"):
             bf = LlamaModel.from_hf(cfg, sd, torch.bfloat16, quantization=quantization)
             got = engine(bf).generate(prompts, SamplingParams(max_tokens=4, temperature=0))
-            assert bf.fused is None and sum(g[0] == r[0] for g, r in zip(got, ref)) >= len(ref) * 0.75
+            assert sum(g[0] == r[0] for g, r in zip(got, ref)) >= len(ref) * 0.75
     if "sliding_window" in config:
         with pytest.raises(ValueError, match="sliding window"):
             LLMEngine(model, EngineConfig(max_model_len=cfg.sliding_window + 1))

@@ -24,7 +24,8 @@ pytestmark = pytest.mark.skipif(fused_decode.kernel() is None,
                                 reason="the fused decode kernel is not available (no AVX2 or no compiler)")
 BF16_FUSED = fused_decode.kernel() is not None and fused_decode.kernel().bf16_weights()
 bf16_only = pytest.mark.skipif(not BF16_FUSED, reason="bf16 weights run fused only with AVX-512 BF16")
-WHICH = ["plain", "bias", pytest.param("bf16", marks=bf16_only), pytest.param("bf16-bias", marks=bf16_only)]
+WHICH = ["plain", "bias", "qwen3", pytest.param("bf16", marks=bf16_only), pytest.param("bf16-bias", marks=bf16_only),
+         pytest.param("bf16-qwen3", marks=bf16_only)]
 
 copy_only = pytest.mark.skipif(not fused_decode.kernel() or int8_linear.dequantized_form() != "blocked",
                                reason="int8 weights keep a blocked bf16 copy only on AVX-512 BF16 without AMX")
@@ -42,12 +43,16 @@ def qkv_biases_only(cfg, sd):
 def models(tiny_llama, tmp_path_factory):
     from tiny_model import make_tiny_llama
 
+    from test_engine import _transformers_model
+
     biased = make_tiny_llama(tmp_path_factory.mktemp("tiny-bias"), attention_bias=True)
+    qwen3 = tmp_path_factory.mktemp("tiny-qwen3")  # q and k head norms before RoPE
+    _transformers_model(qwen3, "Qwen3")
     out = {}
-    for name, path in (("plain", tiny_llama), ("bias", biased)):
+    for name, path in (("plain", tiny_llama), ("bias", biased), ("qwen3", qwen3)):
         cfg, sd = qkv_biases_only(*load_hf_dir(path))
         out[name] = LlamaModel.from_hf(cfg, sd, torch.bfloat16, quantization="int8")
-        out["bf16" if name == "plain" else "bf16-bias"] = LlamaModel.from_hf(cfg, sd, torch.bfloat16)
+        out["bf16" if name == "plain" else f"bf16-{name}"] = LlamaModel.from_hf(cfg, sd, torch.bfloat16)
     return out
 
 

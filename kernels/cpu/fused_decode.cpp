@@ -72,10 +72,11 @@ class FusedDecode {
   // weights, scales: per layer qkv, o, gate_up, down (4 x layers): blocked int8 and their fp32
   // scales, or blocked bf16 and no scales;
   // qkv_bias: per layer, or empty; norms: the layers' attn_norm, then their mlp_norm, then the final
-  // norm (bf16); cos, sin: [max_positions, head_dim / 2] bf16 tables; scale: attention's.
+  // norm (bf16); cos, sin: [max_positions, head_dim / 2] bf16 tables; scale: attention's;
+  // qk_norms: per layer its q and k head norms (Qwen3: RMSNorm over each head before RoPE), or empty.
   FusedDecode(std::vector<at::Tensor> weights, std::vector<at::Tensor> scales, std::vector<at::Tensor> qkv_bias,
               std::vector<at::Tensor> norms, at::Tensor cos, at::Tensor sin, int64_t heads, int64_t kv_heads,
-              int64_t head_dim, double eps, double scale)
+              int64_t head_dim, double eps, double scale, std::vector<at::Tensor> qk_norms)
       : keep_(weights), hq_(heads), hkv_(kv_heads), d_(head_dim), eps_(float(eps)), scale_(float(scale)) {
     TORCH_CHECK(available(), "fused_decode: built without AVX2");
     TORCH_CHECK(weights.size() % 4 == 0 && !weights.empty(), "fused_decode: 4 weights per layer");
@@ -126,6 +127,13 @@ class FusedDecode {
                   "fused_decode: bf16 norm weights of the hidden size");
     for (const at::Tensor& n : norms) norms_.push_back(n.data_ptr<bf16>());
     keep_.insert(keep_.end(), norms.begin(), norms.end());
+    TORCH_CHECK(qk_norms.empty() || int64_t(qk_norms.size()) == 2 * layers_, "fused_decode: 2 q/k norms per layer");
+    for (const at::Tensor& n : qk_norms) {
+      TORCH_CHECK(n.scalar_type() == at::kBFloat16 && n.is_contiguous() && n.numel() == d_,
+                  "fused_decode: bf16 q/k norm weights of the head size");
+      qk_norms_.push_back(n.data_ptr<bf16>());
+    }
+    keep_.insert(keep_.end(), qk_norms.begin(), qk_norms.end());
     TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16 && cos.is_contiguous() &&
                     sin.is_contiguous() && cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(1) == d_ / 2,
                 "fused_decode: bf16 cos/sin tables [max_positions, head_dim / 2]");
@@ -269,8 +277,13 @@ class FusedDecode {
           bf16* row = qkv.data() + b * qkv_n;
           const bf16* c = cosp + pos[b] * (d_ / 2);
           const bf16* sn = sinp + pos[b] * (d_ / 2);
-          layer_ops::rope_heads(row + kh * G * d_, G, d_, c, sn);
           bf16* k = row + (hq_ + kh) * d_;
+          if (!qk_norms_.empty()) {  // in place, as the per-operation path's rms_norm rows
+            for (int64_t g = 0; g < G; ++g)
+              layer_ops::norm_row(row + (kh * G + g) * d_, qk_norms_[2 * l], row + (kh * G + g) * d_, d_, eps_);
+            layer_ops::norm_row(k, qk_norms_[2 * l + 1], k, d_, eps_);
+          }
+          layer_ops::rope_heads(row + kh * G * d_, G, d_, c, sn);
           const bf16* v = row + (hq_ + hkv_ + kh) * d_;
           layer_ops::rope_heads(k, 1, d_, c, sn);
           write_row(kv_layer, 0, slots[b], kh, R, int8_kv, k, num_slots);
@@ -328,6 +341,7 @@ class FusedDecode {
   std::vector<at::Tensor> keep_;  // what the pointers below point into
   std::vector<Proj> proj_;
   std::vector<const bf16*> norms_;
+  std::vector<const bf16*> qk_norms_;  // per layer q's then k's; empty: none
   at::Tensor cos_, sin_;
   int64_t layers_ = 0, hidden_ = 0, hq_, hkv_, d_;
   bool int8_ = true;  // int8 weights, else bf16
@@ -344,9 +358,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if MESHSERVE_AVX2
   py::class_<FusedDecode>(m, "FusedDecode")
       .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                    at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double, double>(),
+                    at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double, double, std::vector<at::Tensor>>(),
            py::arg("weights"), py::arg("scales"), py::arg("qkv_bias"), py::arg("norms"), py::arg("cos"), py::arg("sin"),
-           py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"))
+           py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"),
+           py::arg("qk_norms") = std::vector<at::Tensor>())
       // Without the GIL: one call is a whole step (several ms), and the worker's event loop streams
       // the last step's tokens meanwhile.
       .def("forward", &FusedDecode::forward, "the decoder layers of a decode step: out = the final hidden states",

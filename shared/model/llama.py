@@ -119,11 +119,9 @@ class LlamaModel:
 
     def _fused_decode(self) -> FusedDecode | None:
         cfg = self.cfg
-        if cfg.qk_norm:  # the fused step has no q/k norms: such a model decodes per operation
-            return None
         return FusedDecode.build(self.proj, self.attn_norm, self.mlp_norm, self.norm, self.cos, self.sin,
                                  cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps,
-                                 self.scale)
+                                 self.scale, [w for pair in self.qk_norm or () for w in pair])
 
     @classmethod
     def from_hf(cls, cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
