@@ -58,7 +58,8 @@ def _kind(item: dict) -> str:
 
 
 def _prepare(llm: LLM, item: dict, served: str):
-    """Turns one input line into (kind, request, its prompts' ids, sampling params); raises OpenAIError."""
+    """Turns one input line into (kind, request, its prompts' ids, the texts echo returns of them,
+    sampling params); raises OpenAIError."""
     from meshserve.shared.engine import wire
 
     kind = _kind(item)
@@ -69,17 +70,15 @@ def _prepare(llm: LLM, item: dict, served: str):
                           status_code=404, param="model", code="model_not_found")
     if isinstance(req, ChatCompletionRequest):
         try:
-            prompt = req.truncate(llm.tokenizer.encode(req.render(llm.tokenizer),
-                                                       add_special_tokens=req.add_special_tokens))
+            prompt = req.truncate(req.prompt_ids(llm.tokenizer))
         except Exception as e:  # a template that raises is the caller's doing
             raise OpenAIError(f"could not apply the chat template: {e}", param="messages") from None
         sampling = req.to_sampling(llm.engine.max_model_len - len(prompt), llm.generation_defaults)
-        prompts = [prompt]
+        prompts, texts = [prompt], [""]
     else:
-        prompts = [req.truncate(p if isinstance(p, list) else llm.tokenizer.encode(p, req.add_special_tokens))
-                   for p in req.prompts]
+        prompts, texts = zip(*(req.prompt_ids(p, llm.tokenizer) for p in req.prompts))
         sampling = req.to_sampling(llm.generation_defaults)
-    return kind, req, prompts, wire.sampling_params(sampling, **req.text_options())
+    return kind, req, list(prompts), list(texts), wire.sampling_params(sampling, **req.text_options())
 
 
 def _add(llm: LLM, prompts: list[list[int]], params, n: int) -> list[Completion]:
@@ -99,7 +98,9 @@ def _add(llm: LLM, prompts: list[list[int]], params, n: int) -> list[Completion]
     return out
 
 
-def _body(llm: LLM, kind: str, served: str, req, cs: list[Completion], want_logprobs: bool) -> dict:
+def _body(llm: LLM, kind: str, served: str, req, cs: list[Completion], texts: list[str],
+          want_logprobs: bool) -> dict:
+    """texts: each prompt's text as echo returns it."""
     firsts = cs[::req.n]  # each prompt's first choice
     u = usage(sum(len(c.prompt_token_ids) for c in firsts), sum(len(c.token_ids) for c in cs),
               sum(c.num_cached_tokens for c in firsts))
@@ -117,9 +118,7 @@ def _body(llm: LLM, kind: str, served: str, req, cs: list[Completion], want_logp
         lp = completion_logprobs(c.token_ids, c.logprobs, dec) if want_logprobs else None
         text = c.text
         if req.echo:
-            given = req.prompts[i // req.n]
-            cut = req.truncate_prompt_tokens is not None  # then echo is the kept tokens' text
-            prompt_text = given if isinstance(given, str) and not cut else dec(c.prompt_token_ids)
+            prompt_text = texts[i // req.n]
             if want_logprobs:
                 plp = completion_logprobs(c.prompt_token_ids, c.prompt_logprobs or [None] * len(c.prompt_token_ids),
                                           dec)
@@ -135,7 +134,7 @@ def run_batch(llm: LLM, inp: IO[bytes], out: IO[bytes], served: str) -> tuple[in
     from meshserve.shared.engine.llm_engine import RequestError
 
     results: list[dict | None] = []
-    pending: list[tuple[int, str, object, list[Completion], bool, object]] = []
+    pending: list[tuple[int, str, object, list[Completion], list[str], bool, object]] = []
     for line in inp:
         if not line.strip():
             continue
@@ -143,17 +142,17 @@ def run_batch(llm: LLM, inp: IO[bytes], out: IO[bytes], served: str) -> tuple[in
         try:
             item = _read_line(line)
             cid = item.get("custom_id")
-            kind, req, prompts, params = _prepare(llm, item, served)
+            kind, req, prompts, texts, params = _prepare(llm, item, served)
             cs = _add(llm, prompts, params, req.n)
-            pending.append((len(results), kind, req, cs, params.logprobs is not None, cid))
+            pending.append((len(results), kind, req, cs, texts, params.logprobs is not None, cid))
             results.append(None)
         except OpenAIError as e:
             results.append(_error_result(cid, e))
         except RequestError as e:
             results.append(_error_result(cid, OpenAIError(str(e))))
     llm.run()
-    for i, kind, req, cs, want_lp, cid in pending:
-        results[i] = _result(cid, 200, _body(llm, kind, served, req, cs, want_lp))
+    for i, kind, req, cs, texts, want_lp, cid in pending:
+        results[i] = _result(cid, 200, _body(llm, kind, served, req, cs, texts, want_lp))
     return write_results(results, out)
 
 

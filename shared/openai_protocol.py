@@ -305,6 +305,15 @@ class CompletionRequest(_SamplingFields):
         p = self.prompt
         return list(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
 
+    def prompt_ids(self, prompt: str | list[int], tokenizer) -> tuple[list[int], str]:
+        """One of its prompts as computed: its token ids (a text encoded, with the tokenizer's
+        special tokens when add_special_tokens; then its last truncate_prompt_tokens) and the text
+        echo returns (the text given, or the kept tokens' text when cut or given as ids)."""
+        given = list(prompt) if isinstance(prompt, list) else tokenizer.encode(
+            prompt, add_special_tokens=self.add_special_tokens)
+        ids = self.truncate(given)
+        return ids, prompt if isinstance(prompt, str) and ids is given else tokenizer.decode(ids)
+
     def check(self, vocab_size: int | None = None) -> None:
         super().check(vocab_size)
         if self.suffix:
@@ -425,6 +434,12 @@ class ChatCompletionRequest(_SamplingFields):
         taken = sorted(set(self.chat_template_kwargs or {}) & TEMPLATE_VARIABLES)
         if taken:
             raise _refuse(f"{taken[0]!r} is set by the request itself", "chat_template_kwargs")
+
+    def prompt_ids(self, tokenizer, add_special_tokens: bool | None = None) -> list[int]:
+        """The rendered prompt's token ids (with the tokenizer's special tokens on top when
+        add_special_tokens: the request's own unless given); not truncated. Raises as render."""
+        special = self.add_special_tokens if add_special_tokens is None else add_special_tokens
+        return tokenizer.encode(self.render(tokenizer), add_special_tokens=special)
 
     def render(self, tokenizer) -> str:
         """The prompt's text: the messages through the chat template (the request's own, else the

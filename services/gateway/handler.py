@@ -151,7 +151,7 @@ class Gateway:
         req = parse_request(kind, body, tokenizer.vocab_size, self.limits)
         chat = isinstance(req, ChatCompletionRequest)
         if chat:
-            ids = req.truncate(self.chat_prompt_ids(req, req.add_special_tokens, model))
+            ids = req.truncate(self.chat_prompt_ids(req, model=model))
             self._check_length(ids, None, model, "messages")  # so that the default max_tokens is positive
             sampling = req.to_sampling(model.max_model_len - len(ids), model.generation_defaults)
             prompts = [Prompt(ids)]
@@ -175,29 +175,25 @@ class Gateway:
                 check_token_ids(prompt, tokenizer.vocab_size)
             except LimitError as e:
                 raise _limit_error(e) from None
-            ids = req.truncate(list(prompt))
-            return Prompt(ids, tokenizer.decode(ids))
-        given = tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
-        if not given:
+        ids, text = req.prompt_ids(prompt, tokenizer)
+        if not ids:
             raise OpenAIError("the prompt encodes to no tokens", param="prompt")
-        ids = req.truncate(given)
-        return Prompt(ids, prompt if ids is given else tokenizer.decode(ids))
+        return Prompt(ids, text)
 
     def check_model(self, model: str | None) -> ModelEntry:
         """The model a request names (its served name or an alias; none: the first of the manifest);
         404 for any other name."""
         return self.catalog.entry(model)
 
-    def chat_prompt_ids(self, req: ChatCompletionRequest, add_special_tokens: bool = False,
+    def chat_prompt_ids(self, req: ChatCompletionRequest, add_special_tokens: bool | None = None,
                         model: ModelEntry | None = None) -> list[int]:
         """The prompt of a chat request: its messages through the chat template, tokenized (what
         /tokenize answers for messages, so both must come from here)."""
         tokenizer = (model or self.check_model(req.model)).tokenizer
         try:
-            text = req.render(tokenizer)
+            return req.prompt_ids(tokenizer, add_special_tokens)
         except Exception as e:  # noqa: BLE001 - a template that raises is the caller's doing
             raise OpenAIError(f"could not apply the chat template: {e}", param="messages") from None
-        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _check_length(self, prompt: list[int], max_tokens: int | None, model: ModelEntry, param: str) -> None:
         """Against the model's context (max_tokens None: the prompt alone); the scheduler checks again
@@ -257,12 +253,11 @@ class Gateway:
                 if admitted or len(requests) > 1:  # not refused at admission: it may have been admitted
                     self.settle(r, 0)
             raise
-        m = self.metrics.of(p.model.spec.name)
-        m.queue.observe(time.time() - arrival)
-        m.prompt_tokens.inc(p.num_prompt_tokens)
-        m.tenant_admitted(tenant, p.num_prompt_tokens)
         gen = Generation(self, p, requests, streams)
         gen.span = span
+        gen.metrics.queue.observe(time.time() - arrival)
+        gen.metrics.prompt_tokens.inc(p.num_prompt_tokens)
+        gen.metrics.tenant_admitted(tenant, p.num_prompt_tokens)
         return gen
 
     async def _submit_when_ready(self, stream: RequestStream) -> None:
@@ -506,7 +501,7 @@ class Choice:
         if self.gen.want_logprobs:
             self.logprobs += logprobs if logprobs is not None else [None] * len(token_ids)
         self.text += text
-        m = self.gen.gw.metrics.of(self.gen.prepared.model.spec.name)
+        m = self.gen.metrics
         if token_ids:
             if self._last_token_time is None:
                 self.first_token_time = now
@@ -540,6 +535,7 @@ class Generation:
         self.id = f"{prefix}-{self.request.request_id}"
         self.created = int(time.time())
         self.model = prepared.model.name
+        self.metrics = gw.metrics.of(prepared.model.spec.name)  # its series: the model it runs on
         self.want_logprobs = prepared.sampling.logprobs is not None
         self.echo = isinstance(prepared.request, CompletionRequest) and prepared.request.echo
         self.tool_mode = prepared.request.tool_mode() if self.kind == "chat" else "none"
