@@ -222,6 +222,9 @@ class Heartbeat(Message):
     # Speculative decoding's counters (shared/engine/speculative.py SpecStats): num_draft_tokens,
     # num_accepted_tokens, num_verification_steps; empty when the worker does not speculate.
     spec_decode: dict[str, int] = Field(default_factory=dict)
+    # The counters above, for each model it served (its running engine's and those before): /metrics
+    # shows them per model.
+    counters_by_model: dict[str, dict[str, Any]] = Field(default_factory=dict)
     # CPU seconds of the worker's event-loop thread so far (NATS in and out, the token messages,
     # block leases): what the mesh adds around the engine's steps; and the tokens it streamed.
     io_cpu_s: float = 0.0

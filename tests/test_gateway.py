@@ -465,9 +465,9 @@ class StandIn:
         self.aborts.append(Abort.decode(msg.data))
 
     async def _on_status(self, msg):
-        await msg.respond(orjson.dumps({"ready": True, "workers": ["w1"], "num_running": 2, "num_waiting": 1,
-                                        "kv_usage": 0.25, "prefix_queries": 10, "prefix_hits": 4,
-                                        "num_preemptions": 0}))
+        tiny = {"num_running": 2, "num_waiting": 1, "kv_usage": 0.25, "prefix_queries": 10, "prefix_hits": 4,
+                "num_preemptions": 0}
+        await msg.respond(orjson.dumps({"ready": True, "workers": ["w1"], **tiny, "by_model": {SERVED: tiny}}))
 
     async def _on_submit(self, msg):
         req = GenerateRequest.decode(msg.data)

@@ -266,6 +266,39 @@ def test_each_model_is_served_with_its_own_context(mesh):
     assert series['meshserve:request_success_total{finished_reason="length",model_name="alpha"}'] >= 1
 
 
+def _series(m: Mesh) -> dict[str, float]:
+    text = httpx.get(m.url + "/metrics", timeout=10).text
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("meshserve:")}
+
+
+def test_metrics_count_each_model_apart(mesh, oracle):
+    """The scheduler's numbers are per served model: a worker counts towards the model it serves
+    now, and its counters stay with the model they counted when it switches to another."""
+    queries = 'meshserve:prefix_cache_queries{{model_name="{}"}}'.format
+
+    def after(model: str, before: float) -> dict[str, float]:
+        deadline = time.monotonic() + 10
+        while (s := _series(mesh)).get(queries(model), 0) <= before and time.monotonic() < deadline:
+            time.sleep(0.1)  # the counters come with the workers' heartbeats
+        return s
+
+    start = _series(mesh)
+    assert _complete(mesh, "gamma") == oracle["gamma"]
+    on_gamma = after("gamma", start.get(queries("gamma"), 0))
+    assert on_gamma[queries("gamma")] > start.get(queries("gamma"), 0), on_gamma
+    assert _complete(mesh, "beta") == oracle["beta"]  # the one worker switches to beta
+    on_beta = after("beta", on_gamma.get(queries("beta"), 0))
+    assert on_beta[queries("beta")] > on_gamma.get(queries("beta"), 0), on_beta
+    assert on_beta[queries("gamma")] == on_gamma[queries("gamma")]  # gamma's count stayed gamma's
+    for name in ("alpha", "beta", "gamma", "broken", "canary"):  # every model of the manifest has its gauges
+        assert f'meshserve:num_requests_running{{model_name="{name}"}}' in on_beta, name
+        assert f'meshserve:kv_cache_usage_perc{{model_name="{name}"}}' in on_beta, name
+    assert on_beta['meshserve:kv_cache_usage_perc{model_name="gamma"}'] == 0  # no worker holds gamma's KV
+    status = mesh.ask("scheduler.status")
+    assert status["prefix_queries"] == sum(m["prefix_queries"] for m in status["by_model"].values())
+
+
 def _canary_call(m: Mesh) -> tuple[str | None, str]:
     r = httpx.post(m.url + "/v1/completions", json={"model": "canary", "prompt": PROMPT, "max_tokens": TOKENS,
                                                     "temperature": 0}, timeout=120)

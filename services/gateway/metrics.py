@@ -1,8 +1,8 @@
 """Prometheus metrics under vLLM's names (prefix `meshserve:`), so vLLM dashboards work unchanged.
 
-Latencies are measured here, where the client's experience is. Scheduler-wide numbers (running,
-waiting, KV usage, prefix cache, preemptions, preemptions by mode) are asked of the scheduler at
-scrape time; the scheduler sums what the workers' heartbeats say.
+Latencies are measured here, where the client's experience is. The mesh's numbers of each model
+(running, waiting, KV usage, prefix cache, preemptions, speculative decoding) are asked of the
+scheduler at scrape time; the scheduler sums what the workers' heartbeats say, per served model.
 
 `request_queue_time_seconds` is an approximation: the time from arrival until the scheduler
 accepted the submission. The gateway cannot see when a worker actually starts the request.
@@ -142,43 +142,58 @@ SPEC_DECODE_COUNTERS = {
 }
 
 
-class _StatusCounters:
-    """Counters the workers keep and the scheduler sums (from their heartbeats), exposed as
-    Prometheus counters: `meshserve:preemptions_total{mode="swap"|"recompute"}` and speculative
-    decoding's `meshserve:spec_decode_*_total`. Each is the largest sum seen: a worker gone must
-    not make it drop."""
+class ModelStatus:
+    """The scheduler's numbers of each served model (its status's `by_model`), as gauges named by
+    STATUS_GAUGES and counters: `meshserve:preemptions_total{mode="swap"|"recompute"}` and
+    speculative decoding's `meshserve:spec_decode_*_total`. The workers keep the counters and the
+    scheduler sums them from their heartbeats; each is the largest sum seen, since a worker gone
+    must not make it drop. A model's gauges go with it from the status; its counters stay."""
 
-    def __init__(self, model_name: str):
-        self.model_name = model_name
-        self.by_mode: dict[str, float] = {"swap": 0, "recompute": 0}
-        self.spec: dict[str, float] = dict.fromkeys(SPEC_DECODE_COUNTERS, 0)
+    def __init__(self):
+        self.gauges: dict[str, dict] = {}  # served name -> its STATUS_GAUGES values
+        self.by_mode: dict[str, dict[str, float]] = {}  # served name -> mode -> preemptions
+        self.spec: dict[str, dict[str, float]] = {}  # served name -> SPEC_DECODE_COUNTERS key -> count
 
     def update(self, status: dict) -> None:
-        for mode, n in (status.get("preemptions_by_mode") or {}).items():
-            if isinstance(n, (int, float)):
-                self.by_mode[mode] = max(self.by_mode.get(mode, 0), n)
-        for key, n in (status.get("spec_decode") or {}).items():
-            if key in self.spec and isinstance(n, (int, float)):
-                self.spec[key] = max(self.spec[key], n)
+        by_model = status.get("by_model") or {}
+        self.gauges = {name: m for name, m in by_model.items() if isinstance(m, dict)}
+        for name, m in self.gauges.items():
+            by_mode = self.by_mode.setdefault(name, {"swap": 0, "recompute": 0})
+            for mode, n in (m.get("preemptions_by_mode") or {}).items():
+                if isinstance(n, (int, float)):
+                    by_mode[mode] = max(by_mode.get(mode, 0), n)
+            spec = self.spec.setdefault(name, dict.fromkeys(SPEC_DECODE_COUNTERS, 0))
+            for key, n in (m.get("spec_decode") or {}).items():
+                if key in spec and isinstance(n, (int, float)):
+                    spec[key] = max(spec[key], n)
 
     def collect(self):
+        for key, (name, doc) in STATUS_GAUGES.items():
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            for model, m in self.gauges.items():
+                if isinstance(m.get(key), (int, float)):
+                    g.add_metric([model], float(m[key]))
+            yield g
         c = CounterMetricFamily("meshserve:preemptions", "Preemptions on the workers, by how the KV was kept "
                                 "(swap: to host memory and back; recompute: prefilled again).",
                                 labels=["model_name", "mode"])
-        for mode, n in self.by_mode.items():
-            c.add_metric([self.model_name, mode], n)
+        for model, by_mode in self.by_mode.items():
+            for mode, n in by_mode.items():
+                c.add_metric([model, mode], n)
         yield c
         for key, (name, doc) in SPEC_DECODE_COUNTERS.items():
             c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric([self.model_name], self.spec[key])
+            for model, spec in self.spec.items():
+                c.add_metric([model], spec[key])
             yield c
 
 
 class GatewayMetrics:
     """A private registry, so several gateways (or tests) in one process do not collide. A request's
     own series (latencies, tokens, outcomes, its tenant's counts) carry the served name of the model
-    it ran on (`of(model)`); the mesh-wide ones, from the scheduler's status, and refusals before a
-    model is known carry the gateway's first model's."""
+    it ran on (`of(model)`), and so do the scheduler's numbers of each model (ModelStatus); those
+    of the whole mesh (worker roles, model switches, compute yields) and refusals before a model is
+    known carry the gateway's first model's."""
 
     content_type = CONTENT_TYPE_LATEST
 
@@ -214,8 +229,6 @@ class GatewayMetrics:
         self._tenant_in_flight = Gauge("meshserve:tenant_requests_in_flight",
                                        "Requests admitted and not yet ended, by tenant (the scheduler's count).", tl,
                                        registry=r)
-        self._status = {key: Gauge(name, doc, labels, registry=r).labels(model_name)
-                        for key, (name, doc) in STATUS_GAUGES.items()}
         self._roles = WorkerRoles(model_name)
         r.register(self._roles)
         self._model_kv = ModelKV(model_name)
@@ -224,8 +237,8 @@ class GatewayMetrics:
         r.register(self._yields)
         self._model_workers = ModelWorkers(model_name)
         r.register(self._model_workers)
-        self._counters = _StatusCounters(model_name)
-        r.register(self._counters)
+        self._by_model = ModelStatus()
+        r.register(self._by_model)
 
     def of(self, model: str) -> "ModelMetrics":
         """The series of requests that ran on `model` (a served name)."""
@@ -251,14 +264,10 @@ class GatewayMetrics:
         self._model_kv.status = status
         self._yields.status = status
         self._model_workers.status = status
-        for key, gauge in self._status.items():
-            value = status.get(key)
-            if isinstance(value, (int, float)):
-                gauge.set(value)
         for name, t in ((status.get("admission") or {}).get("tenants") or {}).items():
             if isinstance(t, dict) and isinstance(t.get("in_flight"), int):
                 self._tenant_in_flight.labels(self._model, name).set(t["in_flight"])
-        self._counters.update(status)
+        self._by_model.update(status)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -97,6 +97,24 @@ def _by_priority(counts) -> dict[str, int]:
     return out
 
 
+COUNTERS = ("prefix_queries", "prefix_hits", "num_preemptions", "preemptions_by_mode", "spec_decode")
+
+
+def _totals(ws: list[WorkerView], queues, counters: list[dict]) -> dict:
+    """What /metrics shows: requests running and waiting (on these workers and in these queues),
+    the share of their arenas' blocks they hold, and the sums of the workers' `counters`."""
+    arenas = {(w.hb.node_id, w.hb.arena): w.hb.total_blocks for w in ws}
+    return {"num_running": sum(w.hb.num_running for w in ws),
+            "num_waiting": sum(w.hb.num_waiting for w in ws) + sum(len(q) for q in queues),
+            "kv_usage": sum(w.hb.held_blocks - w.hb.free_blocks for w in ws) / max(sum(arenas.values()), 1),
+            "prefix_queries": sum(c.get("prefix_queries", 0) for c in counters),
+            "prefix_hits": sum(c.get("prefix_hits", 0) for c in counters),
+            "num_preemptions": sum(c.get("num_preemptions", 0) for c in counters),
+            "preemptions_by_mode": {"swap": 0, "recompute": 0} | _by_priority(c.get("preemptions_by_mode", {})
+                                                                                for c in counters),
+            "spec_decode": _by_priority(c.get("spec_decode", {}) for c in counters)}
+
+
 class Scheduler:
     def __init__(self, bus: Bus, args):
         self.bus, self.args = bus, args
@@ -150,7 +168,6 @@ class Scheduler:
         models = {w.hb.model for w in ws}
         ready = any(self.prefill_candidates(m) and (self.decode_candidates(m) or self.alive(m, ("prefill",)))
                     for m in models)
-        total = max((w.hb.total_blocks for w in ws), default=1)
         return {"ready": ready,
                 "workers": [{"id": w.hb.worker_id, "role": self.role_of(w), "model": w.hb.model,
                              "node_id": w.hb.node_id, "arena": w.hb.arena,
@@ -167,15 +184,9 @@ class Scheduler:
                 "queue_wait": dict(self.queue_wait),
                 "queued_by_priority": {"interactive": 0, "normal": 0, "background": 0}
                 | _by_priority(q.counts() for q in self.queues.values()),
-                "num_running": sum(w.hb.num_running for w in ws),
-                "num_waiting": sum(w.hb.num_waiting for w in ws) + sum(len(q) for q in self.queues.values()),
-                "kv_usage": sum(w.hb.held_blocks - w.hb.free_blocks for w in ws) / total,
-                "prefix_queries": sum(w.hb.prefix_queries for w in ws),
-                "prefix_hits": sum(w.hb.prefix_hits for w in ws),
-                "num_preemptions": sum(w.hb.num_preemptions for w in ws),
+                **_totals(ws, self.queues.values(), [w.hb.model_dump(include=set(COUNTERS)) for w in ws]),
+                "by_model": self.totals_by_model(ws),
                 "num_priority_preemptions": sum(w.hb.num_priority_preemptions for w in ws),
-                "preemptions_by_mode": {"swap": 0, "recompute": 0} | _by_priority(w.hb.preemptions_by_mode for w in ws),
-                "spec_decode": _by_priority(w.hb.spec_decode for w in ws),
                 "running_by_priority": _by_priority(w.hb.running_by_priority for w in ws),
                 "waiting_by_priority": _by_priority(w.hb.waiting_by_priority for w in ws),
                 "models": model_states(self.manifest.ids if self.manifest else sorted(models), ws, self.placement,
@@ -195,6 +206,24 @@ class Scheduler:
                 "recent_role_switches": self.roles.history,
                 **({"admission": {**self.admission.status(), "waiting_by_class": self.waiting_by_class()}}
                    if self.admission.enabled else {})}
+
+    def totals_by_model(self, ws: list[WorkerView]) -> dict[str, dict]:
+        """_totals per served name (a canary's versions and a model's variants together), the
+        series /metrics labels with that name. A worker counts towards the model it serves now; its
+        counters, towards each model it served."""
+        def served(model: str) -> str:
+            spec = self.spec(model)
+            return spec.name if spec is not None else model
+
+        groups: dict[str, tuple[list, list, list]] = {served(m): ([], [], []) for m in
+                                                      (self.manifest.ids if self.manifest else ())}
+        for w in ws:
+            groups.setdefault(served(w.hb.model), ([], [], []))[0].append(w)
+            for model, counts in w.hb.counters_by_model.items():
+                groups.setdefault(served(model), ([], [], []))[2].append(counts)
+        for model, q in self.queues.items():
+            groups.setdefault(served(model), ([], [], []))[1].append(q)
+        return {name: _totals(*group) for name, group in sorted(groups.items())}
 
     def waiting_by_class(self) -> dict[str, int]:
         """Requests waiting for a seat, by class: on some worker (admission.waiting_by_class) and in

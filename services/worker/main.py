@@ -57,15 +57,16 @@ log = logging.getLogger("meshserve.worker")
 KEEP_LORAS = 16  # LoRA adapters a worker keeps loaded (the least recently used idle one goes first)
 
 
-# Engine counters a worker reports over its whole life: a model switch builds a new engine, whose
-# counters start again at 0, and the scheduler's sums (and /metrics' counters) must not go back.
+# Engine counters a worker reports over its whole life, per model it served: a model switch builds
+# a new engine, whose counters start again at 0, and the scheduler's sums (and /metrics' counters)
+# must not go back.
 ENGINE_COUNTERS = ("prefix_queries", "prefix_hits", "num_preemptions", "num_priority_preemptions",
                    "interrupted_steps", "preemptions_by_mode", "spec_decode")
 
 
 def with_past(stats: dict, past: dict) -> dict:
-    """An engine's stats with the counters of the engines before it added (ENGINE_COUNTERS; the
-    by-mode and speculative ones are dicts of counts)."""
+    """Stats with the counters of `past` added (ENGINE_COUNTERS; the by-mode and speculative ones
+    are dicts of counts)."""
     out = dict(stats)
     for key, before in past.items():
         now = stats.get(key)
@@ -76,6 +77,14 @@ def with_past(stats: dict, past: dict) -> dict:
             out[key] = now
         else:
             out[key] = (now or 0) + before
+    return out
+
+
+def counters_by_model(stats: dict, served: str, past: dict[str, dict]) -> dict[str, dict]:
+    """Each model's ENGINE_COUNTERS over the worker's life: the engines' before (`past`, by model)
+    and the running engine's `stats` for `served`."""
+    out = dict(past)
+    out[served] = {k: v for k, v in with_past(stats, past.get(served, {})).items() if k in ENGINE_COUNTERS}
     return out
 
 
@@ -128,7 +137,7 @@ class Worker:
         self.unpublished: list[RequestOutput] = []  # a decode step's outputs, streamed while the next step runs
         self.received_by_priority = dict.fromkeys(PRIORITIES, 0)  # requests the scheduler sent to prefill
         self.pending_model = None  # (ModelSwitch, its message): applied once the engine is empty
-        self.past_counters: dict = {}  # the counters of the engines it ran before (with_past)
+        self.past_counters: dict[str, dict] = {}  # model -> the counters of the engines it ran before
         self.lora_used: dict[str, float] = {}  # the engine's LoRA adapters -> when a request last named one
         # Node-level compute priority among the node's workers (compute_claims.py).
         cpu = getattr(args, "device", "cpu") == "cpu"
@@ -266,8 +275,7 @@ class Worker:
         (to their arena), the new model's are leased from its arena under its quota, and its compute
         partition applies."""
         await self.blocks.close()
-        self.past_counters = {k: v for k, v in with_past(self.engine.stats, self.past_counters).items()
-                              if k in ENGINE_COUNTERS}
+        self.past_counters = counters_by_model(self.engine.stats, self.served, self.past_counters)
         self.engine, self.served, self.load, self.arena = engine, served, load, arena
         self.pool.model, self.pool.weights_bytes, self.pool.arena = served, weights_bytes, arena.key
         self.blocks = KVBlocks(engine, self.pool, self.args.lease_blocks, self.arena.swap_blocks, report=self._post,
@@ -665,7 +673,11 @@ class Worker:
     async def _heartbeat(self) -> None:
         """What this worker runs and can take (the scheduler admits from it), and its counters."""
         e, pool = self.engine, self.engine.block_pool
-        stats = with_past(e.stats, self.past_counters)
+        by_model = counters_by_model(e.stats, self.served, self.past_counters)
+        lifetime: dict = {}
+        for counts in by_model.values():
+            lifetime = with_past(lifetime, counts)
+        stats = e.stats | lifetime
         pending_prefill, pending_decode = self._pending_tokens()
         rates = e.scheduler.costs.rates
         await self.bus.publish(self.bus.subjects.heartbeat, Heartbeat(
@@ -680,7 +692,7 @@ class Worker:
             num_preemptions=stats["num_preemptions"], num_priority_preemptions=stats["num_priority_preemptions"],
             running_by_priority=stats["running_by_priority"], waiting_by_priority=self._waiting_by_priority(stats),
             received_by_priority=dict(self.received_by_priority), preemptions_by_mode=stats["preemptions_by_mode"],
-            spec_decode=stats["spec_decode"], io_cpu_s=time.thread_time(), step_s=round(self.step_s, 4), tokens_streamed=self.tokens_streamed,
+            spec_decode=stats["spec_decode"], counters_by_model=by_model, io_cpu_s=time.thread_time(), step_s=round(self.step_s, 4), tokens_streamed=self.tokens_streamed,
             pending_prefill_tokens=pending_prefill, pending_decode_tokens=pending_decode, draining=self.draining,
             prefill_tokens_per_s=round(rates.prefill_tokens_per_s, 1), decode_tokens_per_s=round(rates.decode_tokens_per_s, 1),
             compute_yields=self.compute.yields, compute_yield_s=self.compute.yield_s,
