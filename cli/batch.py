@@ -73,11 +73,11 @@ def _prepare(llm: LLM, item: dict, served: str):
             prompt = req.truncate(req.prompt_ids(llm.tokenizer))
         except Exception as e:  # a template that raises is the caller's doing
             raise OpenAIError(f"could not apply the chat template: {e}", param="messages") from None
-        sampling = req.to_sampling(llm.engine.max_model_len - len(prompt), llm.generation_defaults)
+        sampling = req.to_sampling(llm.engine.max_model_len - len(prompt), llm.tokenizer, llm.generation_defaults)
         prompts, texts = [prompt], [""]
     else:
         prompts, texts = zip(*(req.prompt_ids(p, llm.tokenizer) for p in req.prompts))
-        sampling = req.to_sampling(llm.generation_defaults)
+        sampling = req.to_sampling(llm.tokenizer, llm.generation_defaults)
     return kind, req, list(prompts), list(texts), wire.sampling_params(sampling, **req.text_options())
 
 

@@ -64,6 +64,10 @@ def check_sampling(p) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if not -2 <= getattr(p, name) <= 2:
             raise LimitError(f"{name} must be between -2 and 2", param=name)
+    if p.allowed_token_ids is not None and not p.allowed_token_ids:
+        raise LimitError("allowed_token_ids must not be empty", param="allowed_token_ids")
+    if any(not w for w in p.bad_words):
+        raise LimitError("a bad word must have at least one token", param="bad_words")
     if not 0 <= p.min_tokens <= max(p.max_tokens, 0):
         raise LimitError("min_tokens must be between 0 and max_tokens", param="min_tokens")
 

@@ -150,6 +150,8 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     min_tokens: int = Field(default=0, ge=0)
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1)  # vLLM's
+    bad_words: list[str] | None = None  # vLLM's: words never generated (banned_by_bad_words)
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -192,6 +194,10 @@ class _SamplingFields(BaseModel):
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise _refuse("must not exceed max_tokens", "min_tokens")
         self.logit_bias_ids(vocab_size)
+        if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.allowed_token_ids or ()):
+            raise _refuse(f"token ids must be in [0, {vocab_size})", "allowed_token_ids")
+        if any(not w.strip() for w in self.bad_words or ()):
+            raise _refuse("a bad word must not be empty or only whitespace", "bad_words")
         self.constraint()
 
     def stop_strings(self) -> list[str]:
@@ -222,6 +228,17 @@ class _SamplingFields(BaseModel):
             if not -100 <= v <= 100:
                 raise _refuse(f"the bias of token {t} must be between -100 and 100", "logit_bias")
             out[t] = v
+        return out
+
+    def bad_words_ids(self, tokenizer) -> list[list[int]]:
+        """Each bad word as tokens, as vLLM takes them: with its leading whitespace stripped, and with
+        one space before it (the word inside a text rather than at its start); each form once."""
+        out: list[list[int]] = []
+        for word in self.bad_words or ():
+            for form in (word.lstrip(), " " + word.lstrip()):
+                ids = tokenizer.encode(form, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
         return out
 
     def constraint(self) -> tuple[str, str] | None:
@@ -261,11 +278,11 @@ class _SamplingFields(BaseModel):
         param, kind, spec = found[0]
         return check_constraint(kind, spec, param)
 
-    def _sampling(self, max_tokens: int | None, logprobs: int | None, default_max: int,
+    def _sampling(self, max_tokens: int | None, logprobs: int | None, default_max: int, tokenizer,
                   defaults: dict | None = None, constraint: tuple[str, str] | None = None,
                   prompt_logprobs: int | None = None) -> Sampling:
         """defaults: the model's generation defaults (models_repo.generation_defaults), for the
-        sampling fields the request leaves unset."""
+        sampling fields the request leaves unset; tokenizer: the model's (bad words become tokens)."""
         d = {**OPENAI_DEFAULTS, **(defaults or {})}
         pick = {k: getattr(self, k) if getattr(self, k) is not None else d[k] for k in OPENAI_DEFAULTS}
         return Sampling(
@@ -273,7 +290,7 @@ class _SamplingFields(BaseModel):
             temperature=pick["temperature"], top_p=pick["top_p"], top_k=int(pick["top_k"]), min_p=pick["min_p"],
             repetition_penalty=pick["repetition_penalty"], presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias_ids(), min_tokens=self.min_tokens,
-            seed=self.seed, stop_token_ids=self.stop_token_ids or [],
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words_ids(tokenizer), seed=self.seed, stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos, logprobs=logprobs, constraint=constraint, prompt_logprobs=prompt_logprobs)
 
 
@@ -321,10 +338,10 @@ class CompletionRequest(_SamplingFields):
         if self.max_tokens == 0 and not self.echo:
             raise _refuse("must be at least 1 (0 only with echo)", "max_tokens")
 
-    def to_sampling(self, defaults: dict | None = None) -> Sampling:
+    def to_sampling(self, tokenizer, defaults: dict | None = None) -> Sampling:
         """With echo, the prompt's logprobs are computed (and max_tokens may be 0)."""
         prompt_lps = (self.logprobs or 0) if self.echo and (self.logprobs is not None or self.max_tokens == 0) else None
-        return self._sampling(self.max_tokens, self.logprobs, default_max=16, defaults=defaults,
+        return self._sampling(self.max_tokens, self.logprobs, 16, tokenizer, defaults=defaults,
                                     constraint=self.constraint(), prompt_logprobs=prompt_lps)
 
 
@@ -462,7 +479,7 @@ class ChatCompletionRequest(_SamplingFields):
         """The tools as the chat template receives them (Transformers passes the dicts as they are)."""
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
-    def to_sampling(self, default_max: int, defaults: dict | None = None) -> Sampling:
+    def to_sampling(self, default_max: int, tokenizer, defaults: dict | None = None) -> Sampling:
         from . import tool_calls
 
         lp = (self.top_logprobs or 0) if self.logprobs else None
@@ -473,8 +490,8 @@ class ChatCompletionRequest(_SamplingFields):
         elif mode == "named":
             constraint = check_constraint("json_schema", json.dumps(tool_calls.named_schema(
                 self.tool_dicts(), self.tool_choice.function["name"])), "tools")
-        return self._sampling(self.max_completion_tokens or self.max_tokens, lp, default_max,
-                                    defaults=defaults, constraint=constraint)
+        return self._sampling(self.max_completion_tokens or self.max_tokens, lp, default_max, tokenizer,
+                              defaults=defaults, constraint=constraint)
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.template() for m in self.messages]

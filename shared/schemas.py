@@ -47,6 +47,8 @@ class Sampling(Message):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[list[int]] = Field(default_factory=list)  # tokenized (the engine's SamplingParams)
     constraint: tuple[str, str] | None = None  # structured output: (kind, spec), shared/engine/constraints.py
     prompt_logprobs: int | None = None
 

@@ -2,7 +2,8 @@
 so prompts over 32 tokens are prefilled on one worker and decoded on the other), with the official
 openai client: structured outputs (many schemas at once, greedy and sampled, streamed and not,
 beside unconstrained requests, across the handoff, and over the NATS API), tool calls, n choices,
-logit_bias, the model's own generation defaults, echo with prompt logprobs against Transformers."""
+logit_bias, allowed tokens and bad words, the model's own generation defaults, echo with prompt
+logprobs against Transformers."""
 
 from __future__ import annotations
 
@@ -230,6 +231,43 @@ def test_n_choices_logit_bias_and_generation_defaults(mesh, hf):
     r = c.completions.create(model=mesh.model, prompt=ids, max_tokens=12, temperature=0,
                              extra_body={"min_tokens": 12})
     assert r.choices[0].text == mesh.tokenizer.decode(ref)
+
+
+def test_allowed_tokens_and_bad_words_match_transformers(mesh, hf):
+    """vLLM's allowed_token_ids and bad_words through the mesh, against Transformers' generate with
+    the same restriction (`prefix_allowed_tokens_fn`, `bad_words_ids` of the word's two forms), the
+    model's repetition_penalty default applying to both."""
+    c, tok = mesh.client, mesh.tokenizer
+    ids = tok.encode(LONG)
+
+    def reference(**kw) -> str:
+        with torch.inference_mode():
+            out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              max_new_tokens=10, min_new_tokens=10, do_sample=False, repetition_penalty=1.2,
+                              eos_token_id=[2], pad_token_id=0, **kw)[0, len(ids):].tolist()
+        return tok.decode(out)
+
+    def ours(**body) -> str:
+        return c.completions.create(model=mesh.model, prompt=ids, max_tokens=10, temperature=0,
+                                    extra_body={"min_tokens": 10, **body}).choices[0].text
+
+    plain = ours()
+    allowed = tok.encode(" the weather in Paris", add_special_tokens=False)
+    got = ours(allowed_token_ids=allowed)
+    assert got == reference(prefix_allowed_tokens_fn=lambda batch, sent: allowed) and got != plain
+    with torch.inference_mode():
+        first = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                            max_new_tokens=4, do_sample=False, repetition_penalty=1.2, pad_token_id=0)[0, len(ids):]
+    word = tok.decode(first[1:3].tolist()).strip()  # a word the model would write
+    forms = [tok.encode(f, add_special_tokens=False) for f in (word, " " + word)]
+    assert word and all(ids[-len(f) + 1:] != f[:-1] for f in forms if len(f) > 1)  # no match across the prompt's end
+    got = ours(bad_words=[word])
+    assert got == reference(bad_words_ids=forms) and got != plain
+    for body, param in (({"allowed_token_ids": [10**6]}, "allowed_token_ids"), ({"allowed_token_ids": []}, None),
+                        ({"bad_words": ["  "]}, "bad_words")):
+        with pytest.raises(openai.BadRequestError) as e:
+            ours(**body)
+        assert param is None or e.value.body.get("param") == param, e.value.body
 
 
 def test_chat_templates_own_and_continued(mesh):

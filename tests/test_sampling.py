@@ -81,6 +81,8 @@ CASES = [
     (dict(presence_penalty=1.5, frequency_penalty=0.8), dict(openai=(1.5, 0.8))),
     (dict(presence_penalty=-1.0, frequency_penalty=2.0, repetition_penalty=1.3, logit_bias={20: 3.0}),
      dict(openai=(-1.0, 2.0), repetition_penalty=1.3, sequence_bias={(20,): 3.0})),
+    (dict(allowed_token_ids=[5, 9, 13, EOS, 40], logit_bias={9: 2.0}),
+     dict(prefix_allowed_tokens_fn=lambda batch, ids: [5, 9, 13, EOS, 40], sequence_bias={(9,): 2.0})),
 ]
 
 
@@ -109,12 +111,37 @@ def test_processors_match_transformers(tiny):
         assert EOS not in s.output_token_ids[:5] and s.output_token_ids[5:] == [EOS]
 
 
+def test_bad_words_match_transformers(tiny):
+    """vLLM's bad_words against Transformers' `bad_words_ids`: each prompt bans a one-token word
+    and a two-token word taken from its own greedy output, so both must change it. (Transformers
+    also matches a word across the prompt's end, vLLM and we only in the output: the words are
+    chosen so that it cannot.)"""
+    model, hf, _ = tiny
+    ps = prompts(model.cfg.vocab_size)
+    eng = engine(model, chunk=7)
+    max_new, runs = 12, []
+    for i, p in enumerate(ps):
+        plain = hf_generate(hf, p, max_new)
+        words = [[plain[6]], [plain[1], plain[2]]]
+        assert p[-1] != plain[1] and words[0] != [EOS]
+        want = hf_generate(hf, p, max_new, bad_words_ids=words)
+        assert want != plain and plain[6] not in want
+        runs.append((eng.add_request(f"b{i}", p, SamplingParams(max_tokens=max_new, temperature=0, bad_words=words)),
+                     want))
+    while eng.has_unfinished():
+        eng.step()
+    for s, want in runs:
+        assert s.output_token_ids == want, s.request_id
+
+
 def test_bad_processor_values_are_refused(tiny):
     model, _, _ = tiny
     eng = engine(model)
     for params in (SamplingParams(logit_bias={5: 101.0}), SamplingParams(logit_bias={10**6: 1.0}),
                    SamplingParams(repetition_penalty=0), SamplingParams(presence_penalty=3),
-                   SamplingParams(max_tokens=4, min_tokens=5), SamplingParams(max_tokens=0)):
+                   SamplingParams(max_tokens=4, min_tokens=5), SamplingParams(max_tokens=0),
+                   SamplingParams(allowed_token_ids=[]), SamplingParams(allowed_token_ids=[10**6]),
+                   SamplingParams(bad_words=[[5], []]), SamplingParams(bad_words=[[-1]])):
         with pytest.raises(RequestError):
             eng.add_request("x", [5, 6], params)
 

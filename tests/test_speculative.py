@@ -138,7 +138,7 @@ def test_sampling_with_speculation_matches_sampling_without(models):
 def test_stops_logprobs_and_structured_output_hold(tiny_llama):
     """With prompt lookup on a prompt that repeats, each request's tokens and logprobs equal those
     of the engine without speculation: max_tokens, a stop token inside the accepted tokens, penalties,
-    min_tokens and a grammar included."""
+    min_tokens, allowed tokens, bad words and a grammar included."""
     phrase = "the quick brown fox jumps over the lazy dog. "
     spec = SpeculativeConfig("ngram", num_speculative_tokens=4, disable_by_batch_size=64)
     plain, fast = LLM(str(tiny_llama), "float32"), LLM(str(tiny_llama), "float32", EngineConfig(speculative=spec))
@@ -149,12 +149,15 @@ def test_stops_logprobs_and_structured_output_hold(tiny_llama):
              SamplingParams(max_tokens=7, temperature=0),
              SamplingParams(max_tokens=MAX_NEW, temperature=0, stop_token_ids=[base[5]]),
              SamplingParams(max_tokens=MAX_NEW, temperature=0, repetition_penalty=1.3, min_tokens=4),
+             SamplingParams(max_tokens=MAX_NEW, temperature=0, bad_words=[base[3:5]]),
+             SamplingParams(max_tokens=MAX_NEW, temperature=0, allowed_token_ids=sorted(set(prompt) - {base[2]})),
              SamplingParams(max_tokens=MAX_NEW, temperature=0, constraint=("choice", choice)),
              SamplingParams(max_tokens=MAX_NEW, temperature=0, constraint=("regex", "(the quick brown )+fox"))]
     want = plain.generate([prompt] * len(cases), cases)
     got = fast.generate([prompt] * len(cases), cases)
     for w, g in zip(want, got):
         assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason and g.text == w.text
+    assert want[4].token_ids[:5] != base[:5] and want[5].token_ids[:3] != base[:3]  # the masks changed them
     assert [lp.logprob for lp in got[0].logprobs] == pytest.approx([lp.logprob for lp in want[0].logprobs], abs=1e-4)
     assert [lp.top[0][0] for lp in got[0].logprobs] == [lp.top[0][0] for lp in want[0].logprobs]
     st = fast.engine.stats["spec_decode"]

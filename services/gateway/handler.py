@@ -153,11 +153,11 @@ class Gateway:
         if chat:
             ids = req.truncate(self.chat_prompt_ids(req, model=model))
             self._check_length(ids, None, model, "messages")  # so that the default max_tokens is positive
-            sampling = req.to_sampling(model.max_model_len - len(ids), model.generation_defaults)
+            sampling = req.to_sampling(model.max_model_len - len(ids), tokenizer, model.generation_defaults)
             prompts = [Prompt(ids)]
         else:
             prompts = [self._completion_prompt(x, req, tokenizer) for x in req.prompts]
-            sampling = req.to_sampling(model.generation_defaults)
+            sampling = req.to_sampling(tokenizer, model.generation_defaults)
         for x in prompts:
             self._check_length(x.token_ids, sampling.max_tokens, model, "messages" if chat else "prompt")
         try:

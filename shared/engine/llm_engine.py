@@ -181,8 +181,10 @@ class LLMEngine:
         if lora is not None and lora not in self.loras:
             raise RequestError(f"no LoRA adapter {lora!r} is loaded in this engine")
         vocab = self.model.cfg.vocab_size
-        if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
-            raise RequestError(f"logit_bias token ids must be in [0, {vocab})")
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("bad_words", [t for w in params.bad_words for t in w])):
+            if any(not 0 <= t < vocab for t in ids):
+                raise RequestError(f"{name} token ids must be in [0, {vocab})")
         if params.constraint is not None:
             if self.grammars is None:
                 raise RequestError("structured output needs the model's tokenizer, which this engine lacks")

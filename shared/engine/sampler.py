@@ -2,8 +2,8 @@
 
 Logits processors first, each vectorized over the rows that use it (a row that uses none costs
 nothing), in Transformers' order: logit bias, repetition penalty, then OpenAI's presence and
-frequency penalties, min_tokens (EOS and stop tokens masked), and last the structured-output
-mask. Then greedy rows take the argmax; the others get temperature, top-k, top-p, min-p and an
+frequency penalties, min_tokens (EOS and stop tokens masked), vLLM's allowed_token_ids and
+bad_words (masks), and last the structured-output mask. Then greedy rows take the argmax; the others get temperature, top-k, top-p, min-p and an
 exponential race (argmax of p / Exp(1) noise, no cumulative sums). A seeded request draws its
 noise from its own generator, one draw per step, so its tokens do not depend on the batch.
 Logprobs are those of the raw distribution (before any processor, as vLLM reports them).
@@ -61,6 +61,12 @@ def _token_table(rows: list[list[int]], vocab: int, device, counts: bool) -> tor
     return out[:, :vocab]
 
 
+def banned_by_bad_words(output: list[int], bad_words: list[list[int]]) -> list[int]:
+    """The tokens that would complete a bad word after `output` (vLLM's rule: a word's last token,
+    where the output ends with the tokens before it)."""
+    return [w[-1] for w in bad_words if len(w) == 1 or output[len(output) - len(w) + 1:] == w[:-1]]
+
+
 def process_logits(logits: torch.Tensor, seqs: list["Sequence"], eos_token_ids: list[int],
                    masks: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
     """The logits every row samples from: a copy with the processors applied, or `logits` itself
@@ -72,7 +78,10 @@ def process_logits(logits: torch.Tensor, seqs: list["Sequence"], eos_token_ids: 
     pf = [i for i, p in enumerate(params) if p.presence_penalty or p.frequency_penalty]
     short = [i for i, (s, p) in enumerate(zip(seqs, params))
              if s.num_output_tokens < p.min_tokens and not (s.grammar is not None and s.grammar.is_stopped())]
-    if not (bias or rep or pf or short or masks):
+    allowed = [i for i, p in enumerate(params) if p.allowed_token_ids]
+    bad = [(i, t) for i, (s, p) in enumerate(zip(seqs, params)) if p.bad_words
+           for t in banned_by_bad_words(s.output_token_ids, p.bad_words)]
+    if not (bias or rep or pf or short or allowed or bad or masks):
         return logits
     logits = logits.clone()
     if bias:
@@ -98,6 +107,14 @@ def process_logits(logits: torch.Tensor, seqs: list["Sequence"], eos_token_ids: 
         t = [tok for i in short for tok in [*eos_token_ids, *params[i].stop_token_ids]]
         if t:
             logits[torch.tensor(r, device=dev), torch.tensor(t, device=dev)] = float("-inf")
+    if allowed:
+        keep = torch.zeros(len(allowed), vocab, dtype=torch.bool, device=dev)
+        for row, i in enumerate(allowed):
+            keep[row, params[i].allowed_token_ids] = True
+        logits[allowed] = logits[allowed].masked_fill_(~keep, float("-inf"))
+    if bad:
+        r, t = zip(*bad)
+        logits[torch.tensor(r, device=dev), torch.tensor(t, device=dev)] = float("-inf")
     if masks:
         rows, allowed = masks
         banned = ~allowed[:, :vocab].to(dev)

@@ -31,6 +31,10 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI's: over the output, minus this once a token appeared ...
     frequency_penalty: float = 0.0  # ... and minus this times its count
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are out
+    allowed_token_ids: list[int] | None = None  # vLLM's: every other token is masked
+    # vLLM's bad_words, tokenized: a sequence's last token is masked where the output ends with the
+    # ones before it (a one-token word: always).
+    bad_words: list[list[int]] = field(default_factory=list)
     # Structured output: (kind, spec), kind one of constraints.KINDS; the grammar's token mask is
     # applied last, so every output is in its language.
     constraint: tuple[str, str] | None = None

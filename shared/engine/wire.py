@@ -19,6 +19,7 @@ def sampling_params(s: Sampling, stop: list[str] | None = None, skip_special_tok
                           ignore_eos=s.ignore_eos, logprobs=s.logprobs, logit_bias=s.logit_bias,
                           repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
                           frequency_penalty=s.frequency_penalty, min_tokens=s.min_tokens,
+                          allowed_token_ids=s.allowed_token_ids, bad_words=[list(w) for w in s.bad_words],
                           constraint=None if s.constraint is None else tuple(s.constraint),
                           prompt_logprobs=s.prompt_logprobs)
 
