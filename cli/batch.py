@@ -20,7 +20,8 @@ from meshserve.shared import tool_calls
 from meshserve.shared.limits import RequestLimits
 from meshserve.shared.openai_protocol import (ChatCompletionRequest, OpenAIError, chat_choice, chat_logprobs,
                                               chat_response, completion_choice, completion_logprobs,
-                                              completion_response, join_logprobs, new_id, parse_request, usage)
+                                              completion_response, join_logprobs, new_id, parse_request,
+                                              prompt_logprobs, usage)
 
 if TYPE_CHECKING:
     from meshserve.shared.engine.llm import LLM, Completion
@@ -105,8 +106,11 @@ def _body(llm: LLM, kind: str, served: str, req, cs: list[Completion], texts: li
     u = usage(sum(len(c.prompt_token_ids) for c in firsts), sum(len(c.token_ids) for c in cs),
               sum(c.num_cached_tokens for c in firsts))
     dec = llm.tokenizer.decode
-    choices = []
+    choices, prompt_lps = [], []  # the latter: vLLM's prompt_logprobs of each choice
     for i, c in enumerate(cs):
+        lps = c.prompt_logprobs or [None] * len(c.prompt_token_ids)
+        if req.prompt_logprobs is not None:
+            prompt_lps.append(prompt_logprobs(c.prompt_token_ids, lps, dec, req.prompt_logprobs))
         if kind == "chat":
             lp = chat_logprobs(c.token_ids, c.logprobs, dec) if want_logprobs else None
             mode = req.tool_mode()
@@ -120,13 +124,17 @@ def _body(llm: LLM, kind: str, served: str, req, cs: list[Completion], texts: li
         if req.echo:
             prompt_text = texts[i // req.n]
             if want_logprobs:
-                plp = completion_logprobs(c.prompt_token_ids, c.prompt_logprobs or [None] * len(c.prompt_token_ids),
-                                          dec)
+                plp = completion_logprobs(c.prompt_token_ids, lps, dec, top=req.logprobs)
                 lp = join_logprobs(plp, completion_logprobs(c.token_ids, c.logprobs, dec, len(prompt_text)))
             text = prompt_text + text
         choices.append(completion_choice(i, text, c.finish_reason, lp))
+        if prompt_lps:
+            choices[-1]["prompt_logprobs"] = prompt_lps[-1]
     build = chat_response if kind == "chat" else completion_response
-    return build(new_id("chatcmpl" if kind == "chat" else "cmpl"), served, "", None, u, choices=choices)
+    out = build(new_id("chatcmpl" if kind == "chat" else "cmpl"), served, "", None, u, choices=choices)
+    if prompt_lps and kind == "chat":  # vLLM's place: the one prompt's, beside the choices
+        out["prompt_logprobs"] = prompt_lps[0]
+    return out
 
 
 def run_batch(llm: LLM, inp: IO[bytes], out: IO[bytes], served: str) -> tuple[int, int]:

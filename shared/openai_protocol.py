@@ -176,6 +176,8 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    # vLLM's: each prompt token's logprob and rank, and its k most likely alternatives (not streamed)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @field_validator("stop")
     @classmethod
@@ -189,6 +191,8 @@ class _SamplingFields(BaseModel):
                 raise _refuse("not supported by this server (it would be ignored, so it is refused)", name)
         if self.best_of is not None and self.best_of != self.n:
             raise _refuse("best_of is not supported (only best_of == n, which returns every choice)", "best_of")
+        if self.prompt_logprobs is not None and self.stream:
+            raise _refuse("not available with stream: true (as vLLM)", "prompt_logprobs")
         if self.guided_whitespace_pattern is not None:
             raise _refuse("not supported: JSON is generated without free whitespace", "guided_whitespace_pattern")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -284,6 +288,7 @@ class _SamplingFields(BaseModel):
         """defaults: the model's generation defaults (models_repo.generation_defaults), for the
         sampling fields the request leaves unset; tokenizer: the model's (bad words become tokens)."""
         d = {**OPENAI_DEFAULTS, **(defaults or {})}
+        asked = [k for k in (prompt_logprobs, self.prompt_logprobs) if k is not None]
         pick = {k: getattr(self, k) if getattr(self, k) is not None else d[k] for k in OPENAI_DEFAULTS}
         return Sampling(
             max_tokens=max_tokens if max_tokens is not None else default_max,
@@ -291,7 +296,8 @@ class _SamplingFields(BaseModel):
             repetition_penalty=pick["repetition_penalty"], presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias_ids(), min_tokens=self.min_tokens,
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words_ids(tokenizer), seed=self.seed, stop_token_ids=self.stop_token_ids or [],
-            ignore_eos=self.ignore_eos, logprobs=logprobs, constraint=constraint, prompt_logprobs=prompt_logprobs)
+            ignore_eos=self.ignore_eos, logprobs=logprobs, constraint=constraint,
+            prompt_logprobs=max(asked, default=None))
 
 
 class CompletionRequest(_SamplingFields):
@@ -339,7 +345,8 @@ class CompletionRequest(_SamplingFields):
             raise _refuse("must be at least 1 (0 only with echo)", "max_tokens")
 
     def to_sampling(self, tokenizer, defaults: dict | None = None) -> Sampling:
-        """With echo, the prompt's logprobs are computed (and max_tokens may be 0)."""
+        """With echo, the prompt's logprobs are computed (and max_tokens may be 0), with as many
+        alternatives as `logprobs` or `prompt_logprobs` asks, whichever is more."""
         prompt_lps = (self.logprobs or 0) if self.echo and (self.logprobs is not None or self.max_tokens == 0) else None
         return self._sampling(self.max_tokens, self.logprobs, 16, tokenizer, defaults=defaults,
                                     constraint=self.constraint(), prompt_logprobs=prompt_lps)
@@ -546,17 +553,34 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 # Logprobs below: the wire's Logprob, or anything with its two fields (the engine's TokenLogprobs).
 
 
-def completion_logprobs(tokens: list[int], logprobs: list[Logprob | None], decode, text_offset: int = 0) -> dict:
-    """The legacy completions logprobs object: tokens, token_logprobs, top_logprobs, text_offset."""
+def completion_logprobs(tokens: list[int], logprobs: list[Logprob | None], decode, text_offset: int = 0,
+                        top: int | None = None) -> dict:
+    """The legacy completions logprobs object: tokens, token_logprobs, top_logprobs, text_offset;
+    `top`: at most that many alternatives of each (None: all there are)."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     off = text_offset
     for t, lp in zip(tokens, logprobs):
         s = decode([t])
         out["tokens"].append(s)
         out["token_logprobs"].append(lp.logprob if lp else None)
-        out["top_logprobs"].append({decode([a]): v for a, v in lp.top} if lp else None)
+        out["top_logprobs"].append({decode([a]): v for a, v in lp.top[:top]} if lp else None)
         out["text_offset"].append(off)
         off += len(s)
+    return out
+
+
+def prompt_logprobs(tokens: list[int], logprobs: list[Logprob | None], decode, top: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: for each prompt token (the first has none) {token id: {logprob,
+    rank, decoded_token}}, the token's own entry, then its `top` best alternatives'."""
+    out: list[dict | None] = []
+    for t, lp in zip(tokens, logprobs):
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": decode([t])}}
+        for rank, (a, v) in enumerate(lp.top[:top], 1):
+            entry.setdefault(str(a), {"logprob": v, "rank": rank, "decoded_token": decode([a])})
+        out.append(entry)
     return out
 
 

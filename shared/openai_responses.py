@@ -33,6 +33,7 @@ CHAT_ONLY = {
     "response_format": "use `text.format`",
     "logprobs": f"use `top_logprobs` and `include: [\"{LOGPROBS_INCLUDE}\"]`",
     "n": "the Responses API makes one output; use /v1/chat/completions for several",
+    "prompt_logprobs": "a Response has no place for them; use /v1/chat/completions",
 }
 
 

@@ -41,7 +41,8 @@ def test_batch_command(tiny_llama, tmp_path):
          "body": {"messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 60, "temperature": 0,
                   "tools": [TOOL], "tool_choice": "required"}},
         {"custom_id": "echo", "method": "POST", "url": "/v1/completions",
-         "body": {"prompt": "The quick brown fox", "max_tokens": 0, "echo": True, "logprobs": 1}},
+         "body": {"prompt": "The quick brown fox", "max_tokens": 0, "echo": True, "logprobs": 1,
+                  "prompt_logprobs": 2}},
         # a batch of prompts in one line: each prompt's choices, in order; one too long fails the line
         {"custom_id": "prompts", "method": "POST", "url": "/v1/completions",
          "body": {"prompt": ["Hello there", "The quick brown fox"], "max_tokens": 5, "temperature": 0, "echo": True}},
@@ -91,3 +92,8 @@ def test_batch_command(tiny_llama, tmp_path):
     assert echo["text"] == "The quick brown fox" and echo["logprobs"]["token_logprobs"][0] is None
     assert len(echo["logprobs"]["tokens"]) == by["echo"]["response"]["body"]["usage"]["prompt_tokens"] > 1
     assert all(v < 0 for v in echo["logprobs"]["token_logprobs"][1:])
+    assert all(len(top) == 1 for top in echo["logprobs"]["top_logprobs"][1:])  # logprobs=1 alternative
+    plp = echo["prompt_logprobs"]  # vLLM's, with its own 2 alternatives, equal to echo's logprobs
+    assert plp[0] is None and len(plp) == len(echo["logprobs"]["tokens"])
+    for entry, v in zip(plp[1:], echo["logprobs"]["token_logprobs"][1:]):
+        assert 2 <= len(entry) <= 3 and v in [e["logprob"] for e in entry.values()]

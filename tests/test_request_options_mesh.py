@@ -12,6 +12,7 @@ import json
 import re
 import time
 
+import httpx
 import jsonschema
 import nats
 import orjson
@@ -318,6 +319,44 @@ def test_echo_logprobs_equal_transformers(mesh, hf):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
         assert len(ch.logprobs.tokens) == len(ids) + max_tokens == len(ch.logprobs.text_offset)
         assert r.usage.completion_tokens == max_tokens
+
+
+def test_vllm_prompt_logprobs_equal_transformers(mesh, hf):
+    """vLLM's `prompt_logprobs: k` (completions: in each choice; chat: beside the choices): per
+    prompt token, first null, {token id: {logprob, rank, decoded_token}} with the token's own entry
+    and its k likeliest, equal to Transformers' in fp32; echo's alternatives stay `logprobs` many;
+    with stream it is refused, as vLLM does."""
+    c, tok = mesh.client, mesh.tokenizer
+    ids = tok.encode(LONG)
+
+    def check(plp: list, prompt: list[int], k: int) -> None:
+        with torch.inference_mode():
+            lp = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
+        assert plp[0] is None and len(plp) == len(prompt)
+        for p, (t, entry) in enumerate(zip(prompt[1:], plp[1:])):
+            own = entry[str(t)]
+            assert own["logprob"] == pytest.approx(float(lp[p, t]), abs=1e-4) and own["decoded_token"] == tok.decode([t])
+            best = lp[p].topk(k)
+            tops = sorted((e for e in entry.values() if e["rank"] <= k), key=lambda e: e["rank"])
+            assert [e["rank"] for e in tops] == list(range(1, k + 1))
+            assert [e["logprob"] for e in tops] == pytest.approx(best.values.tolist(), abs=1e-4)
+            assert len(entry) in (k, k + 1) and own["rank"] >= 1
+
+    r = c.completions.create(model=mesh.model, prompt=LONG, max_tokens=2, echo=True, logprobs=1,
+                             extra_body={"prompt_logprobs": 3})
+    ch = r.choices[0]
+    check(ch.model_extra["prompt_logprobs"], ids, 3)
+    assert all(len(t) == 1 for t in ch.logprobs.top_logprobs[1:])  # echo shows logprobs=1 alternative
+    body = {"model": mesh.model, "messages": [{"role": "user", "content": LONG}], "max_tokens": 2,
+            "prompt_logprobs": 2}
+    r = httpx.post(mesh.url + "/v1/chat/completions", json=body, timeout=60).json()
+    prompt = httpx.post(mesh.url + "/tokenize", json={"model": mesh.model, "messages": body["messages"],
+                                                       "add_generation_prompt": True}).json()["tokens"]
+    assert r["usage"]["prompt_tokens"] == len(prompt)
+    check(r["prompt_logprobs"], prompt, 2)
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        c.completions.create(model=mesh.model, prompt=LONG, max_tokens=2, stream=True,
+                             extra_body={"prompt_logprobs": 1})
 
 
 def test_a_batch_of_prompts_is_each_prompt_alone(mesh):

@@ -146,10 +146,14 @@ def test_bad_processor_values_are_refused(tiny):
             eng.add_request("x", [5, 6], params)
 
 
-def hf_prompt_logprobs(hf, prompt: list[int]) -> torch.Tensor:
+def hf_prompt_logprobs(hf, prompt: list[int], tol: float = 1e-4) -> tuple[torch.Tensor, list[range]]:
+    """Each prompt token's logprob after the ones before it, and the ranks it may have there (1:
+    the likeliest) when logprobs within `tol` of its own may fall either side."""
     with torch.inference_mode():
-        lp = hf(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
-    return lp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+        lp = hf(torch.tensor([prompt])).logits[0].float().log_softmax(-1)[:-1]
+    own = lp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].unsqueeze(1)
+    lo, hi = ((lp > own + tol).sum(-1) + 1).tolist(), ((lp > own - tol).sum(-1) + 1).tolist()
+    return own.squeeze(1), [range(a, b + 1) for a, b in zip(lo, hi)]
 
 
 @pytest.mark.parametrize("chunk,blocks", [(512, 1024), (7, 1024), (16, 10)])
@@ -176,7 +180,10 @@ def test_prompt_logprobs_match_transformers(tiny, chunk, blocks):
         o = outs[s.request_id]
         assert o.prompt_logprobs[0] is None and len(o.prompt_logprobs) == len(p)
         got = torch.tensor([lp.logprob for lp in o.prompt_logprobs[1:]])
-        torch.testing.assert_close(got, hf_prompt_logprobs(hf, p), rtol=0, atol=1e-4)
+        want, ranks = hf_prompt_logprobs(hf, p)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+        assert all(lp.rank in r for lp, r in zip(o.prompt_logprobs[1:], ranks))
+        assert max(lp.rank for lp in o.prompt_logprobs[1:]) > 1
         assert all(len(lp.top) == 2 and lp.top[0][1] >= lp.logprob - 1e-6 for lp in o.prompt_logprobs[1:])
         assert o.num_cached_tokens == 0  # computed, not taken from the cache
     assert outs["p0"].finished and outs["p0"].new_token_ids == [] and outs["p0"].finish_reason == "length"

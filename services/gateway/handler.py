@@ -21,7 +21,8 @@ from meshserve.shared import tool_calls
 from meshserve.shared.openai_protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, chat_choice,
                                               chat_chunk, chat_logprobs, chat_response, completion_choice,
                                               completion_chunk, completion_logprobs, completion_response,
-                                              join_logprobs, parse_request, usage, usage_chunk, validate_body)
+                                              join_logprobs, parse_request, prompt_logprobs, usage, usage_chunk,
+                                              validate_body)
 from meshserve.shared.schemas import Abort, GenerateRequest, Logprob, Message, Sampling, TokenChunk, Usage
 from meshserve.shared.tenants import Tenant
 from meshserve.shared.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -649,7 +650,8 @@ class Generation:
             return c.prompt.text, None
         ids = c.prompt.token_ids
         lps = c.prompt_logprobs or [None] * len(ids)
-        return c.prompt.text, completion_logprobs(ids, lps, self.prepared.tokenizer.decode)
+        return c.prompt.text, completion_logprobs(ids, lps, self.prepared.tokenizer.decode,
+                                                  top=self.prepared.request.logprobs)
 
     def _tool_output(self, c: Choice) -> tuple[str | None, list[tool_calls.ToolCall]]:
         """(content, calls) of a chat choice under the request's tool_choice."""
@@ -674,8 +676,18 @@ class Generation:
                 choices.append(completion_choice(c.index, text + c.text, c.finish_reason, plp))
             else:
                 choices.append(completion_choice(c.index, c.text, c.finish_reason, lp))
+            if self.prepared.request.prompt_logprobs is not None and self.kind != "chat":
+                choices[-1]["prompt_logprobs"] = self._prompt_logprobs(c)
         build = chat_response if self.kind == "chat" else completion_response
-        return build(self.id, self.model, "", None, self.usage(), choices=choices)
+        out = build(self.id, self.model, "", None, self.usage(), choices=choices)
+        if self.prepared.request.prompt_logprobs is not None and self.kind == "chat":
+            out["prompt_logprobs"] = self._prompt_logprobs(self.choices[0])  # vLLM's place: one prompt
+        return out
+
+    def _prompt_logprobs(self, c: Choice) -> list[dict | None]:
+        ids = c.prompt.token_ids
+        return prompt_logprobs(ids, c.prompt_logprobs or [None] * len(ids), self.prepared.tokenizer.decode,
+                               self.prepared.request.prompt_logprobs)
 
     async def chunks(self) -> AsyncIterator[dict]:
         """The streaming response, chunk by chunk (OpenAI's JSON); raises OpenAIError mid-stream.

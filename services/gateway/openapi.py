@@ -53,11 +53,24 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's: one of a prompt token's entries in `prompt_logprobs`, keyed by token id."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: one per prompt token (the first null)
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, description="with the request's prompt_logprobs")
 
 
 class Completion(BaseModel):
@@ -116,6 +129,7 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, description="with the request's prompt_logprobs")
 
 
 class ChatDelta(BaseModel):

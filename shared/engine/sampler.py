@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 class TokenLogprobs:
     logprob: float  # of the sampled token
     top: list[tuple[int, float]]  # the most likely alternatives, best first
+    rank: int = 1  # of the token in its distribution (1: the most likely)
 
 
 def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -161,9 +162,11 @@ def logprobs_of(logits: torch.Tensor, tokens: list[int], top: list[int | None]) 
         lp = torch.log_softmax(logits[want].float(), dim=-1)
         k = max(top[i] for i in want)
         top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (None, None)
-        picked = lp[torch.arange(len(want)), torch.tensor([tokens[i] for i in want])].tolist()
+        picked = lp[torch.arange(len(want)), torch.tensor([tokens[i] for i in want])]
+        ranks = ((lp > picked.unsqueeze(1)).sum(-1) + 1).tolist()
+        picked = picked.tolist()
         for r, i in enumerate(want):
             n = top[i]
             alts = list(zip(top_i[r, :n].tolist(), top_v[r, :n].tolist())) if n else []
-            out[i] = TokenLogprobs(picked[r], alts)
+            out[i] = TokenLogprobs(picked[r], alts, ranks[r])
     return out

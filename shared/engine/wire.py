@@ -25,4 +25,4 @@ def sampling_params(s: Sampling, stop: list[str] | None = None, skip_special_tok
 
 
 def logprob(lp: TokenLogprobs | None) -> Logprob | None:
-    return None if lp is None else Logprob(logprob=lp.logprob, top=lp.top)
+    return None if lp is None else Logprob(logprob=lp.logprob, top=lp.top, rank=lp.rank)
