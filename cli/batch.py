@@ -82,15 +82,16 @@ def _prepare(llm: LLM, item: dict, served: str):
     return kind, req, list(prompts), list(texts), wire.sampling_params(sampling, **req.text_options())
 
 
-def _add(llm: LLM, prompts: list[list[int]], params, n: int) -> list[Completion]:
+def _add(llm: LLM, prompts: list[list[int]], params, n: int, cache_salt: str | None) -> list[Completion]:
     """n choices of each prompt: the first, then the others after it (they share its prompt's blocks),
     seed + i each. A prompt the engine refuses takes back the ones added before it."""
     out: list[Completion] = []
     try:
         for prompt in prompts:
-            first = llm.add(prompt, params)
+            first = llm.add(prompt, params, cache_salt=cache_salt)
             out += [first] + [llm.add(prompt, params if params.seed is None else
-                                      dataclasses.replace(params, seed=params.seed + i), after=first.request_id)
+                                      dataclasses.replace(params, seed=params.seed + i), after=first.request_id,
+                                      cache_salt=cache_salt)
                               for i in range(1, n)]
     except Exception:
         for c in out:
@@ -151,7 +152,7 @@ def run_batch(llm: LLM, inp: IO[bytes], out: IO[bytes], served: str) -> tuple[in
             item = _read_line(line)
             cid = item.get("custom_id")
             kind, req, prompts, texts, params = _prepare(llm, item, served)
-            cs = _add(llm, prompts, params, req.n)
+            cs = _add(llm, prompts, params, req.n, req.cache_salt)
             pending.append((len(results), kind, req, cs, texts, params.logprobs is not None, cid))
             results.append(None)
         except OpenAIError as e:

@@ -178,6 +178,8 @@ class _SamplingFields(BaseModel):
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
     # vLLM's: each prompt token's logprob and rank, and its k most likely alternatives (not streamed)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # vLLM's: only requests with the same salt share cached prompt blocks (prefix_hash.namespace)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("stop")
     @classmethod

@@ -12,10 +12,13 @@ import hashlib
 import numpy as np
 
 
-def namespace(model: str, lora_key: str | None = None) -> str:
-    """What keys are salted with: the model, and a LoRA adapter's identity when the request has one
-    (an adapter changes every layer's K and V, so its blocks are not the base model's)."""
-    return model if lora_key is None else f"{model}+lora:{lora_key}"
+def namespace(model: str, lora_key: str | None = None, cache_salt: str | None = None) -> str:
+    """What keys are salted with: the model, a LoRA adapter's identity when the request has one
+    (an adapter changes every layer's K and V, so its blocks are not the base model's), and the
+    request's cache_salt (vLLM's: only requests with the same salt share cached blocks, so one
+    tenant cannot learn from timing what another's prompts were)."""
+    ns = model if lora_key is None else f"{model}+lora:{lora_key}"
+    return ns if cache_salt is None else f"{ns}+salt:{cache_salt}"
 
 
 def block_hash(parent: int | None, tokens: list[int], model: str) -> int:

@@ -96,6 +96,8 @@ class GenerateRequest(Message):
     # A LoRA adapter of `model` (docs/models.md "Adapters"); None: the base model alone. Requests of
     # different adapters of one base run on the same workers and share their steps.
     lora: LoRARef | None = None
+    # vLLM's cache_salt: only requests with the same salt share prefix-cache blocks (prefix_hash.namespace).
+    cache_salt: str | None = None
 
 
 NOT_READY = "not_ready"  # SubmitReply.error_code of a 503 while no worker serves the model yet (a starting mesh)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 from pathlib import Path
 
 import yaml
@@ -64,6 +65,9 @@ class Tenant(BaseModel):
     max_priority: Priority = "interactive"
     max_concurrent_requests: int | None = Field(default=None, ge=1)
     tokens_per_minute: int | None = Field(default=None, ge=1)
+    # Its prompts' cached blocks are its own: every request of it is cache-salted with its name
+    # (cache_salt below), so no other tenant hits them.
+    isolate_prefix_cache: bool = False
 
     @field_validator("api_keys")
     @classmethod
@@ -76,6 +80,15 @@ class Tenant(BaseModel):
             raise ValueError(f"default_priority {self.default_priority!r} is above max_priority "
                              f"{self.max_priority!r}")
         return self
+
+
+def cache_salt(tenant: Tenant | None, requested: str | None) -> str | None:
+    """What a request's prefix-cache keys are salted with (prefix_hash.namespace): the request's
+    own cache_salt, and its tenant's name when the tenant isolates its cache. The two kinds never
+    coincide, so no request's salt opens an isolated tenant's blocks."""
+    if tenant is None or not tenant.isolate_prefix_cache:
+        return None if requested is None else f"request:{requested}"
+    return "tenant:" + json.dumps([tenant.name, requested])
 
 
 class QueueLimit(BaseModel):

@@ -69,6 +69,27 @@ def test_greedy_matches_transformers(tiny, chunk, prefix, pool):
     assert eng.block_pool.num_free == eng.block_pool.num_blocks  # nothing leaked
 
 
+def test_cache_salt_shares_prefix_blocks_only_within_a_salt(tiny):
+    """vLLM's cache_salt: a prompt cached under one salt is a hit for the same salt only (and the
+    unsalted prompt's blocks are no salted one's); the tokens are the oracle's either way."""
+    model, _, prompts, ref = tiny
+    eng = engine(model, block_size=8)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0)
+    p, want = prompts[-3], ref[-3]  # 120 tokens: 14 full blocks to share
+
+    def run(rid: str, salt: str | None) -> int:
+        s = eng.add_request(rid, p, params, cache_salt=salt)
+        while eng.has_unfinished():
+            eng.step()
+        assert s.output_token_ids == want
+        return s.num_cached_tokens
+
+    assert run("plain", None) == 0
+    assert run("a1", "tenant-a") == 0  # the unsalted blocks are not tenant-a's
+    assert run("b1", "tenant-b") == 0
+    assert run("a2", "tenant-a") == run("b2", "tenant-b") == run("plain2", None) == (len(p) - 1) // 8 * 8
+
+
 def test_biases_on_every_projection_match_transformers(tiny_llama_biased):
     """A Llama with attention_bias biases o_proj too, and mlp_bias the MLP's three projections: each
     is applied (they were once dropped), in chunked prefill, prefix hits and decode alike."""

@@ -359,6 +359,26 @@ def test_vllm_prompt_logprobs_equal_transformers(mesh, hf):
                              extra_body={"prompt_logprobs": 1})
 
 
+def test_cache_salt_keeps_prefix_cache_hits_within_a_salt(mesh):
+    """vLLM's cache_salt through the mesh: a prompt's cached blocks are hits only for requests of
+    the same salt (and none of the unsalted ones'), the completion the same either way."""
+    c = mesh.client
+    prompt = "Salted: " + LONG * 2  # over 64 tokens, not cached by any other test
+
+    def cached(salt: str | None) -> tuple[int, str]:
+        r = c.completions.create(model=mesh.model, prompt=prompt, max_tokens=4, temperature=0,
+                                 extra_body={} if salt is None else {"cache_salt": salt})
+        details = r.usage.prompt_tokens_details
+        return (details.cached_tokens if details else 0) or 0, r.choices[0].text
+
+    first = cached(None)
+    assert cached("tenant-a") == (0, first[1]) and cached("tenant-b") == (0, first[1])
+    again = [cached(s) for s in ("tenant-a", "tenant-b", None)]
+    assert all(n >= 64 and text == first[1] for n, text in again), again
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        c.completions.create(model=mesh.model, prompt=prompt, max_tokens=1, extra_body={"cache_salt": ""})
+
+
 def test_a_batch_of_prompts_is_each_prompt_alone(mesh):
     """`prompt` as a list of texts or of token-id lists (OpenAI's and vLLM's batch): prompt k's i-th
     choice is choice k * n + i, its text what that prompt alone gives, echo its own prompt; usage

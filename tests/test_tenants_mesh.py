@@ -38,6 +38,9 @@ tenants:
   - name: metered
     api_keys: ["sk-metered"]
     tokens_per_minute: 60
+  - name: private
+    api_keys: ["sk-private"]
+    isolate_prefix_cache: true
 queues:
   interactive: {{max_waiting: 1}}
 metrics_api_keys: ["sk-scrape"]
@@ -241,6 +244,26 @@ def test_batch_url_runs_lines_as_background(mesh, tmp_path):
 
     res = asyncio.run(run_remote([orjson.dumps(lines[0])], mesh.url))
     assert res[0]["response"]["status_code"] == 401 and res[0]["error"]["code"] == "invalid_api_key"
+
+
+def test_a_tenant_that_isolates_its_prefix_cache_shares_no_blocks(mesh):
+    """`isolate_prefix_cache`: the private tenant's prompts hit only its own cached blocks, and no
+    one else's requests hit them, whatever cache_salt they send (even the tenant's own name)."""
+    prompt = list(range(100, 150))  # 50 tokens: 3 full blocks of 16 to share
+
+    def cached(key: str, **extra) -> int:
+        r = client(mesh, key).completions.create(model=mesh.model, prompt=prompt, max_tokens=2, temperature=0,
+                                                 extra_body=extra)
+        details = r.usage.prompt_tokens_details
+        return (details.cached_tokens if details else 0) or 0
+
+    assert cached("sk-acme") == 0
+    assert cached("sk-acme") == 48  # an open tenant's blocks are shared
+    assert cached("sk-private") == 0  # not acme's
+    assert cached("sk-private") == 48  # its own
+    for salt in ("private", "tenant:private", '["private", null]'):
+        assert cached("sk-acme", cache_salt=salt) == 0, salt
+    assert cached("sk-private", cache_salt="x") == 0 and cached("sk-private", cache_salt="x") == 48
 
 
 def test_metrics_and_analyze_by_tenant_and_still_healthy(mesh, tmp_path):

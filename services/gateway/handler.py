@@ -24,7 +24,7 @@ from meshserve.shared.openai_protocol import (ChatCompletionRequest, CompletionR
                                               join_logprobs, parse_request, prompt_logprobs, usage, usage_chunk,
                                               validate_body)
 from meshserve.shared.schemas import Abort, GenerateRequest, Logprob, Message, Sampling, TokenChunk, Usage
-from meshserve.shared.tenants import Tenant
+from meshserve.shared.tenants import Tenant, cache_salt
 from meshserve.shared.tokenizer import IncrementalDetokenizer, Tokenizer
 
 from .adapters import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
@@ -230,7 +230,8 @@ class Gateway:
             request_id=ids[k * p.n + i], model=p.model.id, prompt_token_ids=prompt.token_ids,
             sampling=p.choice_sampling(i), priority=p.priority, stream_subject=self.streams.subject,
             arrival_time=arrival, trace=trace, tenant=tenant and tenant.name,
-            after=None if i == 0 else ids[k * p.n], lora=p.model.lora)
+            after=None if i == 0 else ids[k * p.n], lora=p.model.lora,
+            cache_salt=cache_salt(tenant, p.request.cache_salt))
             for k, prompt in enumerate(p.prompts) for i in range(p.n)]
         streams = [self.streams.open(r) for r in requests]
         try:

@@ -528,7 +528,7 @@ class Scheduler:
             return None
         block_size = cands[0].hb.block_size
         hashes = prompt_block_hashes(req.prompt_token_ids + req.output_token_ids, block_size,
-                                     namespace(req.model, req.lora.key if req.lora else None))
+                                     namespace(req.model, req.lora.key if req.lora else None, req.cache_salt))
         n_prompt = len(req.prompt_token_ids) + len(req.output_token_ids)
         first = self._first_choice_worker(req, cands)
         if first is not None:

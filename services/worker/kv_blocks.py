@@ -260,13 +260,13 @@ class KVBlocks:
             self.host.add(key)
         self.num_spilled += len(victims)
 
-    async def prepare(self, tokens: list[int], lora_key: str | None = None) -> int:
-        """Before a prompt (of that LoRA adapter) is queued: marks its cached prefix as recently used,
+    async def prepare(self, tokens: list[int], lora_key: str | None = None, cache_salt: str | None = None) -> int:
+        """Before a prompt (of that LoRA adapter and cache salt) is queued: marks its cached prefix as recently used,
         and brings back the blocks of that prefix the host tier has. Returns how many blocks came back."""
         if not self.swap_enabled:
             return 0
         pool, protect, wanted = self.pool, set(), []
-        for key in self.engine.kv_cache_manager.prefix_keys(tokens, lora_key):
+        for key in self.engine.kv_cache_manager.prefix_keys(tokens, lora_key, cache_salt):
             b = pool.lookup(key)  # the chain until its first key that is neither here nor in the tier
             if b is not None:
                 protect.add(b)
@@ -312,7 +312,7 @@ class KVBlocks:
         req = h.request
         seq = self.engine.new_sequence(req.request_id, req.prompt_token_ids, wire.sampling_params(req.sampling),
                                        time.monotonic(), h.token_ids[len(req.prompt_token_ids):], req.priority,
-                                       lora)
+                                       lora, req.cache_salt)
         self.engine.adopt(seq, h.block_ids, h.shared_block_ids, h.num_computed_tokens, h.num_cached_tokens)
 
     def import_remote(self, h: Handoff) -> None:

@@ -364,12 +364,13 @@ class Worker:
         if self.attempts.get(req.request_id, req.attempt) < req.attempt:  # its old attempt still runs here
             await self._abort(Abort(request_id=req.request_id, reason="superseded", attempt=req.attempt - 1))
         # its prefix back from the host tier
-        await self.blocks.prepare(req.prompt_token_ids + req.output_token_ids, req.lora.key if req.lora else None)
+        await self.blocks.prepare(req.prompt_token_ids + req.output_token_ids, req.lora.key if req.lora else None,
+                                  req.cache_salt)
         try:
             lora = await self._lora(req.lora)
             self.engine.add_request(req.request_id, req.prompt_token_ids, wire.sampling_params(req.sampling),
                                     arrival_time=time.monotonic(), output_token_ids=req.output_token_ids,
-                                    priority=req.priority, after=req.after, lora=lora)
+                                    priority=req.priority, after=req.after, lora=lora, cache_salt=req.cache_salt)
         except RequestError as e:
             await self._refuse(req, str(e), len(req.output_token_ids), status=400)
             return

@@ -47,7 +47,8 @@ class DraftModelProposer:
     def _sync(self, seq: Sequence) -> Sequence:
         m = self.mirrors.get(seq.request_id)
         if m is None:
-            m = self.mirrors[seq.request_id] = Sequence(seq.request_id, seq.prompt_token_ids, seq.params)
+            m = self.mirrors[seq.request_id] = Sequence(seq.request_id, seq.prompt_token_ids, seq.params,
+                                                        cache_salt=seq.cache_salt)
             self.synced[seq.request_id] = 0
         same = min(self.synced[seq.request_id], m.num_tokens, seq.num_tokens)
         while same < min(m.num_tokens, seq.num_tokens) and m.token_ids[same] == seq.token_ids[same]:

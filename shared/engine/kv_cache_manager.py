@@ -27,18 +27,24 @@ class KVCacheManager:
 
     def _block_keys(self, seq: Sequence, upto: int) -> list[int]:
         """Extends seq.block_hashes to cover the full blocks among its first `upto` tokens."""
-        bs, ns = self.block_size, namespace(self.model, seq.lora_key)
+        bs, ns = self.block_size, self.namespace(seq)
         for i in range(len(seq.block_hashes), upto // bs):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             seq.block_hashes.append(block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs], ns))
         return seq.block_hashes
 
-    def prefix_keys(self, tokens: list[int], lora_key: str | None = None) -> list[int]:
-        """The keys a sequence of these tokens (with that LoRA adapter) looks up when admitted (its
-        full blocks, less the last token, which is always computed); none without prefix caching."""
+    def namespace(self, seq: Sequence) -> str:
+        """What the sequence's block keys are salted with (prefix_hash.namespace)."""
+        return namespace(self.model, seq.lora_key, seq.cache_salt)
+
+    def prefix_keys(self, tokens: list[int], lora_key: str | None = None, cache_salt: str | None = None) -> list[int]:
+        """The keys a sequence of these tokens (with that LoRA adapter and cache salt) looks up when
+        admitted (its full blocks, less the last token, which is always computed); none without
+        prefix caching."""
         if not self.enable_prefix_caching:
             return []
-        return prompt_block_hashes(tokens[:len(tokens) - 1], self.block_size, namespace(self.model, lora_key))
+        return prompt_block_hashes(tokens[:len(tokens) - 1], self.block_size,
+                                   namespace(self.model, lora_key, cache_salt))
 
     def _match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks covering the sequence's leading tokens; at least one token is left to compute."""

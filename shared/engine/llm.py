@@ -97,13 +97,16 @@ class LLM:
         self._next_id = 0
 
     def add(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-            priority: int | str = "normal", after: str | None = None, lora: str | None = None) -> Completion:
+            priority: int | str = "normal", after: str | None = None, lora: str | None = None,
+            cache_salt: str | None = None) -> Completion:
         """after: the request id of an earlier choice of the same prompt (n > 1; LLMEngine.add_request).
-        lora: an adapter added with `self.engine.load_lora(name, path)`."""
+        lora: an adapter added with `self.engine.load_lora(name, path)`. cache_salt: only requests with
+        the same salt share prefix-cache blocks."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if request_id is None:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
-        seq = self.engine.add_request(request_id, ids, params, priority=priority, after=after, lora=lora)
+        seq = self.engine.add_request(request_id, ids, params, priority=priority, after=after, lora=lora,
+                                      cache_salt=cache_salt)
         c = Completion(request_id, ids, arrival_time=seq.arrival_time)
         self.outputs.add(c, params)
         return c

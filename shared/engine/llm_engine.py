@@ -167,12 +167,14 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, output_token_ids: list[int] | None = None,
-                    priority: int | str = NORMAL, after: str | None = None, lora: str | None = None) -> Sequence:
+                    priority: int | str = NORMAL, after: str | None = None, lora: str | None = None,
+                    cache_salt: str | None = None) -> Sequence:
         """output_token_ids: tokens already generated elsewhere (a re-dispatch): recomputed, then continued.
         priority: "interactive" (0), "normal" (1) or "background" (2); see scheduler.py.
         after: the request id of a sibling with the same prompt (the first choice of n): this one
         waits until that one's prompt is in the prefix cache, so the prompt is computed once.
-        lora: the name of an adapter added with load_lora/add_lora (None: the base model)."""
+        lora: the name of an adapter added with load_lora/add_lora (None: the base model).
+        cache_salt: only requests with the same salt share prefix-cache blocks."""
         try:
             params.validate()
             priority = priority_level(priority)
@@ -208,18 +210,20 @@ class LLMEngine:
             raise RequestError(f"the request needs {n + params.max_tokens} tokens of KV cache; "
                                f"the pool holds {cap * self.config.block_size}"
                                + (f" ({self.block_limit_why})" if cap < self.block_pool.num_blocks else ""))
-        seq = self.new_sequence(request_id, prompt_token_ids, params, arrival_time, output_token_ids, priority, lora)
+        seq = self.new_sequence(request_id, prompt_token_ids, params, arrival_time, output_token_ids, priority, lora,
+                                cache_salt)
         self.requests[request_id] = seq
         self.scheduler.add(seq, self.requests.get(after) if after is not None else None)
         return seq
 
     def new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      arrival_time: float | None = None, output_token_ids: list[int] | None = None,
-                     priority: int | str = NORMAL, lora: str | None = None) -> Sequence:
+                     priority: int | str = NORMAL, lora: str | None = None, cache_salt: str | None = None) -> Sequence:
         """A sequence that may continue output generated elsewhere, its seeded stream included; lora:
         the name of one of this engine's adapters (its identity then salts the prefix-cache keys)."""
         key = self.loras[lora].key if lora is not None else None
-        seq = Sequence(request_id, prompt_token_ids, params, arrival_time, priority_level(priority), lora, key)
+        seq = Sequence(request_id, prompt_token_ids, params, arrival_time, priority_level(priority), lora, key,
+                       cache_salt)
         if output_token_ids:
             seq.token_ids += output_token_ids
             seq.prompt_logprobs = None  # they went out with the first token

@@ -32,7 +32,6 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ..prefix_hash import namespace
 from .kv_cache_manager import KVCacheManager
 from .policy import INTERACTIVE, NORMAL, OVERTAKE_FACTOR, PRIORITIES, Policy, PreemptionCosts
 from .sequence import Sequence, SequenceStatus
@@ -279,7 +278,7 @@ class Scheduler:
         step.evicted.add(id(seq))
         if mode == "swap":  # the blocks' bytes are copied out before the step reuses them
             k = seq.num_computed_tokens
-            seq.swap_keys = swap_keys(seq.token_ids, k, self.kv.block_size, namespace(self.kv.model, seq.lora_key))
+            seq.swap_keys = swap_keys(seq.token_ids, k, self.kv.block_size, self.kv.namespace(seq))
             seq.swapped_tokens = k
             step.swap_out.append(SwapOp(seq, seq.block_table[:len(seq.swap_keys)], seq.swap_keys, 0))
         self.kv.free(seq)

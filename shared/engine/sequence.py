@@ -77,11 +77,12 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_time: float | None = None, priority: int = NORMAL, lora: str | None = None,
-                 lora_key: str | None = None):
+                 lora_key: str | None = None, cache_salt: str | None = None):
         self.request_id = request_id
         # Its LoRA adapter (the engine's name for it; None: the base model) and that adapter's
         # identity, which its prefix-cache keys include (blocks of another adapter hold other KV).
         self.lora, self.lora_key = lora, lora_key
+        self.cache_salt = cache_salt  # only sequences with the same salt share prefix-cache blocks
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)  # prompt + output
         self.params = params
