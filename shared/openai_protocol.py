@@ -180,6 +180,8 @@ class _SamplingFields(BaseModel):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     # vLLM's: only requests with the same salt share cached prompt blocks (prefix_hash.namespace)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    # vLLM's: the response's id is "cmpl-" / "chatcmpl-" and this (the mesh's own id stays unique)
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("stop")
     @classmethod

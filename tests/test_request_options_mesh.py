@@ -8,6 +8,7 @@ logprobs against Transformers."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import re
 import time
@@ -377,6 +378,18 @@ def test_cache_salt_keeps_prefix_cache_hits_within_a_salt(mesh):
     assert all(n >= 64 and text == first[1] for n, text in again), again
     with pytest.raises(openai.BadRequestError, match="cache_salt"):
         c.completions.create(model=mesh.model, prompt=prompt, max_tokens=1, extra_body={"cache_salt": ""})
+
+
+def test_request_id_names_the_response(mesh):
+    """vLLM's request_id: the response's id, streamed or not; two requests reusing one both finish."""
+    c = mesh.client
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        rs = list(pool.map(lambda _: c.completions.create(model=mesh.model, prompt=LONG, max_tokens=4, temperature=0,
+                                                          extra_body={"request_id": "job-7"}), range(2)))
+    assert [r.id for r in rs] == ["cmpl-job-7"] * 2 and rs[0].choices[0].text == rs[1].choices[0].text
+    chunks = list(c.chat.completions.create(model=mesh.model, messages=chat(), max_tokens=3, stream=True,
+                                            extra_body={"request_id": "job-8"}))
+    assert {ch.id for ch in chunks} == {"chatcmpl-job-8"}
 
 
 def test_a_batch_of_prompts_is_each_prompt_alone(mesh):

@@ -534,7 +534,7 @@ class Generation:
         self.kind = prepared.kind
         self.stream = prepared.request.stream
         prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
-        self.id = f"{prefix}-{self.request.request_id}"
+        self.id = f"{prefix}-{prepared.request.request_id or self.request.request_id}"
         self.created = int(time.time())
         self.model = prepared.model.name
         self.metrics = gw.metrics.of(prepared.model.spec.name)  # its series: the model it runs on

@@ -4,12 +4,14 @@ Every request that reached the handler is logged once, when it ends: finished (a
 failed (an `error` with its HTTP status and message, `finish_reason` null) or given up by its client
 (`error.status` 499). A line:
 
-    {"arrival": 1732900000.123, "id": "3f2a...", "model": "smollm2-135m-instruct", "class": "normal",
+    {"arrival": 1732900000.123, "id": "3f2a...", "response_id": "chatcmpl-3f2a...",
+     "model": "smollm2-135m-instruct", "class": "normal",
      "tenant": "acme", "endpoint": "chat", "stream": true, "prompt_tokens": 412, "cached_tokens": 0,
      "output_tokens": 87, "max_tokens": 256, "ttft": 0.081, "e2e": 1.93, "finish_reason": "stop", "error": null,
      "workers": ["node0-prefill-0", "node0-decode-1"]}
 
-`arrival` is unix time in seconds (when the request was tokenized and submitted; for a request that
+`response_id` is the `id` the client got (a request's vLLM `request_id` names it; a
+failed request has none); `arrival` is unix time in seconds (when the request was tokenized and submitted; for a request that
 failed validation, when it came in); `ttft` and `e2e` are seconds from `arrival` to the first
 output token and to the last one (or to the failure); `ttft` is null when no token came;
 `prompt_tokens` is null when the request failed before it was tokenized; `tenant` is the tenant whose
@@ -108,8 +110,8 @@ class RequestLog:
             error = _error(gen.error)
             end = now
         self.write({
-            "arrival": arrival, "id": req.request_id, "model": req.model, "class": req.priority,
-            "tenant": req.tenant, "endpoint": gen.kind, "stream": bool(gen.stream),
+            "arrival": arrival, "id": req.request_id, "response_id": gen.id, "model": req.model,
+            "class": req.priority, "tenant": req.tenant, "endpoint": gen.kind, "stream": bool(gen.stream),
             "prompt_tokens": gen.prepared.num_prompt_tokens,
             "cached_tokens": gen.num_cached_tokens, "output_tokens": len(gen.token_ids),
             "max_tokens": req.sampling.max_tokens,
