@@ -21,7 +21,7 @@ from meshserve.shared.limits import RequestLimits
 from meshserve.shared.openai_protocol import (ChatCompletionRequest, OpenAIError, chat_choice, chat_logprobs,
                                               chat_response, completion_choice, completion_logprobs,
                                               completion_response, join_logprobs, new_id, parse_request,
-                                              prompt_logprobs, usage)
+                                              prompt_fields, usage)
 
 if TYPE_CHECKING:
     from meshserve.shared.engine.llm import LLM, Completion
@@ -106,12 +106,10 @@ def _body(llm: LLM, kind: str, served: str, req, cs: list[Completion], texts: li
     firsts = cs[::req.n]  # each prompt's first choice
     u = usage(sum(len(c.prompt_token_ids) for c in firsts), sum(len(c.token_ids) for c in cs),
               sum(c.num_cached_tokens for c in firsts))
-    dec = llm.tokenizer.decode
-    choices, prompt_lps = [], []  # the latter: vLLM's prompt_logprobs of each choice
+    dec = req.token_text(llm.tokenizer)  # what names a token in logprobs
+    choices, extras = [], []  # the latter: vLLM's fields of each choice's prompt
     for i, c in enumerate(cs):
-        lps = c.prompt_logprobs or [None] * len(c.prompt_token_ids)
-        if req.prompt_logprobs is not None:
-            prompt_lps.append(prompt_logprobs(c.prompt_token_ids, lps, dec, req.prompt_logprobs))
+        extras.append(fields := prompt_fields(req, c.prompt_token_ids, c.prompt_logprobs, llm.tokenizer.decode))
         if kind == "chat":
             lp = chat_logprobs(c.token_ids, c.logprobs, dec) if want_logprobs else None
             mode = req.tool_mode()
@@ -119,22 +117,27 @@ def _body(llm: LLM, kind: str, served: str, req, cs: list[Completion], texts: li
                                                    if mode == "named" else None)
             finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
             choices.append(chat_choice(i, content, finish, lp, [t.openai() for t in calls] or None))
+            if req.return_token_ids:
+                choices[-1]["token_ids"] = c.token_ids
             continue
         lp = completion_logprobs(c.token_ids, c.logprobs, dec) if want_logprobs else None
         text = c.text
         if req.echo:
             prompt_text = texts[i // req.n]
             if want_logprobs:
-                plp = completion_logprobs(c.prompt_token_ids, lps, dec, top=req.logprobs)
+                plp = completion_logprobs(c.prompt_token_ids, c.prompt_logprobs or [None] * len(c.prompt_token_ids),
+                                          dec, top=req.logprobs)
                 lp = join_logprobs(plp, completion_logprobs(c.token_ids, c.logprobs, dec, len(prompt_text)))
             text = prompt_text + text
-        choices.append(completion_choice(i, text, c.finish_reason, lp))
-        if prompt_lps:
-            choices[-1]["prompt_logprobs"] = prompt_lps[-1]
+        choices.append(completion_choice(i, text, c.finish_reason, lp) | fields)
+        if req.return_token_ids:
+            choices[-1]["token_ids"] = c.token_ids
     build = chat_response if kind == "chat" else completion_response
-    out = build(new_id("chatcmpl" if kind == "chat" else "cmpl"), served, "", None, u, choices=choices)
-    if prompt_lps and kind == "chat":  # vLLM's place: the one prompt's, beside the choices
-        out["prompt_logprobs"] = prompt_lps[0]
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    out = build(f"{prefix}-{req.request_id}" if req.request_id else new_id(prefix), served, "", None, u,
+                choices=choices)
+    if kind == "chat":  # vLLM's place for chat: the one prompt's, beside the choices
+        out.update(extras[0])
     return out
 
 

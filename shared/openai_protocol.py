@@ -182,6 +182,10 @@ class _SamplingFields(BaseModel):
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     # vLLM's: the response's id is "cmpl-" / "chatcmpl-" and this (the mesh's own id stays unique)
     request_id: str | None = Field(default=None, min_length=1, max_length=256)
+    # vLLM's: the prompt's and the output's token ids beside the text (`prompt_token_ids`, `token_ids`)
+    return_token_ids: bool = False
+    # vLLM's: logprobs name each token "token_id:<id>" rather than by its text
+    return_tokens_as_token_ids: bool = False
 
     @field_validator("stop")
     @classmethod
@@ -237,6 +241,12 @@ class _SamplingFields(BaseModel):
                 raise _refuse(f"the bias of token {t} must be between -100 and 100", "logit_bias")
             out[t] = v
         return out
+
+    def token_text(self, tokenizer):
+        """What names a token in logprobs: its text, or "token_id:<id>" (return_tokens_as_token_ids)."""
+        if self.return_tokens_as_token_ids:
+            return lambda ids: "".join(f"token_id:{t}" for t in ids)
+        return tokenizer.decode
 
     def bad_words_ids(self, tokenizer) -> list[list[int]]:
         """Each bad word as tokens, as vLLM takes them: with its leading whitespace stripped, and with
@@ -585,6 +595,17 @@ def prompt_logprobs(tokens: list[int], logprobs: list[Logprob | None], decode, t
         for rank, (a, v) in enumerate(lp.top[:top], 1):
             entry.setdefault(str(a), {"logprob": v, "rank": rank, "decoded_token": decode([a])})
         out.append(entry)
+    return out
+
+
+def prompt_fields(req: _SamplingFields, ids: list[int], logprobs: list[Logprob | None] | None, decode) -> dict:
+    """vLLM's fields of a choice's prompt, as the request asks: `prompt_logprobs` (its computed
+    `logprobs`, None: not computed) and `prompt_token_ids`."""
+    out = {}
+    if req.prompt_logprobs is not None:
+        out["prompt_logprobs"] = prompt_logprobs(ids, logprobs or [None] * len(ids), decode, req.prompt_logprobs)
+    if req.return_token_ids:
+        out["prompt_token_ids"] = ids
     return out
 
 

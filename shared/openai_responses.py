@@ -34,6 +34,9 @@ CHAT_ONLY = {
     "logprobs": f"use `top_logprobs` and `include: [\"{LOGPROBS_INCLUDE}\"]`",
     "n": "the Responses API makes one output; use /v1/chat/completions for several",
     "prompt_logprobs": "a Response has no place for them; use /v1/chat/completions",
+    "return_token_ids": "a Response has no place for them; use /v1/chat/completions",
+    "return_tokens_as_token_ids": "use /v1/chat/completions",
+    "request_id": "a Response's id is its own; use /v1/chat/completions",
 }
 
 

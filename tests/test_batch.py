@@ -21,7 +21,8 @@ TOOL = {"type": "function", "function": {"name": "weather", "parameters": {
 def test_batch_command(tiny_llama, tmp_path):
     lines = [
         {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 6, "temperature": 0}},
+         "body": {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 6, "temperature": 0,
+                  "return_token_ids": True, "request_id": "line-1"}},
         {"custom_id": "text", "method": "POST", "url": "/v1/completions",
          "body": {"prompt": "The quick brown fox", "max_tokens": 5, "temperature": 0, "logprobs": 2}},
         {"custom_id": "ids", "method": "POST", "url": "/v1/completions",
@@ -58,6 +59,9 @@ def test_batch_command(tiny_llama, tmp_path):
     results = [orjson.loads(x) for x in out.read_bytes().splitlines()]
     assert [x["custom_id"] for x in results] == [x["custom_id"] for x in lines] + [None]
     by = {x["custom_id"]: x for x in results}
+    chat = by["chat"]["response"]["body"]  # vLLM's fields: request_id, return_token_ids
+    assert chat["id"] == "chatcmpl-line-1" and len(chat["prompt_token_ids"]) == chat["usage"]["prompt_tokens"]
+    assert len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"]
     for cid in ("chat", "text", "ids"):
         assert by[cid]["response"]["status_code"] == 200 and by[cid]["error"] is None
         body = by[cid]["response"]["body"]

@@ -392,6 +392,38 @@ def test_request_id_names_the_response(mesh):
     assert {ch.id for ch in chunks} == {"chatcmpl-job-8"}
 
 
+def test_token_ids_beside_the_text(mesh):
+    """vLLM's return_token_ids: the prompt's and the output's ids (streamed: the prompt's in the
+    first chunk, each chunk's own after; chat: the prompt's beside the choices), which decode to the
+    text; return_tokens_as_token_ids names logprobs' tokens "token_id:<id>"."""
+    c, tok = mesh.client, mesh.tokenizer
+    ids = tok.encode(LONG)
+    r = c.completions.create(model=mesh.model, prompt=LONG, max_tokens=6, temperature=0, n=2,
+                             extra_body={"return_token_ids": True})
+    for ch in r.choices:
+        assert ch.model_extra["prompt_token_ids"] == ids and len(ch.model_extra["token_ids"]) == 6
+        assert tok.decode(ch.model_extra["token_ids"]) == ch.text
+    got, prompt = [], None
+    for chunk in c.completions.create(model=mesh.model, prompt=LONG, max_tokens=6, temperature=0, stream=True,
+                                      extra_body={"return_token_ids": True}):
+        for ch in chunk.choices:
+            prompt = prompt or ch.model_extra.get("prompt_token_ids")
+            got += ch.model_extra.get("token_ids") or []
+    assert prompt == ids and got == r.choices[0].model_extra["token_ids"]
+    body = {"model": mesh.model, "messages": chat(), "max_tokens": 5, "temperature": 0, "return_token_ids": True,
+            "logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True}
+    out = httpx.post(mesh.url + "/v1/chat/completions", json=body, timeout=60).json()
+    template = httpx.post(mesh.url + "/tokenize", json={"model": mesh.model, "messages": chat(),
+                                                        "add_generation_prompt": True}).json()["tokens"]
+    assert out["prompt_token_ids"] == template
+    choice = out["choices"][0]
+    assert tok.decode(choice["token_ids"]) == choice["message"]["content"]
+    assert [e["token"] for e in choice["logprobs"]["content"]] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert all(a["token"].startswith("token_id:") for e in choice["logprobs"]["content"] for a in e["top_logprobs"])
+    with pytest.raises(openai.BadRequestError, match="return_token_ids"):
+        c.responses.create(model=mesh.model, input="hi", max_output_tokens=2, extra_body={"return_token_ids": True})
+
+
 def test_a_batch_of_prompts_is_each_prompt_alone(mesh):
     """`prompt` as a list of texts or of token-id lists (OpenAI's and vLLM's batch): prompt k's i-th
     choice is choice k * n + i, its text what that prompt alone gives, echo its own prompt; usage

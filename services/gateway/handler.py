@@ -21,7 +21,7 @@ from meshserve.shared import tool_calls
 from meshserve.shared.openai_protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, chat_choice,
                                               chat_chunk, chat_logprobs, chat_response, completion_choice,
                                               completion_chunk, completion_logprobs, completion_response,
-                                              join_logprobs, parse_request, prompt_logprobs, usage, usage_chunk,
+                                              join_logprobs, parse_request, prompt_fields, usage, usage_chunk,
                                               validate_body)
 from meshserve.shared.schemas import Abort, GenerateRequest, Logprob, Message, Sampling, TokenChunk, Usage
 from meshserve.shared.tenants import Tenant, cache_salt
@@ -640,7 +640,7 @@ class Generation:
         if not self.want_logprobs:
             return None
         lps = logprobs if logprobs is not None else [None] * len(token_ids)
-        decode = self.prepared.tokenizer.decode
+        decode = self.prepared.request.token_text(self.prepared.tokenizer)
         if self.kind == "chat":
             return chat_logprobs(token_ids, lps, decode)
         return completion_logprobs(token_ids, lps, decode, text_offset)
@@ -651,7 +651,7 @@ class Generation:
             return c.prompt.text, None
         ids = c.prompt.token_ids
         lps = c.prompt_logprobs or [None] * len(ids)
-        return c.prompt.text, completion_logprobs(ids, lps, self.prepared.tokenizer.decode,
+        return c.prompt.text, completion_logprobs(ids, lps, self.prepared.request.token_text(self.prepared.tokenizer),
                                                   top=self.prepared.request.logprobs)
 
     def _tool_output(self, c: Choice) -> tuple[str | None, list[tool_calls.ToolCall]]:
@@ -677,18 +677,19 @@ class Generation:
                 choices.append(completion_choice(c.index, text + c.text, c.finish_reason, plp))
             else:
                 choices.append(completion_choice(c.index, c.text, c.finish_reason, lp))
-            if self.prepared.request.prompt_logprobs is not None and self.kind != "chat":
-                choices[-1]["prompt_logprobs"] = self._prompt_logprobs(c)
+            if self.kind != "chat":
+                choices[-1].update(self.prompt_fields(c))
+            if self.prepared.request.return_token_ids:
+                choices[-1]["token_ids"] = c.token_ids
         build = chat_response if self.kind == "chat" else completion_response
         out = build(self.id, self.model, "", None, self.usage(), choices=choices)
-        if self.prepared.request.prompt_logprobs is not None and self.kind == "chat":
-            out["prompt_logprobs"] = self._prompt_logprobs(self.choices[0])  # vLLM's place: one prompt
+        if self.kind == "chat":
+            out.update(self.prompt_fields(self.choices[0]))  # vLLM's place for chat: beside the choices
         return out
 
-    def _prompt_logprobs(self, c: Choice) -> list[dict | None]:
-        ids = c.prompt.token_ids
-        return prompt_logprobs(ids, c.prompt_logprobs or [None] * len(ids), self.prepared.tokenizer.decode,
-                               self.prepared.request.prompt_logprobs)
+    def prompt_fields(self, c: Choice) -> dict:
+        return prompt_fields(self.prepared.request, c.prompt.token_ids, c.prompt_logprobs,
+                             self.prepared.tokenizer.decode)
 
     async def chunks(self) -> AsyncIterator[dict]:
         """The streaming response, chunk by chunk (OpenAI's JSON); raises OpenAIError mid-stream.
@@ -713,6 +714,8 @@ class _ChunkState:
     def __init__(self, gen: Generation, choice: Choice):
         self.gen, self.choice = gen, choice
         self.first, self.offset = True, 0
+        self.unsent_ids: list[int] = []  # return_token_ids: output tokens no chunk has carried yet
+        self.sent_prompt = False
         self.auto = tool_calls.AutoParser() if gen.tool_mode == "auto" else None
         self.named_call = (tool_calls.ToolCall(gen.prepared.request.tool_choice.function["name"], "")
                            if gen.tool_mode == "named" else None)
@@ -724,6 +727,22 @@ class _ChunkState:
         return completion_chunk(g.id, g.model, g.created, delta_or_text, finish, logprobs, self.choice.index)
 
     def chunks(self, d: Delta) -> list[dict]:
+        """The chunks of a delta; with return_token_ids (vLLM's) the last of them carries the
+        delta's token ids (and those of deltas that made no chunk), and the choice's first chunk
+        its prompt's."""
+        out = self._chunks(d)
+        if self.gen.prepared.request.return_token_ids:
+            self.unsent_ids += d.token_ids
+            if out:
+                if not self.sent_prompt:
+                    first = out[0]
+                    (first if self.gen.kind == "chat" else first["choices"][0])["prompt_token_ids"] = \
+                        self.choice.prompt.token_ids
+                    self.sent_prompt = True
+                out[-1]["choices"][0]["token_ids"], self.unsent_ids = self.unsent_ids, []
+        return out
+
+    def _chunks(self, d: Delta) -> list[dict]:
         g, out = self.gen, []
         if g.kind != "chat":
             if self.first and g.echo:
