@@ -130,6 +130,18 @@ def _schema_text(value: dict | str, param: str) -> str:
 # Request fields OpenAI defines that change nothing in the output: accepted and ignored.
 INERT_FIELDS = frozenset({"metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
 
+# Fields OpenAI or vLLM define that this server does not implement, with the value that asks for
+# nothing (null, or their default): SDKs send them so, and so they are accepted; any other value
+# is refused by name.
+NOOP_VALUES: dict[str, Any] = {
+    "use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True,
+    "include_reasoning": True,  # without a reasoning parser the reasoning stays in the content
+    "echo": False,  # vLLM's chat echo (completions' echo is honoured)
+    "modalities": ["text"],
+    **dict.fromkeys(("audio", "prediction", "web_search_options", "reasoning_effort", "verbosity", "thinking",
+                     "documents", "mm_processor_kwargs", "logits_processors", "kv_transfer_params", "vllm_xargs",
+                     "structural_tag"))}
+
 
 class _SamplingFields(BaseModel):
     """Fields both endpoints share. A field that would change the output is honoured or refused
@@ -194,9 +206,11 @@ class _SamplingFields(BaseModel):
 
     def check(self, vocab_size: int | None = None) -> None:
         """What pydantic cannot say: raises OpenAIError(400) naming the field."""
-        for name in sorted(self.model_extra or {}):
-            if name not in INERT_FIELDS:
-                raise _refuse("not supported by this server (it would be ignored, so it is refused)", name)
+        for name, value in sorted((self.model_extra or {}).items()):
+            if name in INERT_FIELDS or (name in NOOP_VALUES and value == NOOP_VALUES[name]):
+                continue
+            why = f"only {json.dumps(NOOP_VALUES[name])} is accepted" if name in NOOP_VALUES else "not supported"
+            raise _refuse(f"{why} by this server (it would be ignored, so it is refused)", name)
         if self.best_of is not None and self.best_of != self.n:
             raise _refuse("best_of is not supported (only best_of == n, which returns every choice)", "best_of")
         if self.prompt_logprobs is not None and self.stream:

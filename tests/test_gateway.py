@@ -179,6 +179,12 @@ BAD = [
     ("/v1/completions", b'{"prompt": "hi", "bogus_option": 1}', "bogus_option", None),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "modalities": ["audio"]}',
      "modalities", None),
+    # vLLM's and OpenAI's fields this server does not implement: only the value that asks nothing passes
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "use_beam_search": true}',
+     "use_beam_search", None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "high"}',
+     "reasoning_effort", None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "echo": true}', "echo", None),
 ]
 
 
@@ -186,6 +192,17 @@ BAD = [
 def test_bad_requests_are_400(gateway, path, body, param, code):
     r = httpx.post(gateway + path, content=body, headers={"content-type": "application/json"})
     check_error(r, 400, param, code)
+
+
+def test_fields_at_the_values_that_ask_nothing_are_accepted(gateway, mesh, client):
+    """What SDKs send by default (null, or a field's default) for fields this server does not
+    implement, and OpenAI's fields that change no output, pass."""
+    r = client.chat.completions.create(
+        model=SERVED, messages=[{"role": "user", "content": "hi"}], max_tokens=3, metadata={"run": "a"},
+        service_tier="auto", extra_body={"use_beam_search": False, "length_penalty": 1.0, "audio": None,
+                                         "modalities": ["text"], "echo": False, "reasoning_effort": None,
+                                         "spaces_between_special_tokens": True, "logits_processors": None})
+    assert r.usage.completion_tokens == 3
 
 
 def test_unknown_model_is_404(gateway):
