@@ -219,7 +219,11 @@ def check_mesh_speculates(m, prompts: list, texts: list[str], num_tokens: list[i
         time.sleep(0.2)
     accepted = values["meshserve:spec_decode_num_accepted_tokens_total"]
     assert 0 < accepted <= values["meshserve:spec_decode_num_draft_tokens_total"], values
-    assert values["meshserve:spec_decode_num_verification_steps_total"] > 0
+    steps = values["meshserve:spec_decode_num_verification_steps_total"]
+    assert steps > 0
+    assert values["meshserve:spec_decode_acceptance_rate"] == pytest.approx(
+        accepted / values["meshserve:spec_decode_num_draft_tokens_total"])
+    assert values["meshserve:spec_decode_tokens_per_verification_step"] == pytest.approx((accepted + steps) / steps)
     return values
 
 

@@ -186,6 +186,18 @@ class ModelStatus:
             for model, spec in self.spec.items():
                 c.add_metric([model], spec[key])
             yield c
+        rate = GaugeMetricFamily("meshserve:spec_decode_acceptance_rate", "Proposed tokens accepted, of those "
+                                 "verified, since the start (accepted / draft tokens).", labels=["model_name"])
+        per_step = GaugeMetricFamily("meshserve:spec_decode_tokens_per_verification_step", "Output tokens each "
+                                     "verification yielded since the start: the accepted ones and the target's own "
+                                     "next token ((accepted + verifications) / verifications).", labels=["model_name"])
+        for model, spec in self.spec.items():
+            if spec["num_verification_steps"]:
+                rate.add_metric([model], spec["num_accepted_tokens"] / max(spec["num_draft_tokens"], 1))
+                per_step.add_metric([model], (spec["num_accepted_tokens"] + spec["num_verification_steps"])
+                                    / spec["num_verification_steps"])
+        yield rate
+        yield per_step
 
 
 class GatewayMetrics:
