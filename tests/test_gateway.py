@@ -24,6 +24,7 @@ import openai
 import orjson
 import pytest
 
+import meshserve
 from meshserve.services.gateway.streams import TokenStreams, confirm_subscriptions
 from meshserve.shared.bus import Bus
 from meshserve.shared.schemas import (Abort, GenerateRequest, Logprob, Sampling, SubmitReply, TokenChunk)
@@ -218,6 +219,7 @@ def test_no_scheduler_is_503(gateway):
     check_error(r, 503)
     assert int(r.headers["Retry-After"]) > 0 and "waited 1 s" in r.json()["error"]["message"]
     check_error(httpx.get(f"{gateway}/health"), 503)
+    check_error(httpx.get(f"{gateway}/ping"), 503)
 
 
 def test_models(gateway):
@@ -685,6 +687,8 @@ def test_nats_api_serves_like_http(gateway, nats_url, mesh, tokenizer):
 def test_health_and_metrics_with_a_scheduler(gateway, mesh, client):
     r = httpx.get(f"{gateway}/health")
     assert r.status_code == 200 and r.json()["scheduler"]["ready"] is True
+    assert httpx.get(f"{gateway}/ping").json()["status"] == "ok"  # vLLM's and SageMaker's name for it
+    assert httpx.get(f"{gateway}/version").json() == {"version": meshserve.__version__}
     client.completions.create(model=SERVED, prompt="x", max_tokens=3)
     text = httpx.get(f"{gateway}/metrics").text
     for line in ('meshserve:num_requests_running{model_name="tiny"} 2.0',

@@ -2,7 +2,7 @@
 
 Every error, FastAPI's own included, is answered with OpenAI's error JSON, and 400 rather than
 FastAPI's 422 for an invalid body, because that is what OpenAI clients expect. With a tenants file,
-every route but /health checks the API key first (auth.py), as one app-wide dependency.
+every route but /health (and its alias /ping) and /version checks the API key first (auth.py), as one app-wide dependency.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import meshserve
 from meshserve.shared.openai_protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
 from meshserve.shared.openai_responses import ResponsesRequest
 
@@ -130,14 +131,14 @@ def create_app(gw: Gateway) -> FastAPI:
     async def authenticate(request: Request) -> None:
         """The API key, before anything else; the tenant is left in request.state.tenant."""
         path, header = request.url.path, request.headers.get(AUTH_HEADER)
-        if path == "/health":
+        if path in ("/health", "/ping", "/version"):
             return
         if path == "/metrics":
             gw.auth.check_metrics(header)
             return
         request.state.tenant = gw.authenticate(header)
 
-    app = FastAPI(title="meshserve gateway", version="0.1.0", docs_url=None, redoc_url=None,
+    app = FastAPI(title="meshserve gateway", version=meshserve.__version__, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json", dependencies=[Depends(authenticate)],
                   description="OpenAI-compatible API of a meshserve mesh; docs/openai-api.md lists the fields.")
 
@@ -257,6 +258,12 @@ def create_app(gw: Gateway) -> FastAPI:
         """Stops serving a LoRA adapter loaded at run time (requests already running finish)."""
         return json_response(await gw.unload_lora_adapter(await _json_body(request, gw)))
 
+    @app.get("/version", responses={200: {"description": "this server's version, as vLLM's /version"}})
+    async def version():
+        return json_response({"version": meshserve.__version__})
+
+    @app.get("/ping", responses={200: {"model": openapi.Health, "description": "as /health (vLLM's and SageMaker's name)"},
+                                 503: {"model": openapi.ErrorBody, "description": "no scheduler, or no worker yet"}})
     @app.get("/health", responses={200: {"model": openapi.Health, "description": "a request can be served"},
                                    503: {"model": openapi.ErrorBody, "description": "no scheduler, or no worker yet"}})
     async def health():
