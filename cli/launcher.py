@@ -253,10 +253,11 @@ class Launcher:
         fixed += (["--model-traffic-policy", a.model_traffic_policy] if getattr(a, "model_traffic_policy", None)
                   else [])
         prewarm = [] if getattr(a, "prewarm", True) else ["--no-prewarm"]
+        fair = [] if getattr(a, "fair_share", True) else ["--no-fair-share"]
         depth = ["--queue-depth", str(a.queue_depth)] if getattr(a, "queue_depth", None) is not None else []
         depth += ["--decode-token-cost", str(a.decode_token_cost)] if getattr(a, "decode_token_cost", None) else []
-        self.spawn_service("scheduler", "scheduler", "--scheduling", a.scheduling, *tenants, *fixed, *models, *prewarm,
-                           *depth)
+        self.spawn_service("scheduler", "scheduler", "--scheduling", a.scheduling, *tenants, *fair, *fixed, *models,
+                           *prewarm, *depth)
         self.spawn_service("gateway", "gateway", "--host", a.host, "--port", str(a.port),
                            "--ready-timeout", str(a.ready_timeout), *gateway_log_options(a), *gateway_limit_options(a),
                            *tenants, *models)
@@ -554,6 +555,9 @@ def add_arguments(p) -> None:
     p.add_argument("--tenants", default=None, metavar="FILE",
                    help="tenants file (docs/tenants.md): API keys, classes, quotas and queue bounds, for the gateway "
                         "and the scheduler (default: none, the API is open)")
+    p.add_argument("--fair-share", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --tenants: the scheduler sends next, within a class, the request of the tenant served "
+                        "least (docs/tenants.md; default: on)")
     p.add_argument("--weights-memory-gb", type=float, default=None,
                    help="the model-loader's budget of mapped weights (docs/models.md; default: no limit)")
     p.add_argument("--host-cache-gb", type=float, default=None,

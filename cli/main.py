@@ -214,6 +214,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                                                    "KV shape: KV arenas resized in place against sized once"),
             ("bench-isolation", "bench.isolation_bench", "a small model's TTFT and inter-token latency alone, beside a "
                                                          "busy larger model, and beside it with partitions (cpus)"),
+            ("bench-tenants", "bench.tenants_bench", "one tenant's latency while another floods its class, with the "
+                                                     "scheduler's fair share between tenants and without"),
             ("bench-spec", "bench.spec_bench", "speculative decoding: batch-1 decode with and without prompt "
                                                "lookup, bf16 and int8, copy and chat workloads"),
             ("bench-quant", "bench.quant_bench", "int8 weights and int8 KV cache against bf16: decode speed and "

@@ -68,6 +68,9 @@ class Tenant(BaseModel):
     # Its prompts' cached blocks are its own: every request of it is cache-salted with its name
     # (cache_salt below), so no other tenant hits them.
     isolate_prefix_cache: bool = False
+    # Its share of the workers against other tenants' requests of the same class waiting at once:
+    # the scheduler sends next the request of the tenant with the fewest in flight per weight.
+    weight: float = Field(default=1.0, gt=0)
 
     @field_validator("api_keys")
     @classmethod

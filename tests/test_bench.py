@@ -291,6 +291,23 @@ def test_compare_engine_and_transformers_on_the_tiny_model(tiny_llama, tmp_path)
     assert ratio == pytest.approx(e["output_throughput"] / t["output_throughput"])
 
 
+def test_bench_tenants_runs_both_policies_on_the_tiny_model(tiny_llama, tmp_path):
+    """`meshserve bench-tenants` end to end on a small flood: both runs complete every request and
+    report light's latencies, the flood's throughput and the ratios (the figures are docs/benchmarks')."""
+    out = tmp_path / "tenants.json"
+    r = subprocess.run([sys.executable, "-m", "meshserve.cli.main", "bench-tenants", "--model", str(tiny_llama),
+                        "--dtype", "float32", "--flood-requests", "6", "--light-requests", "2", "--max-num-seqs", "2",
+                        "--prompt-tokens", "8", "--output-tokens", "8", "--light-gap-s", "0.05", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    for run in ("fair", "arrival"):
+        got = res["runs"][run]
+        assert got["light"]["failed"] == got["flood"]["failed"] == 0 and got["light"]["ttft_s"]["n"] == 2
+        assert got["flood"]["output_tokens_per_s"] > 0 and got["all_output_tokens_per_s"] > 0
+    assert res["summary"]["light_ttft_p99_fair_over_arrival"] > 0
+
+
 # --- helpers
 
 def load_workload_from(data: dict):

@@ -79,3 +79,44 @@ def test_queue_sim_on_mixed_chat_short_prompts_go_first_and_nobody_is_left_behin
     assert r["offered_load"] > 2
     assert r["short_ttft_p99_fcfs_over_priority"] >= 10, r
     assert r["priority"]["ttft_max_s"] < 1.5 * r["fcfs"]["ttft_max_s"], r
+
+
+def test_tenants_fair_share_within_a_class():
+    """With virtual token counters (FairShare), the waiting tenant served least (per its weight)
+    goes first, whatever came before: a tenant that queued many requests does not hold back
+    another's one; a tenant that starts waiting is lifted to the others' least, banking no credit;
+    what a request did not generate is given back. fcfs ignores it."""
+    from meshserve.services.scheduler.admission import FairShare
+
+    def of(rid: str, tenant: str, n: int = 10) -> GenerateRequest:
+        return req(rid, n).model_copy(update={"tenant": tenant})
+
+    fair = FairShare({"big": 1.0, "small": 1.0, "paid": 4.0})
+    q = ClassQueues()
+    for i in range(5):
+        fair.waiting("big", {x.req.tenant for x in q})
+        q.push(of(f"big{i}", "big"))
+    order = []
+
+    def serve() -> None:
+        head = q.heads(fair.share)[0]
+        q.pop(head)
+        order.append(head.req.request_id)
+        fair.charge(head.req.tenant, 100)
+
+    serve()  # big0: big's counter 100
+    for rid, tenant in (("small0", "small"), ("small1", "small"), ("paid0", "paid"), ("paid1", "paid")):
+        fair.waiting(tenant, {x.req.tenant for x in q})  # lifted to the least waiting: big's 100
+        q.push(of(rid, tenant))
+    assert fair.share("small") == fair.share("paid") == 100
+    while q:
+        serve()
+    # by arrival on ties; paid's weight 4 makes each of its requests cost a quarter
+    assert order == ["big0", "big1", "small0", "paid0", "paid1", "big2", "small1", "big3", "big4"], order
+    before = fair.share("big")
+    fair.refund("big", 60)  # a request that ended 60 tokens short of what it was charged
+    assert fair.share("big") == before - 60
+    fcfs = ClassQueues(fcfs=True)  # first come, first served: counters do not reorder it
+    for r in (of("big-first", "big"), of("small-later", "small")):
+        fcfs.push(r)
+    assert [x.req.request_id for x in fcfs.heads(fair.share)] == ["big-first"]

@@ -173,6 +173,32 @@ def test_429_for_concurrency_and_503_for_a_full_class_queue(mesh):
     assert complete(mesh, "sk-single").usage.completion_tokens == 4
 
 
+def test_a_tenant_with_one_request_is_not_held_back_by_anothers_many(mesh):
+    """Fair share within a class: acme queues five requests on the one seat, then private sends one,
+    lifted to acme's counter as it starts waiting; after one more of acme's, private's counter is
+    the least, so it ends among the first three rather than last."""
+    import threading
+
+    ended: list[str] = []
+
+    def stream(key: str):
+        return client(mesh, key).completions.create(model=mesh.model, prompt=PROMPT, max_tokens=24, temperature=0,
+                                                    stream=True, extra_body={"ignore_eos": True})
+
+    def read(name: str, s) -> None:
+        assert list(s)[-1].choices[0].finish_reason == "length"
+        ended.append(name)
+
+    with blocked_worker(mesh):
+        streams = [(f"acme{i}", stream("sk-acme")) for i in range(5)] + [("private", stream("sk-private"))]
+    readers = [threading.Thread(target=read, args=x) for x in streams]
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join(60)
+    assert len(ended) == 6 and ended.index("private") <= 2, ended
+
+
 def test_429_for_tokens_per_minute_over_http_and_nats(mesh):
     # 60 tokens a minute: 4 prompt + 40 reserved (and used), then a second such request is short.
     assert complete(mesh, "sk-metered", max_tokens=40).usage.completion_tokens == 40

@@ -93,7 +93,42 @@ class Admitted:
     tenant: str
     prompt_tokens: int
     reserved: int
+    max_tokens: int = 0
+    charged: bool = False  # its tenant's fair share counted it (FairShare)
     untracked_since: float | None = None
+
+
+class FairShare:
+    """Tenants' fair share of the workers within a class: virtual token counters (Sheng et al.,
+    "Fairness in Serving Large Language Models", OSDI 2024). A tenant's counter is the tokens it
+    was served (prompt + max_tokens when sent, less what it did not generate when it ends) per its
+    weight; the scheduler's queues send next the request of the waiting tenant with the least.
+    A tenant that starts waiting is lifted to the least counter among those already waiting (or,
+    with none waiting, to the counter of the last one served), so an idle tenant banks no credit."""
+
+    def __init__(self, weights: dict[str, float]):
+        self.weights = weights
+        self.counters: dict[str, float] = {}
+        self.last = 0.0  # the counter of the tenant served last: the mesh's virtual time
+
+    def share(self, tenant: str | None) -> float:
+        return self.counters.get(tenant, 0.0) if tenant is not None else 0.0
+
+    def waiting(self, tenant: str, others: set[str]) -> None:
+        """`tenant` queues a request; `others`: the tenants with requests queued already."""
+        if tenant in others:
+            return
+        floor = min((self.share(t) for t in others), default=self.last)
+        self.counters[tenant] = max(self.share(tenant), floor)
+
+    def charge(self, tenant: str, tokens: float) -> None:
+        """A request of `tenant` is served: `tokens` it may use."""
+        self.counters[tenant] = self.share(tenant) + tokens / self.weights.get(tenant, 1.0)
+        self.last = self.counters[tenant]
+
+    def refund(self, tenant: str, tokens: float) -> None:
+        """Tokens charged that the request did not use."""
+        self.counters[tenant] = self.share(tenant) - tokens / self.weights.get(tenant, 1.0)
 
 
 def _too_many(error: str, type_: str, retry_after: float) -> SubmitReply:
@@ -111,6 +146,7 @@ class Admission:
         now = clock()
         self.buckets = {} if config is None else {
             t.name: TokenBucket(t.tokens_per_minute, now) for t in config.tenants if t.tokens_per_minute}
+        self.fair = FairShare({} if config is None else {t.name: t.weight for t in config.tenants})
 
     @property
     def enabled(self) -> bool:
@@ -118,6 +154,14 @@ class Admission:
 
     def in_flight(self, tenant: str) -> int:
         return sum(a.tenant == tenant for a in self.admitted.values())
+
+    def dispatched(self, req: GenerateRequest) -> None:
+        """The request went to a worker: its tenant's fair share is charged its reservation (once,
+        however often it is sent again); settle gives back what it did not generate."""
+        a = self.admitted.get(req.request_id)
+        if a is not None and not a.charged:
+            a.charged = True
+            self.fair.charge(a.tenant, a.prompt_tokens + req.sampling.max_tokens)
 
     def admit(self, req: GenerateRequest, waiting: Callable[[], dict[str, int]]) -> SubmitReply | None:
         """None when `req` may run (and it is then counted); else the refusal to send back.
@@ -152,7 +196,7 @@ class Admission:
             return refusal
         if bucket is not None:
             bucket.take(reserve, now)
-        self.admitted[req.request_id] = Admitted(tenant.name, prompt, reserve)
+        self.admitted[req.request_id] = Admitted(tenant.name, prompt, reserve, req.sampling.max_tokens)
         return None
 
     def settle(self, request_id: str, output_tokens: int) -> None:
@@ -163,6 +207,8 @@ class Admission:
         bucket = self.buckets.get(a.tenant)
         if bucket is not None:
             bucket.give(a.reserved - (a.prompt_tokens + max(0, output_tokens)), self.clock())
+        if a.charged:
+            self.fair.refund(a.tenant, max(0, a.max_tokens - max(0, output_tokens)))
 
     def sweep(self, tracked: Callable[[str], bool]) -> None:
         """Releases admitted requests that `tracked` has denied for SETTLE_GRACE seconds (their
@@ -182,6 +228,7 @@ class Admission:
         now = self.clock()
         return {"tenants": {t.name: {"in_flight": self.in_flight(t.name),
                                      "tokens_available": (int(self.buckets[t.name].level(now))
-                                                          if t.name in self.buckets else None)}
+                                                          if t.name in self.buckets else None),
+                                     "fair_share_counter": round(self.fair.share(t.name), 1)}
                             for t in self.config.tenants},
                 "queues": {c: q.max_waiting for c, q in self.config.queues.items()}}

@@ -124,6 +124,7 @@ class Scheduler:
         self.tasks: set[asyncio.Task] = set()  # deliveries waiting for their acknowledgement
         tenants = getattr(args, "tenants", None)
         self.admission = Admission(load_tenants(tenants) if tenants else None)
+        self.fair_share = self.admission.enabled and getattr(args, "fair_share", True)
         cost = getattr(args, "decode_token_cost", None)
         self.roles = ElasticRoles(RolePolicy() if cost is None else RolePolicy(decode_token_cost=cost, measured=False),
                                   enabled=not getattr(args, "fixed_roles", False))
@@ -270,6 +271,8 @@ class Scheduler:
             self.rates.hit(req.model)
         q = self.queues.setdefault(req.model, ClassQueues(self.fcfs))
         q.remove(req.request_id)  # an earlier attempt still queued here: the new one replaces it
+        if self.admission.enabled and req.tenant is not None:
+            self.admission.fair.waiting(req.tenant, {x.req.tenant for queued in self.queues.values() for x in queued})
         q.push(req)
         await self.dispatch(req.model)
         if on_demand:
@@ -511,7 +514,7 @@ class Scheduler:
         """Sends queued requests of the model to workers while some worker may take one."""
         q = self.queues.get(model)
         while q:
-            for item in q.heads():
+            for item in q.heads(self.admission.fair.share if self.fair_share else None):
                 w = self._place(item)
                 if w is not None:
                     q.pop(item)
@@ -556,6 +559,7 @@ class Scheduler:
             w.admitted[req.request_id] = (req.priority, len(req.prompt_token_ids) + len(req.output_token_ids))
             w.sent[req.priority] = w.sent.get(req.priority, 0) + 1
             self.placement.used(req.model)
+            self.admission.dispatched(req)
         self._spawn(self._deliver(req, w.hb.worker_id))
 
     async def _deliver(self, req: GenerateRequest, worker: str) -> None:
@@ -871,6 +875,9 @@ def add_arguments(p) -> None:
                         "have waiting before the rest of the class waits here")
     p.add_argument("--normal-max-queue-s", type=float, default=1.0,
                    help="a normal request waiting here this long goes to a worker with none waiting, room or not")
+    p.add_argument("--fair-share", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --tenants: within a class, the request of the tenant served least goes first "
+                        "(docs/tenants.md; default: on; off: the class's own order, whoever sent it)")
     p.add_argument("--tenants", default=None, metavar="FILE",
                    help="tenants file (docs/tenants.md): quotas per tenant and a bound per class queue; give the "
                         "gateway the same file (default: none, everything is admitted)")

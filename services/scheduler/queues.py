@@ -1,7 +1,10 @@
 """The scheduler's own queues: requests accepted but not yet sent to a worker, one queue per class
 per model, in the engine's order (meshserve.shared.engine.policy): arrival order within a size
 bucket, shorter prompts first, a request overtaken by later ones of its class whose prompts add
-up to OVERTAKE_FACTOR times its own ranked as the shortest (`overtaken_enough`). With fcfs, one first-come-first-served queue per model.
+up to OVERTAKE_FACTOR times its own ranked as the shortest (`overtaken_enough`). Before that
+order comes the tenants' fair share, when the caller gives one (admission.FairShare): the request
+of the tenant served least so far goes first, so a tenant that queued a thousand requests does not
+hold back another's one. With fcfs, one first-come-first-served queue per model.
 
 Pure bookkeeping: the scheduler decides what leaves (routing.py says where it may go).
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from meshserve.shared.engine.policy import PRIORITIES, overtaken_enough, size_bucket
 from meshserve.shared.schemas import GenerateRequest
@@ -65,9 +69,13 @@ class ClassQueues:
         q.append(Queued(req, -self._next if first else self._next, overtaken_tokens=math.inf if first else 0.0))
         self._next += 1
 
-    def heads(self) -> list[Queued]:
-        """The next request of each class, best class first (fcfs: the oldest request)."""
-        return [min(q, key=lambda x: x.key(not self.fcfs)) for q in self.queues.values() if q]
+    def heads(self, share: Callable[[str | None], float] | None = None) -> list[Queued]:
+        """The next request of each class, best class first (fcfs: the oldest request). `share`: how
+        much a tenant (None: no tenant) was served; the least goes first (not with fcfs)."""
+        def key(x: Queued) -> tuple:
+            return (share(x.req.tenant) if share is not None and not self.fcfs else 0, *x.key(not self.fcfs))
+
+        return [min(q, key=key) for q in self.queues.values() if q]
 
     def pop(self, item: Queued) -> None:
         q = self.queues["normal" if self.fcfs else item.priority]
