@@ -260,6 +260,7 @@ class Launcher:
                            *prewarm, *depth)
         self.spawn_service("gateway", "gateway", "--host", a.host, "--port", str(a.port),
                            "--ready-timeout", str(a.ready_timeout), *gateway_log_options(a), *gateway_limit_options(a),
+                           *(["--reasoning-parser", a.reasoning_parser] if getattr(a, "reasoning_parser", None) else []),
                            *tenants, *models)
 
     def wait_healthy(self, timeout: float) -> bool:
@@ -580,4 +581,6 @@ def add_arguments(p) -> None:
                    help="CA the services verify the NATS server with (default with --nats-tls-cert: that "
                         "certificate itself, self-signed)")
     from meshserve.shared.limits import add_request_limit_arguments
+    from meshserve.shared.reasoning import add_reasoning_argument
     add_request_limit_arguments(p, defaults=False)
+    add_reasoning_argument(p)

@@ -99,6 +99,9 @@ class ServedModel(BaseModel):
     layered_loading: bool | None = None
     adapters: tuple[AdapterEntry, ...] = ()
     speculative: SpeculativeEntry | Literal[False] | None = None  # None: the workers' flags
+    # How its chat answers split into reasoning and answer (shared/reasoning.py); None: the gateway's
+    # --reasoning-parser, else none
+    reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = None
 
     @property
     def id(self) -> str:

@@ -135,7 +135,6 @@ INERT_FIELDS = frozenset({"metadata", "store", "service_tier", "safety_identifie
 # is refused by name.
 NOOP_VALUES: dict[str, Any] = {
     "use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True,
-    "include_reasoning": True,  # without a reasoning parser the reasoning stays in the content
     "echo": False,  # vLLM's chat echo (completions' echo is honoured)
     "modalities": ["text"],
     **dict.fromkeys(("audio", "prediction", "web_search_options", "reasoning_effort", "verbosity", "thinking",
@@ -458,6 +457,8 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool = True
     functions: list[dict[str, Any]] | None = None  # the deprecated form of tools: refused
     function_call: str | dict[str, Any] | None = None
+    # vLLM's: with a reasoning parser (shared/reasoning.py), false leaves the reasoning out
+    include_reasoning: bool = True
 
     def check(self, vocab_size: int | None = None) -> None:
         super().check(vocab_size)

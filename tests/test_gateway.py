@@ -186,6 +186,9 @@ BAD = [
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "high"}',
      "reasoning_effort", None),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "echo": true}', "echo", None),
+    # a model without a reasoning parser has no reasoning to leave out
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "include_reasoning": false}',
+     "include_reasoning", None),
 ]
 
 

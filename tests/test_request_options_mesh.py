@@ -56,8 +56,10 @@ def hf(model_dir):
 
 @pytest.fixture(scope="module")
 def mesh(model_dir, tmp_path_factory):
+    # --reasoning-parser qwen3: an answer that does not open with <think> (all the random model's) is
+    # unchanged; test_reasoning_content_apart forces one that does
     with Mesh(model_dir, tmp_path_factory.mktemp("mesh-options"), prefill=1, decode=1,
-              extra=["--trust-request-chat-template"]) as m:
+              extra=["--trust-request-chat-template", "--reasoning-parser", "qwen3"]) as m:
         m.client = OpenAI(base_url=m.url + "/v1", api_key="unused")
         m.tokenizer = Tokenizer.from_hf_dir(model_dir)
         yield m
@@ -270,6 +272,35 @@ def test_allowed_tokens_and_bad_words_match_transformers(mesh, hf):
         with pytest.raises(openai.BadRequestError) as e:
             ours(**body)
         assert param is None or e.value.body.get("param") == param, e.value.body
+
+
+def test_reasoning_content_apart(mesh):
+    """`--reasoning-parser qwen3`: a chat answer that opens with <think> comes as `reasoning_content`
+    (and vLLM's newer `reasoning`) and `content`, whole or streamed (the tags are several tokens of
+    this tokenizer, so they arrive cut); include_reasoning: false leaves the reasoning out. The
+    answer is forced by a regex, the random model having no thoughts of its own."""
+    c = mesh.client
+    body = dict(model=mesh.model, messages=chat(), max_tokens=40, temperature=0,
+                extra_body={"guided_regex": "<think>weigh it</think>\n\nyes"})
+    m = c.chat.completions.create(**body).choices[0].message
+    assert (m.model_extra["reasoning_content"], m.model_extra["reasoning"], m.content) == ("weigh it", "weigh it",
+                                                                                          "\n\nyes")
+    reasoning, content, roles = "", "", []
+    for chunk in c.chat.completions.create(**body, stream=True):
+        for ch in chunk.choices:
+            reasoning += ch.delta.model_extra.get("reasoning_content") or ""
+            content += ch.delta.content or ""
+            roles += [ch.delta.role] if ch.delta.role else []
+    assert (reasoning, content, roles) == ("weigh it", "\n\nyes", ["assistant"])
+    body["extra_body"] = {**body["extra_body"], "include_reasoning": False}
+    m = c.chat.completions.create(**body).choices[0].message
+    assert "reasoning_content" not in (m.model_extra or {}) and m.content == "\n\nyes"
+    plain = c.chat.completions.create(model=mesh.model, messages=chat(), max_tokens=4, temperature=0)
+    assert "reasoning_content" not in (plain.choices[0].message.model_extra or {})  # no <think>: all content
+    # completions are not parsed: the text is the model's, tags and all
+    r = c.completions.create(model=mesh.model, prompt=LONG, max_tokens=40, temperature=0,
+                             extra_body={"guided_regex": "<think>a</think>b"})
+    assert r.choices[0].text == "<think>a</think>b"
 
 
 def test_chat_templates_own_and_continued(mesh):

@@ -5,6 +5,7 @@ token stream into an OpenAI response (one body, or streaming chunks). The front 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -23,6 +24,7 @@ from meshserve.shared.openai_protocol import (ChatCompletionRequest, CompletionR
                                               completion_chunk, completion_logprobs, completion_response,
                                               join_logprobs, parse_request, prompt_fields, usage, usage_chunk,
                                               validate_body)
+from meshserve.shared.reasoning import ReasoningParser
 from meshserve.shared.schemas import Abort, GenerateRequest, Logprob, Message, Sampling, TokenChunk, Usage
 from meshserve.shared.tenants import Tenant, cache_salt
 from meshserve.shared.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -151,6 +153,10 @@ class Gateway:
         tokenizer = model.tokenizer
         req = parse_request(kind, body, tokenizer.vocab_size, self.limits)
         chat = isinstance(req, ChatCompletionRequest)
+        if chat and not req.include_reasoning and model.reasoning_parser is None:
+            raise OpenAIError("include_reasoning: false needs a model served with a reasoning parser "
+                              "(--reasoning-parser, or the manifest's reasoning_parser); this one has none",
+                              param="include_reasoning")
         if chat:
             ids = req.truncate(self.chat_prompt_ids(req, model=model))
             self._check_length(ids, None, model, "messages")  # so that the default max_tokens is positive
@@ -654,10 +660,21 @@ class Generation:
         return c.prompt.text, completion_logprobs(ids, lps, self.prepared.request.token_text(self.prepared.tokenizer),
                                                   top=self.prepared.request.logprobs)
 
-    def _tool_output(self, c: Choice) -> tuple[str | None, list[tool_calls.ToolCall]]:
-        """(content, calls) of a chat choice under the request's tool_choice."""
+    def reasoning_parser(self) -> ReasoningParser | None:
+        """A fresh parser of the model's reasoning (chat only; shared/reasoning.py), or None."""
+        name = self.prepared.model.reasoning_parser
+        return ReasoningParser(name) if name is not None and self.kind == "chat" else None
+
+    def reasoning_fields(self, reasoning: str | None) -> dict:
+        """The message's (or delta's) reasoning, under vLLM's two names, unless include_reasoning is false."""
+        if reasoning is None or not self.prepared.request.include_reasoning:
+            return {}
+        return {"reasoning_content": reasoning, "reasoning": reasoning}
+
+    def _tool_output(self, text: str) -> tuple[str | None, list[tool_calls.ToolCall]]:
+        """(content, calls) of a chat choice's answer under the request's tool_choice."""
         named = self.prepared.request.tool_choice.function["name"] if self.tool_mode == "named" else None
-        return tool_calls.read_calls(self.tool_mode, c.text, named)
+        return tool_calls.read_calls(self.tool_mode, text, named)
 
     async def body(self) -> dict:
         """The whole (non-streaming) response."""
@@ -667,9 +684,12 @@ class Generation:
         for c in self.choices:
             lp = self._logprobs(c.token_ids, c.logprobs, 0)
             if self.kind == "chat":
-                content, calls = self._tool_output(c)
+                parser = self.reasoning_parser()
+                reasoning, answer = parser.split(c.text) if parser is not None else (None, c.text)
+                content, calls = self._tool_output(answer)
                 finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
                 choices.append(chat_choice(c.index, content, finish, lp, [t.openai() for t in calls] or None))
+                choices[-1]["message"].update(self.reasoning_fields(reasoning))
             elif self.echo:
                 text, plp = self._echo(c)
                 if plp is not None:
@@ -716,6 +736,8 @@ class _ChunkState:
         self.first, self.offset = True, 0
         self.unsent_ids: list[int] = []  # return_token_ids: output tokens no chunk has carried yet
         self.sent_prompt = False
+        self.reasoning = gen.reasoning_parser()  # its model's reasoning parser: reasoning deltas apart
+        self.answer = ""  # with one: the text after the reasoning, so far
         self.auto = tool_calls.AutoParser() if gen.tool_mode == "auto" else None
         self.named_call = (tool_calls.ToolCall(gen.prepared.request.tool_choice.function["name"], "")
                            if gen.tool_mode == "named" else None)
@@ -742,6 +764,20 @@ class _ChunkState:
                 out[-1]["choices"][0]["token_ids"], self.unsent_ids = self.unsent_ids, []
         return out
 
+    def _reasoning_delta(self, d: Delta, out: list[dict]) -> Delta:
+        """The delta's reasoning as a chunk of its own (`reasoning_content` and `reasoning`, the role
+        with it when it is the first); returns the delta with its answer text only."""
+        reasoning, answer = self.reasoning.feed(d.text)
+        if d.finish_reason:
+            rest = self.reasoning.finish()
+            reasoning, answer = reasoning + rest[0], answer + rest[1]
+        self.answer += answer
+        fields = self.gen.reasoning_fields(reasoning) if reasoning else {}
+        if fields:
+            out.append(self._chunk({"role": "assistant", **fields} if self.first else fields))
+            self.first = False
+        return dataclasses.replace(d, text=answer)
+
     def _chunks(self, d: Delta) -> list[dict]:
         g, out = self.gen, []
         if g.kind != "chat":
@@ -755,6 +791,8 @@ class _ChunkState:
                 self.offset += len(d.text)
             return out
         lp = g._logprobs(d.token_ids, d.logprobs, 0)
+        if self.reasoning is not None:
+            d = self._reasoning_delta(d, out)
         role = {"role": "assistant"} if self.first else {}
         finish = d.finish_reason
         if g.tool_mode == "none":
@@ -783,9 +821,10 @@ class _ChunkState:
             if self.auto is not None:
                 rest, calls = self.auto.finish()
             else:
-                rest, calls = "", tool_calls.parse_required(self.choice.text)
+                answer = self.answer if self.reasoning is not None else self.choice.text
+                rest, calls = "", tool_calls.parse_required(answer)
                 if not calls:
-                    rest = self.choice.text
+                    rest = answer
             if rest:
                 out.append(self._chunk({**role, "content": rest}))
                 self.first, role = False, {}

@@ -1,0 +1,89 @@
+"""Reasoning parsers: a reasoning model's output split into its reasoning and its answer, as vLLM's
+`--reasoning-parser` does, for chat responses (`reasoning_content`, and vLLM's newer `reasoning`).
+
+Both parsers read `<think> ... </think>`:
+- `qwen3`: reasoning only between `<think>` and `</think>` at the start of the output; an output
+  that does not open with `<think>` (thinking turned off, `enable_thinking: false`) is all answer.
+- `deepseek_r1`: the output starts in reasoning (the chat template opens `<think>` in the prompt;
+  one the model writes itself is dropped) until `</think>`; without it, it is all reasoning.
+
+The text comes in pieces (a stream's deltas), and a tag may be cut between two: a piece's tail
+that may begin a tag is held back until the next piece says. Leading whitespace before `<think>`
+is allowed, as models write it.
+"""
+
+from __future__ import annotations
+
+START, END = "<think>", "</think>"
+PARSERS = ("qwen3", "deepseek_r1")
+
+
+def add_reasoning_argument(parser) -> None:
+    """The gateway's (and `meshserve up`'s) --reasoning-parser."""
+    parser.add_argument("--reasoning-parser", default=None, choices=PARSERS,
+                        help="split chat answers into `reasoning_content` and `content` (vLLM's; docs/openai-api.md): "
+                             "for --model, and the manifest's models that name none (default: none)")
+
+
+class ReasoningParser:
+    def __init__(self, name: str):
+        if name not in PARSERS:
+            raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(PARSERS)}")
+        self.name = name
+        # "open": before the output shows whether it thinks; "reasoning"; "answer"
+        self.state = "open"
+        self.thought = False  # it reached its reasoning (split says None when it never did)
+        self.held = ""  # text not yet given out: it may be the start of a tag
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """The next piece of output -> (reasoning, answer) text it adds."""
+        self.held += text
+        reasoning, answer = [], []
+        while self.held:
+            if self.state == "open":
+                stripped = self.held.lstrip()
+                if stripped.startswith(START):
+                    self.held, self.state = stripped[len(START):], "reasoning"
+                elif START.startswith(stripped):  # all whitespace, or a prefix of the tag: wait
+                    break
+                else:
+                    self.state = "reasoning" if self.name == "deepseek_r1" else "answer"
+                self.thought = self.state == "reasoning"
+            elif self.state == "reasoning":
+                at = self.held.find(END)
+                if at >= 0:
+                    reasoning.append(self.held[:at])
+                    self.held, self.state = self.held[at + len(END):], "answer"
+                    continue
+                keep = _tag_prefix_len(self.held, END)
+                reasoning.append(self.held[:len(self.held) - keep])
+                self.held = self.held[len(self.held) - keep:]
+                break
+            else:
+                answer.append(self.held)
+                self.held = ""
+        return "".join(reasoning), "".join(answer)
+
+    def finish(self) -> tuple[str, str]:
+        """The end of the output: what was held back, where it belongs."""
+        held, self.held = self.held, ""
+        if self.state == "open" and self.name == "deepseek_r1":
+            self.state = "reasoning"
+            self.thought = True
+        if self.state == "reasoning":
+            return held, ""
+        return "", held
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        """A whole output -> (reasoning, or None when it has none, answer)."""
+        r1, a1 = self.feed(text)
+        r2, a2 = self.finish()
+        return (r1 + r2 if self.thought else None), a1 + a2
+
+
+def _tag_prefix_len(text: str, tag: str) -> int:
+    """The length of the longest tail of `text` that begins `tag` (0: none)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
