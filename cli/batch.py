@@ -18,6 +18,7 @@ import orjson
 
 from meshserve.shared import tool_calls
 from meshserve.shared.limits import RequestLimits
+from meshserve.shared.reasoning import split_answer
 from meshserve.shared.openai_protocol import (ChatCompletionRequest, OpenAIError, chat_choice, chat_logprobs,
                                               chat_response, completion_choice, completion_logprobs,
                                               completion_response, join_logprobs, new_id, parse_request,
@@ -58,7 +59,7 @@ def _kind(item: dict) -> str:
     return kind
 
 
-def _prepare(llm: LLM, item: dict, served: str):
+def _prepare(llm: LLM, item: dict, served: str, reasoning: str | None = None):
     """Turns one input line into (kind, request, its prompts' ids, the texts echo returns of them,
     sampling params); raises OpenAIError."""
     from meshserve.shared.engine import wire
@@ -70,6 +71,7 @@ def _prepare(llm: LLM, item: dict, served: str):
         raise OpenAIError(f"the model {req.model!r} does not exist; this batch serves {served!r}",
                           status_code=404, param="model", code="model_not_found")
     if isinstance(req, ChatCompletionRequest):
+        req.check_reasoning(reasoning)
         try:
             prompt = req.truncate(req.prompt_ids(llm.tokenizer))
         except Exception as e:  # a template that raises is the caller's doing
@@ -101,8 +103,8 @@ def _add(llm: LLM, prompts: list[list[int]], params, n: int, cache_salt: str | N
 
 
 def _body(llm: LLM, kind: str, served: str, req, cs: list[Completion], texts: list[str],
-          want_logprobs: bool) -> dict:
-    """texts: each prompt's text as echo returns it."""
+          want_logprobs: bool, reasoning: str | None = None) -> dict:
+    """texts: each prompt's text as echo returns it; reasoning: the chat answers' parser (shared/reasoning.py)."""
     firsts = cs[::req.n]  # each prompt's first choice
     u = usage(sum(len(c.prompt_token_ids) for c in firsts), sum(len(c.token_ids) for c in cs),
               sum(c.num_cached_tokens for c in firsts))
@@ -113,10 +115,12 @@ def _body(llm: LLM, kind: str, served: str, req, cs: list[Completion], texts: li
         if kind == "chat":
             lp = chat_logprobs(c.token_ids, c.logprobs, dec) if want_logprobs else None
             mode = req.tool_mode()
-            content, calls = tool_calls.read_calls(mode, c.text, req.tool_choice.function["name"]
+            thought, answer = split_answer(reasoning, c.text, req.include_reasoning)
+            content, calls = tool_calls.read_calls(mode, answer, req.tool_choice.function["name"]
                                                    if mode == "named" else None)
             finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
             choices.append(chat_choice(i, content, finish, lp, [t.openai() for t in calls] or None))
+            choices[-1]["message"].update(thought)
             if req.return_token_ids:
                 choices[-1]["token_ids"] = c.token_ids
             continue
@@ -141,8 +145,8 @@ def _body(llm: LLM, kind: str, served: str, req, cs: list[Completion], texts: li
     return out
 
 
-def run_batch(llm: LLM, inp: IO[bytes], out: IO[bytes], served: str) -> tuple[int, int]:
-    """Returns (succeeded, failed)."""
+def run_batch(llm: LLM, inp: IO[bytes], out: IO[bytes], served: str, reasoning: str | None = None) -> tuple[int, int]:
+    """Returns (succeeded, failed). reasoning: the chat answers' parser (--reasoning-parser)."""
     from meshserve.shared.engine.llm_engine import RequestError
 
     results: list[dict | None] = []
@@ -154,7 +158,7 @@ def run_batch(llm: LLM, inp: IO[bytes], out: IO[bytes], served: str) -> tuple[in
         try:
             item = _read_line(line)
             cid = item.get("custom_id")
-            kind, req, prompts, texts, params = _prepare(llm, item, served)
+            kind, req, prompts, texts, params = _prepare(llm, item, served, reasoning)
             cs = _add(llm, prompts, params, req.n, req.cache_salt)
             pending.append((len(results), kind, req, cs, texts, params.logprobs is not None, cid))
             results.append(None)
@@ -164,7 +168,7 @@ def run_batch(llm: LLM, inp: IO[bytes], out: IO[bytes], served: str) -> tuple[in
             results.append(_error_result(cid, OpenAIError(str(e))))
     llm.run()
     for i, kind, req, cs, texts, want_lp, cid in pending:
-        results[i] = _result(cid, 200, _body(llm, kind, served, req, cs, texts, want_lp))
+        results[i] = _result(cid, 200, _body(llm, kind, served, req, cs, texts, want_lp, reasoning))
     return write_results(results, out)
 
 
@@ -191,6 +195,6 @@ def main(args) -> int:
     with inp, out:
         llm = LLM(args.model, args.dtype, EngineConfig(), quantization=args.quantization)
         served = args.served_model_name or args.model
-        ok, failed = run_batch(llm, inp, out, served)
+        ok, failed = run_batch(llm, inp, out, served, getattr(args, "reasoning_parser", None))
     print(f"{ok} succeeded, {failed} failed", file=sys.stderr)
     return 0

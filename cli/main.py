@@ -141,6 +141,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     from meshserve.cli.launcher import (DEVICE_ROLES, KV_ROLES, MODEL_ROLES, add_device_argument,
                                         add_kv_cache_dtype_argument, add_quantization_argument)
     add_quantization_argument(b)
+    from meshserve.shared.reasoning import add_reasoning_argument
+    add_reasoning_argument(b)
     b.set_defaults(func=lambda a: __import__("meshserve.cli.batch", fromlist=["main"]).main(a))
 
     up = sub.add_parser("up", help="start the whole mesh on this machine (its own nats-server too)")

@@ -460,6 +460,12 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM's: with a reasoning parser (shared/reasoning.py), false leaves the reasoning out
     include_reasoning: bool = True
 
+    def check_reasoning(self, parser: str | None) -> None:
+        """include_reasoning: false needs the model's reasoning parser (its reasoning is otherwise content)."""
+        if not self.include_reasoning and parser is None:
+            raise _refuse("false needs a model served with a reasoning parser (--reasoning-parser, or the "
+                          "manifest's reasoning_parser); this one has none", "include_reasoning")
+
     def check(self, vocab_size: int | None = None) -> None:
         super().check(vocab_size)
         for old in ("functions", "function_call"):

@@ -81,6 +81,20 @@ class ReasoningParser:
         return (r1 + r2 if self.thought else None), a1 + a2
 
 
+def reasoning_fields(reasoning: str | None, include: bool = True) -> dict:
+    """A chat message's (or delta's) reasoning under vLLM's two names (`reasoning_content`, and the
+    newer `reasoning`); none when there is none or the request's include_reasoning is false."""
+    return {"reasoning_content": reasoning, "reasoning": reasoning} if reasoning is not None and include else {}
+
+
+def split_answer(parser: str | None, text: str, include: bool = True) -> tuple[dict, str]:
+    """A whole chat answer -> (its message's reasoning fields, its content text); parser None: all content."""
+    if parser is None:
+        return {}, text
+    reasoning, answer = ReasoningParser(parser).split(text)
+    return reasoning_fields(reasoning, include), answer
+
+
 def _tag_prefix_len(text: str, tag: str) -> int:
     """The length of the longest tail of `text` that begins `tag` (0: none)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):

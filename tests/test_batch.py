@@ -49,16 +49,28 @@ def test_batch_command(tiny_llama, tmp_path):
          "body": {"prompt": ["Hello there", "The quick brown fox"], "max_tokens": 5, "temperature": 0, "echo": True}},
         {"custom_id": "prompts-too-long", "method": "POST", "url": "/v1/completions",
          "body": {"prompt": ["x", "x " * 300], "max_tokens": 2}},
+        # --reasoning-parser qwen3: an answer opening with <think> comes apart (forced here by a regex)
+        {"custom_id": "think", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "Think"}], "max_tokens": 30,
+                  "guided_regex": "<think>hm</think>ok"}},
+        {"custom_id": "think-hidden", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "Think"}], "max_tokens": 30,
+                  "guided_regex": "<think>hm</think>ok", "include_reasoning": False}},
     ]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_bytes(b"\n".join(orjson.dumps(x) for x in lines) + b"\nnot json\n")
     r = subprocess.run([sys.executable, "-m", "meshserve.cli.main", "batch", "-i", str(inp), "-o", str(out),
-                        "--model", str(tiny_llama), "--dtype", "float32", "--served-model-name", "tiny"],
+                        "--model", str(tiny_llama), "--dtype", "float32", "--served-model-name", "tiny",
+                        "--reasoning-parser", "qwen3"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     results = [orjson.loads(x) for x in out.read_bytes().splitlines()]
     assert [x["custom_id"] for x in results] == [x["custom_id"] for x in lines] + [None]
     by = {x["custom_id"]: x for x in results}
+    think = by["think"]["response"]["body"]["choices"][0]["message"]
+    assert (think["reasoning_content"], think["content"]) == ("hm", "ok")
+    hidden = by["think-hidden"]["response"]["body"]["choices"][0]["message"]
+    assert "reasoning_content" not in hidden and hidden["content"] == "ok"
     chat = by["chat"]["response"]["body"]  # vLLM's fields: request_id, return_token_ids
     assert chat["id"] == "chatcmpl-line-1" and len(chat["prompt_token_ids"]) == chat["usage"]["prompt_tokens"]
     assert len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"]
@@ -77,7 +89,7 @@ def test_batch_command(tiny_llama, tmp_path):
         assert by[cid]["response"]["body"]["error"]["message"]
         assert by[cid]["error"]["message"]
     assert "top_p" in by["bad-param"]["response"]["body"]["error"]["message"]
-    assert "8 succeeded, 5 failed" in r.stderr
+    assert "10 succeeded, 5 failed" in r.stderr
     n = by["n"]["response"]["body"]
     assert [c["index"] for c in n["choices"]] == [0, 1, 2] and n["usage"]["completion_tokens"] == 12
     assert len({c["text"] for c in n["choices"]}) > 1  # seed, seed + 1, seed + 2

@@ -24,7 +24,7 @@ from meshserve.shared.openai_protocol import (ChatCompletionRequest, CompletionR
                                               completion_chunk, completion_logprobs, completion_response,
                                               join_logprobs, parse_request, prompt_fields, usage, usage_chunk,
                                               validate_body)
-from meshserve.shared.reasoning import ReasoningParser
+from meshserve.shared.reasoning import ReasoningParser, reasoning_fields, split_answer
 from meshserve.shared.schemas import Abort, GenerateRequest, Logprob, Message, Sampling, TokenChunk, Usage
 from meshserve.shared.tenants import Tenant, cache_salt
 from meshserve.shared.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -153,11 +153,8 @@ class Gateway:
         tokenizer = model.tokenizer
         req = parse_request(kind, body, tokenizer.vocab_size, self.limits)
         chat = isinstance(req, ChatCompletionRequest)
-        if chat and not req.include_reasoning and model.reasoning_parser is None:
-            raise OpenAIError("include_reasoning: false needs a model served with a reasoning parser "
-                              "(--reasoning-parser, or the manifest's reasoning_parser); this one has none",
-                              param="include_reasoning")
         if chat:
+            req.check_reasoning(model.reasoning_parser)
             ids = req.truncate(self.chat_prompt_ids(req, model=model))
             self._check_length(ids, None, model, "messages")  # so that the default max_tokens is positive
             sampling = req.to_sampling(model.max_model_len - len(ids), tokenizer, model.generation_defaults)
@@ -665,12 +662,6 @@ class Generation:
         name = self.prepared.model.reasoning_parser
         return ReasoningParser(name) if name is not None and self.kind == "chat" else None
 
-    def reasoning_fields(self, reasoning: str | None) -> dict:
-        """The message's (or delta's) reasoning, under vLLM's two names, unless include_reasoning is false."""
-        if reasoning is None or not self.prepared.request.include_reasoning:
-            return {}
-        return {"reasoning_content": reasoning, "reasoning": reasoning}
-
     def _tool_output(self, text: str) -> tuple[str | None, list[tool_calls.ToolCall]]:
         """(content, calls) of a chat choice's answer under the request's tool_choice."""
         named = self.prepared.request.tool_choice.function["name"] if self.tool_mode == "named" else None
@@ -684,12 +675,12 @@ class Generation:
         for c in self.choices:
             lp = self._logprobs(c.token_ids, c.logprobs, 0)
             if self.kind == "chat":
-                parser = self.reasoning_parser()
-                reasoning, answer = parser.split(c.text) if parser is not None else (None, c.text)
+                reasoning, answer = split_answer(self.prepared.model.reasoning_parser, c.text,
+                                                 self.prepared.request.include_reasoning)
                 content, calls = self._tool_output(answer)
                 finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
                 choices.append(chat_choice(c.index, content, finish, lp, [t.openai() for t in calls] or None))
-                choices[-1]["message"].update(self.reasoning_fields(reasoning))
+                choices[-1]["message"].update(reasoning)
             elif self.echo:
                 text, plp = self._echo(c)
                 if plp is not None:
@@ -772,7 +763,7 @@ class _ChunkState:
             rest = self.reasoning.finish()
             reasoning, answer = reasoning + rest[0], answer + rest[1]
         self.answer += answer
-        fields = self.gen.reasoning_fields(reasoning) if reasoning else {}
+        fields = reasoning_fields(reasoning, self.gen.prepared.request.include_reasoning) if reasoning else {}
         if fields:
             out.append(self._chunk({"role": "assistant", **fields} if self.first else fields))
             self.first = False
