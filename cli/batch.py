@@ -103,8 +103,9 @@ def _add(llm: LLM, prompts: list[list[int]], params, n: int, cache_salt: str | N
 
 
 def _body(llm: LLM, kind: str, served: str, req, cs: list[Completion], texts: list[str],
-          want_logprobs: bool, reasoning: str | None = None) -> dict:
-    """texts: each prompt's text as echo returns it; reasoning: the chat answers' parser (shared/reasoning.py)."""
+          want_logprobs: bool, reasoning: str | None = None, tool_parser: str | None = None) -> dict:
+    """texts: each prompt's text as echo returns it; reasoning, tool_parser: how chat answers are read
+    (shared/reasoning.py, shared/tool_calls.py)."""
     firsts = cs[::req.n]  # each prompt's first choice
     u = usage(sum(len(c.prompt_token_ids) for c in firsts), sum(len(c.token_ids) for c in cs),
               sum(c.num_cached_tokens for c in firsts))
@@ -117,7 +118,7 @@ def _body(llm: LLM, kind: str, served: str, req, cs: list[Completion], texts: li
             mode = req.tool_mode()
             thought, answer = split_answer(reasoning, c.text, req.include_reasoning)
             content, calls = tool_calls.read_calls(mode, answer, req.tool_choice.function["name"]
-                                                   if mode == "named" else None)
+                                                   if mode == "named" else None, tool_parser)
             finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
             choices.append(chat_choice(i, content, finish, lp, [t.openai() for t in calls] or None))
             choices[-1]["message"].update(thought)
@@ -145,8 +146,10 @@ def _body(llm: LLM, kind: str, served: str, req, cs: list[Completion], texts: li
     return out
 
 
-def run_batch(llm: LLM, inp: IO[bytes], out: IO[bytes], served: str, reasoning: str | None = None) -> tuple[int, int]:
-    """Returns (succeeded, failed). reasoning: the chat answers' parser (--reasoning-parser)."""
+def run_batch(llm: LLM, inp: IO[bytes], out: IO[bytes], served: str, reasoning: str | None = None,
+              tool_parser: str | None = None) -> tuple[int, int]:
+    """Returns (succeeded, failed). reasoning, tool_parser: how chat answers are read
+    (--reasoning-parser, --tool-call-parser)."""
     from meshserve.shared.engine.llm_engine import RequestError
 
     results: list[dict | None] = []
@@ -168,7 +171,7 @@ def run_batch(llm: LLM, inp: IO[bytes], out: IO[bytes], served: str, reasoning: 
             results.append(_error_result(cid, OpenAIError(str(e))))
     llm.run()
     for i, kind, req, cs, texts, want_lp, cid in pending:
-        results[i] = _result(cid, 200, _body(llm, kind, served, req, cs, texts, want_lp, reasoning))
+        results[i] = _result(cid, 200, _body(llm, kind, served, req, cs, texts, want_lp, reasoning, tool_parser))
     return write_results(results, out)
 
 
@@ -195,6 +198,7 @@ def main(args) -> int:
     with inp, out:
         llm = LLM(args.model, args.dtype, EngineConfig(), quantization=args.quantization)
         served = args.served_model_name or args.model
-        ok, failed = run_batch(llm, inp, out, served, getattr(args, "reasoning_parser", None))
+        ok, failed = run_batch(llm, inp, out, served, getattr(args, "reasoning_parser", None),
+                               getattr(args, "tool_call_parser", None))
     print(f"{ok} succeeded, {failed} failed", file=sys.stderr)
     return 0

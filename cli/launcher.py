@@ -261,6 +261,7 @@ class Launcher:
         self.spawn_service("gateway", "gateway", "--host", a.host, "--port", str(a.port),
                            "--ready-timeout", str(a.ready_timeout), *gateway_log_options(a), *gateway_limit_options(a),
                            *(["--reasoning-parser", a.reasoning_parser] if getattr(a, "reasoning_parser", None) else []),
+                           *(["--tool-call-parser", a.tool_call_parser] if getattr(a, "tool_call_parser", None) else []),
                            *tenants, *models)
 
     def wait_healthy(self, timeout: float) -> bool:
@@ -582,5 +583,7 @@ def add_arguments(p) -> None:
                         "certificate itself, self-signed)")
     from meshserve.shared.limits import add_request_limit_arguments
     from meshserve.shared.reasoning import add_reasoning_argument
+    from meshserve.shared.tool_calls import add_tool_call_parser_argument
     add_request_limit_arguments(p, defaults=False)
     add_reasoning_argument(p)
+    add_tool_call_parser_argument(p)

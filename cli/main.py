@@ -142,7 +142,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                                         add_kv_cache_dtype_argument, add_quantization_argument)
     add_quantization_argument(b)
     from meshserve.shared.reasoning import add_reasoning_argument
+    from meshserve.shared.tool_calls import add_tool_call_parser_argument
     add_reasoning_argument(b)
+    add_tool_call_parser_argument(b)
     b.set_defaults(func=lambda a: __import__("meshserve.cli.batch", fromlist=["main"]).main(a))
 
     up = sub.add_parser("up", help="start the whole mesh on this machine (its own nats-server too)")

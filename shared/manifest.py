@@ -102,6 +102,9 @@ class ServedModel(BaseModel):
     # How its chat answers split into reasoning and answer (shared/reasoning.py); None: the gateway's
     # --reasoning-parser, else none
     reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = None
+    # How calls are read from its answers under tool_choice auto (shared/tool_calls.py); None: the
+    # gateway's --tool-call-parser, else hermes
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = None
 
     @property
     def id(self) -> str:

@@ -4,9 +4,11 @@
   {...}}]` (one call unless `parallel_tool_calls`), each item a declared function with arguments
   that match its parameter schema: the grammar (constraints.py) allows nothing else.
 - a named function: the output is that function's arguments, a JSON object matching its schema.
-- `"auto"`: the model writes what it wants; calls in its own format are read back: Hermes-style
-  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Qwen 2.5, Hermes, SmolLM3 ...).
-  Text outside them is the message's content.
+- `"auto"`: the model writes what it wants; calls in its own format are read back (vLLM's
+  `--tool-call-parser`, per model): `hermes` (the default), `<tool_call>{"name": ..., "arguments":
+  {...}}</tool_call>` blocks (Qwen 2.5 and 3, Hermes, SmolLM3 ...), text outside them the message's
+  content; `llama3_json` (Llama 3.1-3.3), an answer that is one or more JSON objects `{"name": ...,
+  "parameters": {...}}` (separated by `;`), after the `<|python_tag|>` the detokenizer drops.
 """
 
 from __future__ import annotations
@@ -16,6 +18,15 @@ import uuid
 from dataclasses import dataclass, field
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+PARSERS = ("hermes", "llama3_json")
+
+
+def add_tool_call_parser_argument(parser) -> None:
+    """The gateway's (and `meshserve up`'s and `batch`'s) --tool-call-parser."""
+    parser.add_argument("--tool-call-parser", default=None, choices=PARSERS,
+                        help="how tool calls are read from an answer under tool_choice auto (vLLM's; "
+                             "docs/openai-api.md): for --model, and the manifest's models that name none "
+                             "(default: hermes)")
 
 
 def new_call_id() -> str:
@@ -66,20 +77,47 @@ def parse_required(text: str) -> list[ToolCall]:
 
 def _hermes_call(body: str) -> ToolCall | None:
     try:
-        obj = json.loads(body)
+        return _call_of(json.loads(body))
     except json.JSONDecodeError:
         return None
+
+
+def _call_of(obj) -> ToolCall | None:
+    """A call from `{"name": ..., "arguments" or "parameters": {...}}`; None for anything else."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
 
 
+def _llama3_calls(text: str) -> list[ToolCall] | None:
+    """The calls of a llama3_json answer: JSON objects with a name, separated by `;` or
+    whitespace; None when it is anything else (then it is content)."""
+    decoder, calls, pos = json.JSONDecoder(), [], 0
+    while True:
+        while pos < len(text) and (text[pos].isspace() or text[pos] == ";"):
+            pos += 1
+        if pos == len(text):
+            return calls or None
+        try:
+            obj, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return None
+        call = _call_of(obj)
+        if call is None:
+            return None
+        calls.append(call)
+
+
 class AutoParser:
     """Reads a streamed "auto" output: content goes on as it comes, except a tail that could be the
-    start of `<tool_call>`; once a call opens, the rest is held and read at the end."""
+    start of a call (hermes: `<tool_call>`; llama3_json: an answer whose first non-blank character is
+    `{`); once a call opens, the rest is held and read at the end."""
 
-    def __init__(self):
+    def __init__(self, parser: str | None = None):
+        self.parser = parser or "hermes"
+        if self.parser not in PARSERS:
+            raise ValueError(f"unknown tool-call parser {self.parser!r}; known: {', '.join(PARSERS)}")
         self.text = ""
         self.emitted = 0  # of text, handed out as content
         self.in_calls = False
@@ -89,6 +127,8 @@ class AutoParser:
         self.text += delta
         if self.in_calls:
             return ""
+        if self.parser == "llama3_json":
+            return self._feed_llama3()
         at = self.text.find(OPEN, self.emitted)
         if at >= 0:
             self.in_calls = True
@@ -103,11 +143,26 @@ class AutoParser:
         self.emitted = end
         return out
 
+    def _feed_llama3(self) -> str:
+        if self.emitted == 0:
+            head = self.text.lstrip()
+            if not head:
+                return ""  # blank so far: it may still open a call
+            if head.startswith("{"):
+                self.in_calls = True
+                return ""
+        out, self.emitted = self.text[self.emitted:], len(self.text)
+        return out
+
     def finish(self) -> tuple[str, list[ToolCall]]:
         """(content not sent yet, the calls). Calls that do not parse stay content."""
         if not self.in_calls:
             rest, self.emitted = self.text[self.emitted:], len(self.text)
             return rest, []
+        if self.parser == "llama3_json":
+            calls = _llama3_calls(self.text)
+            self.emitted = len(self.text)
+            return ("", calls) if calls else (self.text, [])
         calls, content, pos = [], "", self.emitted
         while True:
             at = self.text.find(OPEN, pos)
@@ -129,24 +184,25 @@ class AutoParser:
         return (content.strip() if calls else content), calls
 
 
-def parse_auto(text: str) -> tuple[str, list[ToolCall]]:
+def parse_auto(text: str, parser: str | None = None) -> tuple[str, list[ToolCall]]:
     """(content, calls) of a whole "auto" output."""
-    p = AutoParser()
+    p = AutoParser(parser)
     head = p.feed(text)
     rest, calls = p.finish()
     content = head + rest
     return (content.strip() if calls else content), calls
 
 
-def read_calls(mode: str, text: str, named: str | None = None) -> tuple[str | None, list[ToolCall]]:
+def read_calls(mode: str, text: str, named: str | None = None,
+               parser: str | None = None) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a whole chat output under tool_choice mode ("none", "auto", "required",
-    "named" with the function's name)."""
+    "named" with the function's name); parser: how "auto" reads them (PARSERS; None: hermes)."""
     if mode == "named":
         return None, [ToolCall(named, text)]
     if mode == "required":
         calls = parse_required(text)
         return (None if calls else text), calls
     if mode == "auto":
-        content, calls = parse_auto(text)
+        content, calls = parse_auto(text, parser)
         return (content or None) if calls else content, calls
     return text, []

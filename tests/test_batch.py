@@ -56,12 +56,16 @@ def test_batch_command(tiny_llama, tmp_path):
         {"custom_id": "think-hidden", "method": "POST", "url": "/v1/chat/completions",
          "body": {"messages": [{"role": "user", "content": "Think"}], "max_tokens": 30,
                   "guided_regex": "<think>hm</think>ok", "include_reasoning": False}},
+        # --tool-call-parser llama3_json: an answer that is a JSON call is a call under tool_choice auto
+        {"custom_id": "llama3-call", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 40, "tools": [TOOL],
+                  "guided_regex": r'\{"name": "weather", "parameters": \{"city": "Paris", "days": 2\}\}'}},
     ]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_bytes(b"\n".join(orjson.dumps(x) for x in lines) + b"\nnot json\n")
     r = subprocess.run([sys.executable, "-m", "meshserve.cli.main", "batch", "-i", str(inp), "-o", str(out),
                         "--model", str(tiny_llama), "--dtype", "float32", "--served-model-name", "tiny",
-                        "--reasoning-parser", "qwen3"],
+                        "--reasoning-parser", "qwen3", "--tool-call-parser", "llama3_json"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     results = [orjson.loads(x) for x in out.read_bytes().splitlines()]
@@ -69,6 +73,10 @@ def test_batch_command(tiny_llama, tmp_path):
     by = {x["custom_id"]: x for x in results}
     think = by["think"]["response"]["body"]["choices"][0]["message"]
     assert (think["reasoning_content"], think["content"]) == ("hm", "ok")
+    call = by["llama3-call"]["response"]["body"]["choices"][0]
+    assert call["finish_reason"] == "tool_calls" and call["message"]["content"] is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in call["message"]["tool_calls"]] \
+        == [("weather", {"city": "Paris", "days": 2})]
     hidden = by["think-hidden"]["response"]["body"]["choices"][0]["message"]
     assert "reasoning_content" not in hidden and hidden["content"] == "ok"
     chat = by["chat"]["response"]["body"]  # vLLM's fields: request_id, return_token_ids
@@ -89,7 +97,7 @@ def test_batch_command(tiny_llama, tmp_path):
         assert by[cid]["response"]["body"]["error"]["message"]
         assert by[cid]["error"]["message"]
     assert "top_p" in by["bad-param"]["response"]["body"]["error"]["message"]
-    assert "10 succeeded, 5 failed" in r.stderr
+    assert "11 succeeded, 5 failed" in r.stderr
     n = by["n"]["response"]["body"]
     assert [c["index"] for c in n["choices"]] == [0, 1, 2] and n["usage"]["completion_tokens"] == 12
     assert len({c["text"] for c in n["choices"]}) > 1  # seed, seed + 1, seed + 2

@@ -9,6 +9,7 @@ mapped-weights budget that holds two models and a host tier that holds one.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import time
 from pathlib import Path
@@ -128,8 +129,11 @@ def test_a_draft_mapped_beside_a_model_is_in_use_until_the_workers_next_model():
 # -- the mesh
 
 
-def _manifest(path: Path, models: dict[str, Path], pinned: str, canary: dict[str, tuple[Path, float]] = None) -> Path:
-    lines = [f"- {{name: {n}, path: '{p}', pinned: {'true' if n == pinned else 'false'}}}" for n, p in models.items()]
+def _manifest(path: Path, models: dict[str, Path], pinned: str, canary: dict[str, tuple[Path, float]] = None,
+              extra: dict[str, str] | None = None) -> Path:
+    """extra: more keys of a model's entry, `key: value` text."""
+    lines = [f"- {{name: {n}, path: '{p}', pinned: {'true' if n == pinned else 'false'}"
+             f"{', ' + extra[n] if extra and n in extra else ''}}}" for n, p in models.items()]
     lines += [f"- {{name: canary, version: '{v}', path: '{p}', share: {share}}}" for v, (p, share) in (canary or {}).items()]
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -170,7 +174,8 @@ def mesh(models, tmp_path_factory):
     good, broken, _ = models
     tmp = tmp_path_factory.mktemp("mesh")
     size = max(os.path.getsize(p / "model.safetensors") for p in good.values())
-    manifest = _manifest(tmp / "models.yaml", {**good, "broken": broken}, pinned="alpha", canary=_canary(models, 100))
+    manifest = _manifest(tmp / "models.yaml", {**good, "broken": broken}, pinned="alpha", canary=_canary(models, 100),
+                         extra={"gamma": "tool_call_parser: llama3_json"})
     gb = 1 << 30
     m = Mesh(good["alpha"], tmp, prefill=0, decode=1, extra=[
         "--models", str(manifest), "--weights-memory-gb", f"{2.5 * size / gb:.9f}",
@@ -300,6 +305,30 @@ def test_metrics_count_each_model_apart(mesh, oracle):
     assert on_beta['meshserve:kv_cache_usage_perc{model_name="gamma"}'] == 0  # no worker holds gamma's KV
     status = mesh.ask("scheduler.status")
     assert status["prefix_queries"] == sum(m["prefix_queries"] for m in status["by_model"].values())
+
+
+def test_each_model_reads_tool_calls_its_own_way(mesh):
+    """A manifest entry's `tool_call_parser`: gamma's (llama3_json) reads an answer that is a JSON
+    call as a call, whole and streamed; alpha's (hermes, the default) leaves the same answer as
+    content. The answer is forced by a regex, the random models having no calls of their own."""
+    client = OpenAI(base_url=mesh.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    body = dict(messages=[{"role": "user", "content": "Weather?"}], tools=tools, max_tokens=40, temperature=0,
+                extra_body={"guided_regex": r'\{"name": "weather", "parameters": \{"city": "Paris"\}\}'})
+    r = client.chat.completions.create(model="gamma", **body).choices[0]
+    assert r.finish_reason == "tool_calls" and r.message.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in r.message.tool_calls] == \
+        [("weather", {"city": "Paris"})]
+    calls, content = [], ""
+    for chunk in client.chat.completions.create(model="gamma", stream=True, **body):
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            calls += [c.function.name for c in ch.delta.tool_calls or []]
+    assert calls == ["weather"] and content == ""
+    r = client.chat.completions.create(model="alpha", **body).choices[0]
+    assert r.finish_reason == "stop" and not r.message.tool_calls
+    assert r.message.content == '{"name": "weather", "parameters": {"city": "Paris"}}'
 
 
 def _canary_call(m: Mesh) -> tuple[str | None, str]:

@@ -50,3 +50,27 @@ def test_forced_formats():
     assert tool_calls.named_schema(TOOLS, "f") == TOOLS[0]["function"]["parameters"]
     content, calls = tool_calls.read_calls("named", '{"x": 5}', "f")
     assert content is None and calls[0].openai(0)["function"] == {"name": "f", "arguments": '{"x": 5}'}
+
+
+def test_llama3_json_reads_an_answer_of_json_calls_whole_and_streamed():
+    """`--tool-call-parser llama3_json`: an answer whose first non-blank character is `{` is held
+    and read as calls (several separated by `;`); anything else streams as content at once; a held
+    answer that is not calls comes back whole as content."""
+    text = ' \n{"name": "f", "parameters": {"x": 1}}; {"name": "g", "arguments": {}}'
+    content, calls = tool_calls.parse_auto(text, "llama3_json")
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"x": 1}), ("g", {})]
+    for size in (1, 4, len(text)):
+        p, shown = tool_calls.AutoParser("llama3_json"), ""
+        for i in range(0, len(text), size):
+            shown += p.feed(text[i:i + size])
+        rest, streamed = p.finish()
+        assert shown + rest == "" and [c.name for c in streamed] == ["f", "g"]
+    p = tool_calls.AutoParser("llama3_json")
+    assert p.feed("Sure") == "Sure" and p.feed(' {"name": "f"}') == ' {"name": "f"}'  # text first: content
+    assert p.finish() == ("", [])
+    for text in ('{"nam": 1}', "{not json", '{"name": "f", "parameters": {}} and more words'):
+        assert tool_calls.parse_auto(text, "llama3_json") == (text, [])
+    content, calls = tool_calls.read_calls("auto", '{"name": "f", "parameters": {"x": 2}}', parser="llama3_json")
+    assert content is None and calls[0].name == "f"
+    # hermes (the default) reads no such calls
+    assert tool_calls.read_calls("auto", '{"name": "f", "parameters": {"x": 2}}')[1] == []

@@ -35,6 +35,7 @@ class ModelEntry:
     max_model_len: int = MAX_CONTEXT  # its context: prompt plus output (Catalog.max_model_len)
     lora: LoRARef | None = None  # a LoRA adapter of spec's model, served under its own name (adapters.py)
     reasoning_parser: str | None = None  # shared/reasoning.py's name: its chat answers' split
+    tool_call_parser: str | None = None  # shared/tool_calls.py's name: how "auto" reads its calls
 
     @property
     def name(self) -> str:
@@ -49,24 +50,27 @@ class ModelEntry:
 
 class Catalog:
     def __init__(self, manifest: Manifest, path: str | None = None, preloaded: dict[str, ModelEntry] | None = None,
-                 max_model_len: int | None = None, reasoning_parser: str | None = None):
+                 max_model_len: int | None = None, reasoning_parser: str | None = None,
+                 tool_call_parser: str | None = None):
         """max_model_len: the longest context of any model here (the gateway's --max-model-len); None:
-        each model's own, as its workers serve it by default. reasoning_parser: the gateway's
-        --reasoning-parser, for the models whose manifest entry names none."""
+        each model's own, as its workers serve it by default. reasoning_parser, tool_call_parser: the
+        gateway's flags, for the models whose manifest entry names none."""
         self.manifest, self.path, self.max_model_len_cap = manifest, path, max_model_len
-        self.reasoning_parser = reasoning_parser
+        self.reasoning_parser, self.tool_call_parser = reasoning_parser, tool_call_parser
         self._entries: dict[str, ModelEntry] = dict(preloaded or {})
         self._lock = threading.Lock()
         self.adapters = Adapters(manifest)  # LoRA adapters of the manifest's models, and loaded at run time
 
     @classmethod
     def single(cls, name: str, tokenizer: Tokenizer, defaults: dict | None = None, path: str | None = None,
-               max_model_len: int | None = None, reasoning_parser: str | None = None):
+               max_model_len: int | None = None, reasoning_parser: str | None = None,
+               tool_call_parser: str | None = None):
         """One model whose tokenizer is already loaded (`--model`)."""
         m = Manifest.single(path or name, name)
-        catalog = cls(m, None, max_model_len=max_model_len, reasoning_parser=reasoning_parser)
+        catalog = cls(m, None, max_model_len=max_model_len, reasoning_parser=reasoning_parser,
+                      tool_call_parser=tool_call_parser)
         catalog._entries[name] = ModelEntry(m.models[0], tokenizer, dict(defaults or {}),
-                                            catalog.max_model_len(m.models[0]), reasoning_parser=reasoning_parser)
+                                            catalog.max_model_len(m.models[0]), **catalog.parsers_of(m.models[0]))
         return catalog
 
     @property
@@ -82,7 +86,7 @@ class Catalog:
             ref = self.adapters.ref(adapter)
             base = self.entry_of(adapter.base)
             return ModelEntry(base.spec, base.tokenizer, base.generation_defaults, base.max_model_len, ref,
-                              base.reasoning_parser)
+                              base.reasoning_parser, base.tool_call_parser)
         spec = self.manifest.pick(name, random.random(), priority, tenant)
         if spec is None:
             served = self.manifest.names + [a.name for a in self.adapters.all()]
@@ -97,7 +101,7 @@ class Catalog:
             if e is not None and e.spec.path == spec.path:
                 if e.spec != spec:  # same weights, new settings (aliases, share, pinning)
                     e = self._entries[spec.id] = ModelEntry(spec, e.tokenizer, e.generation_defaults, e.max_model_len,
-                                                            reasoning_parser=self.reasoning_of(spec))
+                                                            **self.parsers_of(spec))
                 return e
             try:
                 tok = load_tokenizer(spec.path)
@@ -106,11 +110,13 @@ class Catalog:
                 raise OpenAIError(f"the model {spec.name!r} cannot be served: its tokenizer does not load from "
                                   f"{spec.path}: {err}", 500, type="server_error", code="model_load_failed") from None
             e = self._entries[spec.id] = ModelEntry(spec, tok, generation_defaults(spec.path), self.max_model_len(spec),
-                                                    reasoning_parser=self.reasoning_of(spec))
+                                                    **self.parsers_of(spec))
             return e
 
-    def reasoning_of(self, spec: ServedModel) -> str | None:
-        return spec.reasoning_parser or self.reasoning_parser
+    def parsers_of(self, spec: ServedModel) -> dict:
+        """How its answers are read: its manifest entry's parsers, else this gateway's flags."""
+        return {"reasoning_parser": spec.reasoning_parser or self.reasoning_parser,
+                "tool_call_parser": spec.tool_call_parser or self.tool_call_parser}
 
     def max_model_len(self, spec: ServedModel) -> int:
         """A model's context: its config's (ModelConfig.context_length, what its workers serve unless

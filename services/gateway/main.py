@@ -18,6 +18,7 @@ import sys
 from meshserve.shared.models_repo import DEFAULT_MODEL, generation_defaults, load_tokenizer
 from meshserve.shared.limits import add_request_limit_arguments, limits_from_args
 from meshserve.shared.reasoning import add_reasoning_argument
+from meshserve.shared.tool_calls import add_tool_call_parser_argument
 from meshserve.shared.subjects import DEFAULT_NAMESPACE
 
 from .request_log import DEFAULT_BACKUPS as REQUEST_LOG_BACKUPS
@@ -44,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model name, HF directory or .gguf file; only its tokenizer is loaded here")
     parser.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
     add_reasoning_argument(parser)
+    add_tool_call_parser_argument(parser)
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="the longest context (prompt plus output) of any model here; a chat without "
                              "max_tokens may fill it (default: each model's own, as its workers serve it)")
@@ -135,7 +137,7 @@ async def run(args) -> int:
 
     if getattr(args, "models", None):  # many models: tokenizers load on first use (catalog.py)
         catalog = Catalog(load_manifest(args.models), args.models, max_model_len=args.max_model_len,
-                          reasoning_parser=args.reasoning_parser)
+                          reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
         served = catalog.manifest.models[0].name
         unknown = catalog.manifest.tenant_names - {t.name for t in (auth.config.tenants if auth.enabled else ())}
         if unknown:  # their requests would never reach the variant meant for them
@@ -149,7 +151,8 @@ async def run(args) -> int:
             tokenizer, defaults = None, {}
     else:
         tokenizer, defaults = load_tokenizer(args.model), generation_defaults(args.model)
-        catalog = Catalog.single(served, tokenizer, defaults, args.model, args.max_model_len, args.reasoning_parser)
+        catalog = Catalog.single(served, tokenizer, defaults, args.model, args.max_model_len, args.reasoning_parser,
+                                 args.tool_call_parser)
     bus = await Bus.connect(args.nats_url or DEFAULT_NATS_URL, name=f"meshserve-gateway-{GATEWAY_ID[:8]}",
                             namespace=args.namespace)
     streams = TokenStreams(bus, GATEWAY_ID)
