@@ -24,8 +24,18 @@ class LimitError(ValueError):
         self.param, self.code = param, code
 
 
+def class_of(value):
+    """A request's `priority` as a class name: a name is itself; an integer, vLLM's (lower runs
+    earlier, 0 the default), is interactive below 0, normal at 0 and background above. Anything
+    else is returned as it is (check_priority refuses it)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return "interactive" if value < 0 else "normal" if value == 0 else "background"
+    return value
+
+
 def check_priority(name) -> str:
-    """A priority as the API takes it: one of the names."""
+    """A priority as the API takes it: one of the names (or vLLM's integers, class_of)."""
+    name = class_of(name)
     if name not in PRIORITIES:
         raise LimitError(f"priority must be one of {', '.join(PRIORITIES)}", param="priority")
     return name

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .limits import LimitError, RequestLimits, check_request_size
+from .limits import LimitError, RequestLimits, check_request_size, class_of
 from .schemas import Logprob, Sampling
 
 
@@ -172,8 +172,10 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    priority: Literal["interactive", "normal", "background"] | None = Field(
-        default=None, description="meshserve's own: the request's class (default: its tenant's, else normal)")
+    # vLLM's integers are taken too (limits.class_of): below 0 interactive, 0 normal, above 0 background
+    priority: Literal["interactive", "normal", "background"] | int | None = Field(
+        default=None, description="the request's class (default: its tenant's, else normal); or vLLM's integer: "
+                                  "below 0 interactive, 0 normal, above 0 background")
     # structured output: OpenAI's response_format, vLLM's guided_* and structured_outputs
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -197,6 +199,11 @@ class _SamplingFields(BaseModel):
     return_token_ids: bool = False
     # vLLM's: logprobs name each token "token_id:<id>" rather than by its text
     return_tokens_as_token_ids: bool = False
+
+    @field_validator("priority", mode="before")
+    @classmethod
+    def _priority_class(cls, v):
+        return class_of(v)
 
     @field_validator("stop")
     @classmethod

@@ -182,7 +182,7 @@ def request_class(asked, tenant: Tenant | None) -> str:
     Raises ValueError for a value that is not a class, ClassNotAllowed above the tenant's maximum."""
     if asked is None:
         return tenant.default_priority if tenant is not None else DEFAULT_CLASS
-    check_priority(asked)  # ValueError (limits.LimitError) for a value that is not a class
+    asked = check_priority(asked)  # ValueError (limits.LimitError) for a value that is not a class
     if tenant is not None and rank(asked) < rank(tenant.max_priority):
         raise ClassNotAllowed(f"tenant {tenant.name!r} may ask for priority {tenant.max_priority!r} at most, "
                               f"not {asked!r}")

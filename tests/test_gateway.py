@@ -568,6 +568,9 @@ def test_completion_non_streaming(client, mesh, tokenizer):
     assert sub.priority == "interactive" and sub.prompt_token_ids == [5, 6, 7]
     assert (sub.sampling.temperature, sub.sampling.top_p, sub.sampling.top_k, sub.sampling.max_tokens) == \
         (0.5, 0.9, 7, 100)
+    for asked, cls in ((-1, "interactive"), (0, "normal"), (7, "background")):  # vLLM's integer priorities
+        client.completions.create(model=SERVED, prompt=[5, 6, 7], max_tokens=2, extra_body={"priority": asked})
+        assert mesh.submits[-1].priority == cls, asked
 
 
 def test_chat_streaming_with_usage(client, mesh, tokenizer):

@@ -115,6 +115,9 @@ def test_403_above_the_tenants_class_and_its_default_class(mesh):
     assert "normal" in err["message"]
     assert complete(mesh, "sk-lowly").usage.completion_tokens == 4  # its default: background
     assert complete(mesh, "sk-lowly", priority="normal").usage.completion_tokens == 4
+    with pytest.raises(openai.PermissionDeniedError):  # vLLM's integer: below 0 is interactive
+        complete(mesh, "sk-lowly", priority=-1)
+    assert complete(mesh, "sk-lowly", priority=0).usage.completion_tokens == 4
 
 
 def _worker_pid(mesh) -> int:
@@ -320,6 +323,6 @@ def test_metrics_and_analyze_by_tenant_and_still_healthy(mesh, tmp_path):
     by = orjson.loads((tmp_path / "a.json").read_bytes())["by_tenant"]
     assert {"acme", "lowly", "single", "metered"} <= set(by)
     assert by["metered"]["errors_by_status"].get("429", 0) >= 2 and by["metered"]["output_tokens"] == 40
-    assert by["lowly"]["errors_by_status"] == {"403": 1} and by["lowly"]["class"]["background"] == 1
+    assert by["lowly"]["errors_by_status"] == {"403": 2} and by["lowly"]["class"]["background"] == 1
     assert by["acme"]["errors_by_status"].get("503") == 1
     assert httpx.get(mesh.url + "/health").status_code == 200
