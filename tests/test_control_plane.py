@@ -155,8 +155,10 @@ def test_an_error_reply_is_told_by_its_header_not_its_bytes(nats_url):
 def test_request_limits_and_their_messages():
     assert PRIORITIES == ("interactive", "normal", "background") and priority_level("background") == 2
     assert check_priority("normal") == "normal"
-    with pytest.raises(LimitError, match="priority must be one of interactive, normal, background$"):
-        check_priority(0)  # the API takes names only
+    assert [check_priority(p) for p in (-3, 0, 2)] == ["interactive", "normal", "background"]  # vLLM's integers
+    for bad in ("urgent", True, 1.5):
+        with pytest.raises(LimitError, match="priority must be one of interactive, normal, background"):
+            check_priority(bad)
     with pytest.raises(LimitError, match=r"\(or 0-2\)"):
         priority_level("urgent")
     check_context_length(10, 6, 16)
