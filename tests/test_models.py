@@ -311,6 +311,9 @@ def test_each_model_reads_tool_calls_its_own_way(mesh):
     """A manifest entry's `tool_call_parser`: gamma's (llama3_json) reads an answer that is a JSON
     call as a call, whole and streamed; alpha's (hermes, the default) leaves the same answer as
     content. The answer is forced by a regex, the random models having no calls of their own."""
+    cards = _states(mesh)
+    assert (cards["gamma"]["tool_call_parser"], cards["alpha"]["tool_call_parser"]) == ("llama3_json", "hermes")
+    assert cards["gamma"]["reasoning_parser"] is None
     client = OpenAI(base_url=mesh.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     tools = [{"type": "function", "function": {"name": "weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]

@@ -372,12 +372,15 @@ class Gateway:
                 defaults, max_model_len = entry.generation_defaults, entry.max_model_len
             except OpenAIError:
                 defaults, max_model_len = {}, self.catalog.max_model_len(spec)
+            parsers = self.catalog.parsers_of(spec)
             card = {"id": name, "object": "model", "created": self.created, "owned_by": "meshserve",
                     "root": spec.path if len(manifest.models) > 1 else name, "parent": None,
                     "max_model_len": max_model_len, "generation_defaults": defaults,
                     "state": hottest.get("state", "unknown"), "error": hottest.get("error"),
                     "workers": sum(x.get("workers", 0) for x in sts), "aliases": list(spec.aliases),
-                    "version": spec.version, "pinned": spec.pinned, "load_times_s": hottest.get("load_times_s", {})}
+                    "version": spec.version, "pinned": spec.pinned, "load_times_s": hottest.get("load_times_s", {}),
+                    "reasoning_parser": parsers["reasoning_parser"],
+                    "tool_call_parser": parsers["tool_call_parser"] or "hermes"}
             if spec.share is not None:  # a canary: each version, its share and its state
                 card["versions"] = [{"version": v.version, "share": v.share, "path": v.path,
                                      "state": x.get("state", "unknown"), "error": x.get("error"),

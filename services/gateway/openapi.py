@@ -276,6 +276,8 @@ class ModelCard(BaseModel):
         None, description="variants by class and tenant: each variant, its priorities, tenants, format and state")
     lora: dict[str, Any] | None = Field(None, description="a LoRA adapter (its base is `parent`): its path and "
                                                           "source, manifest or runtime")
+    reasoning_parser: str | None = Field(None, description="how its chat answers' reasoning is split off (none: null)")
+    tool_call_parser: str | None = Field(None, description="how its tool calls are read under tool_choice auto")
 
 
 class ModelList(BaseModel):
