@@ -545,7 +545,7 @@ def client(gateway):
     return openai.OpenAI(base_url=f"{gateway}/v1", api_key="x", max_retries=0, timeout=20)
 
 
-def test_completion_non_streaming(client, mesh, tokenizer):
+def test_completion_non_streaming(gateway, client, mesh, tokenizer):
     prompt = "Hello there"
     r = client.completions.create(model=SERVED, prompt=prompt, max_tokens=5, logprobs=2)
     want = mesh.expected_tokens(5)
@@ -568,6 +568,11 @@ def test_completion_non_streaming(client, mesh, tokenizer):
     assert sub.priority == "interactive" and sub.prompt_token_ids == [5, 6, 7]
     assert (sub.sampling.temperature, sub.sampling.top_p, sub.sampling.top_k, sub.sampling.max_tokens) == \
         (0.5, 0.9, 7, 100)
+    r = httpx.post(f"{gateway}/v1/completions", json={"model": SERVED, "prompt": "x", "max_tokens": 2},
+                   headers={"X-Request-Id": "proxy-42"})  # a proxy's id names the response, and comes back
+    assert r.json()["id"] == "cmpl-proxy-42" and r.headers["x-request-id"] == "proxy-42"
+    r = httpx.post(f"{gateway}/v1/completions", json={"model": SERVED, "prompt": "x", "max_tokens": 2})
+    assert r.json()["id"] == "cmpl-" + r.headers["x-request-id"] == "cmpl-" + mesh.submits[-1].request_id
     for asked, cls in ((-1, "interactive"), (0, "normal"), (7, "background")):  # vLLM's integer priorities
         client.completions.create(model=SERVED, prompt=[5, 6, 7], max_tokens=2, extra_body={"priority": asked})
         assert mesh.submits[-1].priority == cls, asked

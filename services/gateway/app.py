@@ -127,6 +127,9 @@ def _model_headers(gen: Generation) -> dict[str, str]:
     return {h: v for h, v in ((VERSION_HEADER, spec.version), (VARIANT_HEADER, spec.variant)) if v is not None}
 
 
+REQUEST_ID_HEADER = "X-Request-Id"  # in: names the response (as `request_id`); out: the id it ran under
+
+
 def create_app(gw: Gateway) -> FastAPI:
     async def authenticate(request: Request) -> None:
         """The API key, before anything else; the tenant is left in request.state.tenant."""
@@ -165,11 +168,14 @@ def create_app(gw: Gateway) -> FastAPI:
 
     async def generate(request: Request, kind: Kind) -> Response:
         body = await _json_body(request, gw)
+        asked_id = request.headers.get(REQUEST_ID_HEADER)
+        if asked_id and isinstance(body, dict) and body.get("request_id") is None:
+            body = {**body, "request_id": asked_id}  # a proxy's id names the response, as vLLM takes it
         # (it may wait for a starting mesh: the client may leave meanwhile)
         gen = await _unless_disconnected(request, gw.submit(kind, body, getattr(request.state, "tenant", None)))
         if gen is None:
             return Response(status_code=CLIENT_CLOSED)
-        extra = _model_headers(gen)
+        extra = _model_headers(gen) | {REQUEST_ID_HEADER: gen.prepared.request.request_id or gen.request.request_id}
         if gen.stream:
             return StreamingResponse(_sse_stream(gen), media_type="text/event-stream", headers=SSE_HEADERS | extra)
         try:
