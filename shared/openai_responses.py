@@ -250,6 +250,13 @@ def message_item(item_id: str, status: str, content: list[dict]) -> dict:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
+def reasoning_item(item_id: str, status: str, text: str) -> dict:
+    """A model's reasoning (its reasoning parser's, docs/openai-api.md), as OpenAI returns an open
+    model's: the text whole, no summary."""
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
 STATUS = {"stop": "completed", "length": "incomplete"}
 
 

@@ -297,6 +297,21 @@ def test_reasoning_content_apart(mesh):
     assert "reasoning_content" not in (m.model_extra or {}) and m.content == "\n\nyes"
     plain = c.chat.completions.create(model=mesh.model, messages=chat(), max_tokens=4, temperature=0)
     assert "reasoning_content" not in (plain.choices[0].message.model_extra or {})  # no <think>: all content
+    # /v1/responses: a reasoning item (its text whole, as OpenAI returns an open model's) before the message
+    rb = dict(model=mesh.model, input=LONG, max_output_tokens=40, temperature=0,
+              extra_body={"guided_regex": "<think>weigh it</think>\n\nyes"})
+    r = c.responses.create(**rb)
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == "weigh it" and r.output_text == "\n\nyes"
+    events = list(c.responses.create(**rb, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "weigh it"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "\n\nyes"
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(i.type, events[kinds.index("response.completed")].response.output[k].type) for k, i in enumerate(done)] \
+        == [("reasoning", "reasoning"), ("message", "message")]
+    assert [e.output_index for e in events if e.type == "response.output_item.added"] == [0, 1]
     # completions are not parsed: the text is the model's, tags and all
     r = c.completions.create(model=mesh.model, prompt=LONG, max_tokens=40, temperature=0,
                              extra_body={"guided_regex": "<think>a</think>b"})

@@ -9,23 +9,25 @@ from typing import AsyncIterator
 
 from meshserve.shared.openai_protocol import OpenAIError
 from meshserve.shared.openai_responses import (ResponsesRequest, chat_body, message_item, output_text,
-                                               parse_responses_request, response_object, response_usage, status_of,
-                                               wants_logprobs)
+                                               parse_responses_request, reasoning_item, response_object,
+                                               response_usage, status_of, wants_logprobs)
 
 from .handler import Gateway, Generation
 
 
 class ResponsesCall:
-    """One submitted /v1/responses request. The caller must `close()` it."""
+    """One submitted /v1/responses request. The caller must `close()` it. A model with a reasoning
+    parser gives a `reasoning` output item before the message."""
 
     def __init__(self, req: ResponsesRequest, gen: Generation):
         self.req, self.gen = req, gen
         rid = gen.request.request_id
-        self.id, self.item_id = f"resp_{rid}", f"msg_{rid}"
+        self.id, self.item_id, self.reasoning_id = f"resp_{rid}", f"msg_{rid}", f"rs_{rid}"
         self.created_at = int(time.time())
         self.stream = req.stream
         self.want_logprobs = wants_logprobs(req)
         self.text = ""
+        self.reasoning: str | None = None  # None: the answer had none
         self.logprobs: list[dict] = []
         self.finish_reason: str | None = None
         self.usage: dict | None = None
@@ -33,19 +35,23 @@ class ResponsesCall:
     def close(self) -> None:
         self.gen.close()
 
-    async def _deltas(self) -> AsyncIterator[tuple[str, list[dict]]]:
-        """(text, logprobs) of each chat chunk, accumulated into text, logprobs, finish_reason, usage."""
+    async def _deltas(self) -> AsyncIterator[tuple[str, str, list[dict]]]:
+        """(reasoning, text, logprobs) of each chat chunk, accumulated into reasoning, text,
+        logprobs, finish_reason, usage."""
         async for chunk in self.gen.chunks():
             if chunk.get("usage"):
                 self.usage = chunk["usage"]
             for choice in chunk["choices"]:
+                thought = choice["delta"].get("reasoning_content") or ""
                 text = choice["delta"].get("content") or ""
                 lps = (choice.get("logprobs") or {}).get("content") or []
+                if thought:
+                    self.reasoning = (self.reasoning or "") + thought
                 self.text += text
                 self.logprobs += lps
                 self.finish_reason = choice.get("finish_reason") or self.finish_reason
-                if text or lps:
-                    yield text, lps
+                if thought or text or lps:
+                    yield thought, text, lps
 
     def _part(self) -> dict:
         return output_text(self.text, self.logprobs if self.want_logprobs else None)
@@ -54,49 +60,85 @@ class ResponsesCall:
         return response_object(self.id, self.created_at, self.req, self.gen.model, status, output,
                                response_usage(self.usage), error)
 
+    def _output(self, status: str) -> list[dict]:
+        thought = [] if self.reasoning is None else [reasoning_item(self.reasoning_id, status, self.reasoning)]
+        return thought + [message_item(self.item_id, status, [self._part()])]
+
     async def body(self) -> dict:
         """The whole Response (not streamed)."""
         async for _ in self._deltas():
             pass
         status = status_of(self.finish_reason)
-        return self._response(status, [message_item(self.item_id, status, [self._part()])])
+        return self._response(status, self._output(status))
 
     async def events(self) -> AsyncIterator[dict]:
-        """The streaming events, in OpenAI's order, each with its sequence_number. An error after the
+        """The streaming events, in OpenAI's order, each with its sequence_number: the reasoning
+        item's (when the model reasons) as its text comes, then the message's. An error after the
         stream started is an `error` event, then `response.failed`."""
-        seq = 0
+        seq, index = 0, 0  # the next event's number; the output index of the item being written
+        opened = None  # the item being written: "reasoning" or "message"
 
         def event(type_: str, **fields) -> dict:
             nonlocal seq
             seq += 1
             return {"type": type_, "sequence_number": seq - 1, **fields}
 
-        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        def where() -> dict:
+            return {"item_id": self.item_id if opened == "message" else self.reasoning_id, "output_index": index,
+                    "content_index": 0}
+
+        def open_(kind: str) -> list[dict]:
+            nonlocal opened
+            out = close()
+            opened = kind
+            if kind == "reasoning":
+                return out + [event("response.output_item.added", output_index=index,
+                                    item=reasoning_item(self.reasoning_id, "in_progress", ""))]
+            return out + [event("response.output_item.added", output_index=index,
+                                item=message_item(self.item_id, "in_progress", [])),
+                          event("response.content_part.added", **where(),
+                                part=output_text("", [] if self.want_logprobs else None))]
+
+        def close(status: str = "completed") -> list[dict]:
+            nonlocal opened, index
+            if opened != "reasoning":
+                return []
+            item = reasoning_item(self.reasoning_id, status, self.reasoning or "")
+            out = [event("response.reasoning_text.done", **where(), text=self.reasoning or ""),
+                   event("response.output_item.done", output_index=index, item=item)]
+            opened, index = None, index + 1
+            return out
+
         yield event("response.created", response=self._response("in_progress", []))
         yield event("response.in_progress", response=self._response("in_progress", []))
-        yield event("response.output_item.added", output_index=0,
-                    item=message_item(self.item_id, "in_progress", []))
-        yield event("response.content_part.added", **where,
-                    part=output_text("", [] if self.want_logprobs else None))
         try:
-            async for text, lps in self._deltas():
-                yield event("response.output_text.delta", **where, delta=text,
-                            logprobs=lps if self.want_logprobs else [])
+            async for thought, text, lps in self._deltas():
+                if thought:
+                    for e in open_("reasoning") if opened != "reasoning" else []:
+                        yield e
+                    yield event("response.reasoning_text.delta", **where(), delta=thought)
+                if text or lps:
+                    for e in open_("message") if opened != "message" else []:
+                        yield e
+                    yield event("response.output_text.delta", **where(), delta=text,
+                                logprobs=lps if self.want_logprobs else [])
         except OpenAIError as e:
             yield event("error", code=e.code or e.type, message=e.message, param=e.param)
-            item = message_item(self.item_id, "incomplete", [self._part()])
+            for x in close("incomplete"):
+                yield x
             yield event("response.failed", response=self._response(
-                "failed", [item], {"code": "server_error", "message": e.message}))
+                "failed", self._output("incomplete"), {"code": "server_error", "message": e.message}))
             return
         status = status_of(self.finish_reason)
+        for e in open_("message") if opened != "message" else []:
+            yield e
         part = self._part()
-        yield event("response.output_text.done", **where, text=self.text,
+        yield event("response.output_text.done", **where(), text=self.text,
                     logprobs=self.logprobs if self.want_logprobs else [])
-        yield event("response.content_part.done", **where, part=part)
-        item = message_item(self.item_id, status, [part])
-        yield event("response.output_item.done", output_index=0, item=item)
+        yield event("response.content_part.done", **where(), part=part)
+        yield event("response.output_item.done", output_index=index, item=message_item(self.item_id, status, [part]))
         yield event("response.completed" if status == "completed" else "response.incomplete",
-                    response=self._response(status, [item]))
+                    response=self._response(status, self._output(status)))
 
 
 def prepare(body) -> tuple[ResponsesRequest, dict]:
