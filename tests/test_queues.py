@@ -109,8 +109,10 @@ def test_tenants_fair_share_within_a_class():
         fair.waiting(tenant, {x.req.tenant for x in q})  # lifted to the least waiting: big's 100
         q.push(of(rid, tenant))
     assert fair.share("small") == fair.share("paid") == 100
+    assert q.tenants == {"big": 4, "small": 2, "paid": 2}  # who waits, kept as requests come and go
     while q:
         serve()
+    assert q.tenants == {}
     # by arrival on ties; paid's weight 4 makes each of its requests cost a quarter
     assert order == ["big0", "big1", "small0", "paid0", "paid1", "big2", "small1", "big3", "big4"], order
     before = fair.share("big")

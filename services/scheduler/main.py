@@ -272,7 +272,7 @@ class Scheduler:
         q = self.queues.setdefault(req.model, ClassQueues(self.fcfs))
         q.remove(req.request_id)  # an earlier attempt still queued here: the new one replaces it
         if self.admission.enabled and req.tenant is not None:
-            self.admission.fair.waiting(req.tenant, {x.req.tenant for queued in self.queues.values() for x in queued})
+            self.admission.fair.waiting(req.tenant, {t for queued in self.queues.values() for t in queued.tenants})
         q.push(req)
         await self.dispatch(req.model)
         if on_demand:

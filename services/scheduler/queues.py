@@ -47,6 +47,7 @@ class ClassQueues:
         self.fcfs = fcfs
         self.queues: dict[str, list[Queued]] = {p: [] for p in PRIORITIES}
         self._next = 0
+        self.tenants: dict[str | None, int] = {}  # tenant -> its requests waiting here
 
     def __len__(self) -> int:
         return sum(len(q) for q in self.queues.values())
@@ -68,6 +69,14 @@ class ClassQueues:
         q = self.queues["normal" if self.fcfs else req.priority]
         q.append(Queued(req, -self._next if first else self._next, overtaken_tokens=math.inf if first else 0.0))
         self._next += 1
+        self.tenants[req.tenant] = self.tenants.get(req.tenant, 0) + 1
+
+    def _left(self, req: GenerateRequest) -> None:
+        n = self.tenants.get(req.tenant, 0) - 1
+        if n > 0:
+            self.tenants[req.tenant] = n
+        else:
+            self.tenants.pop(req.tenant, None)
 
     def heads(self, share: Callable[[str | None], float] | None = None) -> list[Queued]:
         """The next request of each class, best class first (fcfs: the oldest request). `share`: how
@@ -80,6 +89,7 @@ class ClassQueues:
     def pop(self, item: Queued) -> None:
         q = self.queues["normal" if self.fcfs else item.priority]
         q.remove(item)
+        self._left(item.req)
         for x in q:
             if x.order < item.order:
                 x.overtaken_tokens += item.tokens
@@ -89,5 +99,6 @@ class ClassQueues:
             for x in q:
                 if x.req.request_id == request_id:
                     q.remove(x)
+                    self._left(x.req)
                     return True
         return False
