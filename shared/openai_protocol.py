@@ -329,8 +329,8 @@ class _SamplingFields(BaseModel):
             temperature=pick["temperature"], top_p=pick["top_p"], top_k=int(pick["top_k"]), min_p=pick["min_p"],
             repetition_penalty=pick["repetition_penalty"], presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias_ids(), min_tokens=self.min_tokens,
-            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words_ids(tokenizer), seed=self.seed, stop_token_ids=self.stop_token_ids or [],
-            ignore_eos=self.ignore_eos, logprobs=logprobs, constraint=constraint,
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words_ids(tokenizer), seed=self.seed,
+            stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs, constraint=constraint,
             prompt_logprobs=max(asked, default=None))
 
 

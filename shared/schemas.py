@@ -125,7 +125,7 @@ class Usage(Message):
 class Logprob(Message):
     logprob: float  # of the sampled token
     top: list[tuple[int, float]] = Field(default_factory=list)  # the most likely alternatives, best first
-    rank: int = 1  # of the token in its distribution (1: the most likely)
+    rank: int | None = None  # of the token in its distribution (1: the most likely); prompt logprobs only
 
 
 # A request someone holds without streaming its tokens (queued in the scheduler, waiting or in

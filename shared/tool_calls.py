@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PARSERS = ("hermes", "llama3_json")
+DEFAULT_PARSER = "hermes"
 
 
 def add_tool_call_parser_argument(parser) -> None:
@@ -115,7 +116,7 @@ class AutoParser:
     `{`); once a call opens, the rest is held and read at the end."""
 
     def __init__(self, parser: str | None = None):
-        self.parser = parser or "hermes"
+        self.parser = parser or DEFAULT_PARSER
         if self.parser not in PARSERS:
             raise ValueError(f"unknown tool-call parser {self.parser!r}; known: {', '.join(PARSERS)}")
         self.text = ""

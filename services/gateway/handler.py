@@ -380,7 +380,7 @@ class Gateway:
                     "workers": sum(x.get("workers", 0) for x in sts), "aliases": list(spec.aliases),
                     "version": spec.version, "pinned": spec.pinned, "load_times_s": hottest.get("load_times_s", {}),
                     "reasoning_parser": parsers["reasoning_parser"],
-                    "tool_call_parser": parsers["tool_call_parser"] or "hermes"}
+                    "tool_call_parser": parsers["tool_call_parser"] or tool_calls.DEFAULT_PARSER}
             if spec.share is not None:  # a canary: each version, its share and its state
                 card["versions"] = [{"version": v.version, "share": v.share, "path": v.path,
                                      "state": x.get("state", "unknown"), "error": x.get("error"),

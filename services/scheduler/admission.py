@@ -161,7 +161,7 @@ class Admission:
         a = self.admitted.get(req.request_id)
         if a is not None and not a.charged:
             a.charged = True
-            self.fair.charge(a.tenant, a.prompt_tokens + req.sampling.max_tokens)
+            self.fair.charge(a.tenant, a.prompt_tokens + a.max_tokens)
 
     def admit(self, req: GenerateRequest, waiting: Callable[[], dict[str, int]]) -> SubmitReply | None:
         """None when `req` may run (and it is then counted); else the refusal to send back.

@@ -172,5 +172,5 @@ class ModelRunner:
             rows = torch.arange(start + lo - first, start + hi - first, device=hidden.device)
             logits = self.model.logits(hidden[rows])
             targets = seq.token_ids[lo + 1:hi + 1]
-            out += logprobs_of(logits, targets, [k] * len(targets))
+            out += logprobs_of(logits, targets, [k] * len(targets), ranks=True)
         return out

@@ -3,9 +3,10 @@
 Logits processors first, each vectorized over the rows that use it (a row that uses none costs
 nothing), in Transformers' order: logit bias, repetition penalty, then OpenAI's presence and
 frequency penalties, min_tokens (EOS and stop tokens masked), vLLM's allowed_token_ids and
-bad_words (masks), and last the structured-output mask. Then greedy rows take the argmax; the others get temperature, top-k, top-p, min-p and an
-exponential race (argmax of p / Exp(1) noise, no cumulative sums). A seeded request draws its
-noise from its own generator, one draw per step, so its tokens do not depend on the batch.
+bad_words (masks), and last the structured-output mask. Then greedy rows take the argmax; the
+others get temperature, top-k, top-p, min-p and an exponential race (argmax of p / Exp(1) noise,
+no cumulative sums). A seeded request draws its noise from its own generator, one draw per step,
+so its tokens do not depend on the batch.
 Logprobs are those of the raw distribution (before any processor, as vLLM reports them).
 """
 
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 class TokenLogprobs:
     logprob: float  # of the sampled token
     top: list[tuple[int, float]]  # the most likely alternatives, best first
-    rank: int = 1  # of the token in its distribution (1: the most likely)
+    rank: int | None = None  # of the token in its distribution (1: the most likely); prompt logprobs only
 
 
 def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -154,8 +155,11 @@ def sample(logits: torch.Tensor, seqs: list["Sequence"], eos_token_ids: list[int
     return tokens, logprobs_of(logits, tokens, [p.logprobs for p in params])
 
 
-def logprobs_of(logits: torch.Tensor, tokens: list[int], top: list[int | None]) -> list[TokenLogprobs | None]:
-    """Each row's logprob of its token and its `top[row]` best alternatives (None: not wanted)."""
+def logprobs_of(logits: torch.Tensor, tokens: list[int], top: list[int | None],
+                ranks: bool = False) -> list[TokenLogprobs | None]:
+    """Each row's logprob of its token and its `top[row]` best alternatives (None: not wanted);
+    ranks: each token's rank too (a pass over the vocabulary, so only where it is shown: vLLM's
+    prompt_logprobs)."""
     want = [i for i, k in enumerate(top) if k is not None]
     out: list[TokenLogprobs | None] = [None] * len(tokens)
     if want:
@@ -163,10 +167,10 @@ def logprobs_of(logits: torch.Tensor, tokens: list[int], top: list[int | None]) 
         k = max(top[i] for i in want)
         top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (None, None)
         picked = lp[torch.arange(len(want)), torch.tensor([tokens[i] for i in want])]
-        ranks = ((lp > picked.unsqueeze(1)).sum(-1) + 1).tolist()
+        rank = ((lp > picked.unsqueeze(1)).sum(-1) + 1).tolist() if ranks else [None] * len(want)
         picked = picked.tolist()
         for r, i in enumerate(want):
             n = top[i]
             alts = list(zip(top_i[r, :n].tolist(), top_v[r, :n].tolist())) if n else []
-            out[i] = TokenLogprobs(picked[r], alts, ranks[r])
+            out[i] = TokenLogprobs(picked[r], alts, rank[r])
     return out
