@@ -171,7 +171,9 @@ def run_batch(llm: LLM, inp: IO[bytes], out: IO[bytes], served: str, reasoning: 
             results.append(_error_result(cid, OpenAIError(str(e))))
     llm.run()
     for i, kind, req, cs, texts, want_lp, cid in pending:
-        results[i] = _result(cid, 200, _body(llm, kind, served, req, cs, texts, want_lp, reasoning, tool_parser))
+        failed = next((c.error for c in cs if c.error), None)
+        results[i] = _error_result(cid, OpenAIError(f"generation failed: {failed}")) if failed else \
+            _result(cid, 200, _body(llm, kind, served, req, cs, texts, want_lp, reasoning, tool_parser))
     return write_results(results, out)
 
 

@@ -60,6 +60,9 @@ def test_batch_command(tiny_llama, tmp_path):
         {"custom_id": "llama3-call", "method": "POST", "url": "/v1/chat/completions",
          "body": {"messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 40, "tools": [TOOL],
                   "guided_regex": r'\{"name": "weather", "parameters": \{"city": "Paris", "days": 2\}\}'}},
+        # a regex that needs a token allowed_token_ids leaves out: the line fails, saying so
+        {"custom_id": "no-token", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "Hi", "max_tokens": 5, "guided_regex": "yes", "allowed_token_ids": [5, 6]}},
     ]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_bytes(b"\n".join(orjson.dumps(x) for x in lines) + b"\nnot json\n")
@@ -92,12 +95,13 @@ def test_batch_command(tiny_llama, tmp_path):
     lp = by["text"]["response"]["body"]["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == by["text"]["response"]["body"]["usage"]["completion_tokens"]
     assert by["ids"]["response"]["body"]["usage"]["prompt_tokens"] == 4
-    for cid in ("bad-url", "bad-param", "too-long", "prompts-too-long", None):
+    for cid in ("bad-url", "bad-param", "too-long", "prompts-too-long", "no-token", None):
         assert by[cid]["response"]["status_code"] == 400
         assert by[cid]["response"]["body"]["error"]["message"]
         assert by[cid]["error"]["message"]
     assert "top_p" in by["bad-param"]["response"]["body"]["error"]["message"]
-    assert "11 succeeded, 5 failed" in r.stderr
+    assert "allowed_token_ids and the response format together allow none" in by["no-token"]["error"]["message"]
+    assert "11 succeeded, 6 failed" in r.stderr
     n = by["n"]["response"]["body"]
     assert [c["index"] for c in n["choices"]] == [0, 1, 2] and n["usage"]["completion_tokens"] == 12
     assert len({c["text"] for c in n["choices"]}) > 1  # seed, seed + 1, seed + 2

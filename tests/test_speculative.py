@@ -152,11 +152,17 @@ def test_stops_logprobs_and_structured_output_hold(tiny_llama):
              SamplingParams(max_tokens=MAX_NEW, temperature=0, bad_words=[base[3:5]]),
              SamplingParams(max_tokens=MAX_NEW, temperature=0, allowed_token_ids=sorted(set(prompt) - {base[2]})),
              SamplingParams(max_tokens=MAX_NEW, temperature=0, constraint=("choice", choice)),
-             SamplingParams(max_tokens=MAX_NEW, temperature=0, constraint=("regex", "(the quick brown )+fox"))]
+             SamplingParams(max_tokens=MAX_NEW, temperature=0, constraint=("regex", "(the quick brown )+fox")),
+             # the grammar needs " brown", which allowed_token_ids leaves out: the request fails there
+             SamplingParams(max_tokens=MAX_NEW, temperature=0, constraint=("regex", "(the quick brown )+fox"),
+                            allowed_token_ids=sorted(set(prompt) - set(plain.tokenizer.encode(" brown"))))]
     want = plain.generate([prompt] * len(cases), cases)
     got = fast.generate([prompt] * len(cases), cases)
     for w, g in zip(want, got):
         assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason and g.text == w.text
+        assert g.error == w.error
+    assert (want[-1].finish_reason, want[-1].text) == ("error", "the quick")
+    assert "allowed_token_ids and the response format together allow none" in want[-1].error
     assert want[4].token_ids[:5] != base[:5] and want[5].token_ids[:3] != base[:3]  # the masks changed them
     assert [lp.logprob for lp in got[0].logprobs] == pytest.approx([lp.logprob for lp in want[0].logprobs], abs=1e-4)
     assert [lp.top[0][0] for lp in got[0].logprobs] == [lp.top[0][0] for lp in want[0].logprobs]

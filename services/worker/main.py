@@ -569,7 +569,8 @@ class Worker:
                 request_id=out.request_id, seq=seq_no, index=out.num_output_tokens - len(out.new_token_ids),
                 token_ids=out.new_token_ids, logprobs=lps, finished=out.finished, finish_reason=out.finish_reason,
                 num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
-                worker_id=self.id, attempt=req.attempt, prompt_logprobs=prompt_lps))
+                worker_id=self.id, attempt=req.attempt, prompt_logprobs=prompt_lps, error=out.error,
+                error_status=400 if out.error else None))
             if out.finished:
                 del self.streams[out.request_id]
                 self.to_hand_off.discard(out.request_id)

@@ -33,6 +33,7 @@ class Completion:
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # with params.prompt_logprobs (echo)
     arrival_time: float = 0.0
     token_times: list[float] = field(default_factory=list)  # when each step's tokens came out
+    error: str | None = None  # why it failed (finish_reason "error")
 
 
 class OutputProcessor:
@@ -65,7 +66,7 @@ class OutputProcessor:
                 finished, reason = True, "stop"
             if finished:
                 detok.flush()
-                c.text, c.finish_reason = detok.text, reason
+                c.text, c.finish_reason, c.error = detok.text, reason, out.error
                 del self.active[out.request_id]
                 done.append(c)
         return done

@@ -27,7 +27,7 @@ from .constraints import ConstraintError, Grammars
 from .kv_cache_manager import KVCacheManager
 from .model_runner import ModelRunner
 from .policy import INTERACTIVE
-from .sampler import TokenLogprobs
+from .sampler import NO_TOKEN, TokenLogprobs
 from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from .sequence import NORMAL, PRIORITIES, SamplingParams, Sequence, SequenceStatus, priority_level
 from .speculative import SpeculativeConfig, Speculator
@@ -70,6 +70,7 @@ class RequestOutput:
     num_cached_tokens: int
     # The prompt tokens' logprobs (the first None), in the request's first output, when asked for.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    error: str | None = None  # why it failed (finish_reason "error"): the request's own fault
 
 
 class RequestError(ValueError):
@@ -377,6 +378,9 @@ class LLMEngine:
                                              seq.num_cached_tokens, prompt_lps))
                 continue
             token = res.tokens[0]
+            if token == NO_TOKEN:
+                outputs.append(self._no_token(seq, [], []))
+                continue
             seq.token_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -389,6 +393,20 @@ class LLMEngine:
                                          prompt_lps))
         return outputs
 
+    def _no_token(self, seq: Sequence, tokens: list[int], logprobs: list) -> RequestOutput:
+        """Ends a sequence whose masks allow no next token (after `tokens`, this step's that stand)."""
+        p = seq.params
+        named = [n for n, on in (("allowed_token_ids", p.allowed_token_ids), ("bad_words", p.bad_words),
+                                 ("min_tokens", seq.num_output_tokens < p.min_tokens),
+                                 ("the response format", p.constraint)) if on]
+        self.scheduler.finish(seq, "error")
+        del self.requests[seq.request_id]
+        return RequestOutput(seq.request_id, tokens, logprobs, True, "error", seq.num_prompt_tokens,
+                             seq.num_output_tokens, seq.num_cached_tokens,
+                             error=f"no token can follow output token {seq.num_output_tokens}: "
+                                   f"{', '.join(named[:-1])}{' and ' if len(named) > 1 else ''}{named[-1]} "
+                                   f"together allow none")
+
     def _verified(self, seq: Sequence, res, now: float) -> list[RequestOutput]:
         """A decode that verified its proposal: its accepted tokens and the next one are appended
         up to a stop (eos, stop token, grammar end, max_tokens: the rest are dropped); its KV is kept
@@ -397,6 +415,9 @@ class LLMEngine:
         self.speculator.record(len(seq.draft.tokens), len(res.tokens) - 1)
         reason, kept = None, 0
         for token in res.tokens:
+            if token == NO_TOKEN:
+                reason = "error"
+                break
             seq.token_ids.append(token)
             kept += 1
             reason = self._stop_reason(seq, token)
@@ -405,6 +426,8 @@ class LLMEngine:
         seq.num_computed_tokens = c + kept  # positions c .. c + kept - 1 hold tokens that stand
         self.kv_cache_manager.cache_computed_blocks(seq)
         self.kv_cache_manager.trim(seq)
+        if reason == "error":
+            return [self._no_token(seq, res.tokens[:kept], res.logprobs[:kept])]
         if reason:
             self.scheduler.finish(seq, reason)
             del self.requests[seq.request_id]

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .sampler import TokenLogprobs, _filter, argmax_rows, logprobs_of, process_logits
+from .sampler import NO_TOKEN, TokenLogprobs, _filter, argmax_rows, logprobs_of, process_logits
 
 if TYPE_CHECKING:
     from .sequence import SamplingParams, Sequence
@@ -62,23 +62,25 @@ def verify(logits: torch.Tensor, seq: "Sequence", eos_token_ids: list[int] = (),
     masks: the grammar's allowed tokens at each position (bool [k + 1, >= vocab]) when constrained.
     Returns the new tokens (the accepted proposed ones, then one more) and their logprobs."""
     draft, p = seq.draft, seq.params
-    k = len(draft.tokens)
-    views = [_Ahead(p, seq.token_ids + draft.tokens[:i], seq.num_prompt_tokens) for i in range(k + 1)]
-    processed = process_logits(logits, views, list(eos_token_ids),
-                               None if masks is None else (list(range(k + 1)), masks))
+    views = [_Ahead(p, seq.token_ids + draft.tokens[:i], seq.num_prompt_tokens) for i in range(len(draft.tokens) + 1)]
+    processed, dead = process_logits(logits, views, list(eos_token_ids),
+                                     None if masks is None else (list(range(len(views))), masks))
+    # A position whose masks leave no token cuts the proposal there; reached, its token is NO_TOKEN.
+    proposed = draft.tokens[:dead[0]] if dead else draft.tokens
+    k = len(proposed)
     if p.greedy:
         best = argmax_rows(processed)
         a = 0
-        while a < k and best[a] == draft.tokens[a]:
+        while a < k and best[a] == proposed[a]:
             a += 1
-        tokens = draft.tokens[:a] + [best[a]]
+        tokens = proposed[:a] + [best[a]]
     else:
         g = seq.generator
         rows = processed if g is None else processed.to(g.device)
         probs = torch.stack([_filter(r, p).softmax(-1) for r in rows])
         u = torch.rand(k, generator=g, device=probs.device).tolist()
         tokens = []
-        for i, d in enumerate(draft.tokens):
+        for i, d in enumerate(proposed):
             q = None if draft.probs is None else draft.probs[i].to(probs.device)
             qd = 1.0 if q is None else float(q[d])
             if u[i] * qd < float(probs[i, d]):  # accepted with probability min(1, p/q)
@@ -95,4 +97,7 @@ def verify(logits: torch.Tensor, seq: "Sequence", eos_token_ids: list[int] = (),
             break
         else:
             tokens.append(_race(probs[k], g))
-    return tokens, logprobs_of(logits[:len(tokens)], tokens, [p.logprobs] * len(tokens))
+    top = [p.logprobs] * len(tokens)
+    if dead and len(tokens) == k + 1:
+        tokens[-1], top[-1] = NO_TOKEN, None
+    return tokens, logprobs_of(logits[:len(tokens)], tokens, top)

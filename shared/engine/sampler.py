@@ -8,6 +8,8 @@ others get temperature, top-k, top-p, min-p and an exponential race (argmax of p
 no cumulative sums). A seeded request draws its noise from its own generator, one draw per step,
 so its tokens do not depend on the batch.
 Logprobs are those of the raw distribution (before any processor, as vLLM reports them).
+A row whose masks together leave no token (allowed_token_ids against the grammar, say) gets
+NO_TOKEN: the engine fails that request saying so, rather than emit an arbitrary token.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from .sequence import SamplingParams
 
 if TYPE_CHECKING:
     from .sequence import Sequence
+
+
+NO_TOKEN = -1  # a row's masks allow no token at all
 
 
 @dataclass
@@ -70,9 +75,10 @@ def banned_by_bad_words(output: list[int], bad_words: list[list[int]]) -> list[i
 
 
 def process_logits(logits: torch.Tensor, seqs: list["Sequence"], eos_token_ids: list[int],
-                   masks: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
-    """The logits every row samples from: a copy with the processors applied, or `logits` itself
-    when no row uses any. masks: (rows, their constraints' allowed tokens, bool [len(rows), >= vocab])."""
+                   masks: tuple[list[int], torch.Tensor] | None = None) -> tuple[torch.Tensor, list[int]]:
+    """The logits every row samples from (a copy with the processors applied, or `logits` itself
+    when no row uses any), and the rows whose masks leave no token. masks: (rows, their
+    constraints' allowed tokens, bool [len(rows), >= vocab])."""
     vocab, dev = logits.shape[-1], logits.device
     params = [s.params for s in seqs]
     bias = [i for i, p in enumerate(params) if p.logit_bias]
@@ -84,7 +90,7 @@ def process_logits(logits: torch.Tensor, seqs: list["Sequence"], eos_token_ids: 
     bad = [(i, t) for i, (s, p) in enumerate(zip(seqs, params)) if p.bad_words
            for t in banned_by_bad_words(s.output_token_ids, p.bad_words)]
     if not (bias or rep or pf or short or allowed or bad or masks):
-        return logits
+        return logits, []
     logits = logits.clone()
     if bias:
         r = [i for i in bias for _ in params[i].logit_bias]
@@ -118,13 +124,18 @@ def process_logits(logits: torch.Tensor, seqs: list["Sequence"], eos_token_ids: 
         r, t = zip(*bad)
         logits[torch.tensor(r, device=dev), torch.tensor(t, device=dev)] = float("-inf")
     if masks:
-        rows, allowed = masks
-        banned = ~allowed[:, :vocab].to(dev)
+        rows, grammar_allows = masks
+        banned = ~grammar_allows[:, :vocab].to(dev)
         if rows == list(range(len(seqs))):  # every row constrained: in place, no gather
             logits.masked_fill_(banned, float("-inf"))
         else:
             logits[rows] = logits[rows].masked_fill_(banned, float("-inf"))
-    return logits
+    # Only masks remove every token: check just the rows they touched.
+    masked = sorted({*short, *allowed, *(i for i, _ in bad), *(masks[0] if masks else ())})
+    dead = []
+    if masked:
+        dead = [masked[r] for r in torch.isneginf(logits[masked]).all(-1).nonzero().flatten().tolist()]
+    return logits, dead
 
 
 def argmax_rows(x: torch.Tensor) -> list[int] | int:
@@ -140,10 +151,12 @@ def sample(logits: torch.Tensor, seqs: list["Sequence"], eos_token_ids: list[int
            masks: tuple[list[int], torch.Tensor] | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
     """logits: [rows, vocab] float32, a row per sequence."""
     params = [s.params for s in seqs]
-    processed = process_logits(logits, seqs, list(eos_token_ids), masks)
+    processed, dead = process_logits(logits, seqs, list(eos_token_ids), masks)
     tokens = argmax_rows(processed)  # greedy rows are done
+    for i in dead:
+        tokens[i] = NO_TOKEN
     for i, p in enumerate(params):
-        if p.greedy:
+        if p.greedy or i in dead:
             continue
         g = seqs[i].generator
         # A seeded request's generator lives on the CPU (Sequence): its row is sampled there, so its
@@ -152,7 +165,7 @@ def sample(logits: torch.Tensor, seqs: list["Sequence"], eos_token_ids: list[int
         probs = _filter(row, p).softmax(-1)
         noise = torch.empty_like(probs).exponential_(generator=g)
         tokens[i] = argmax_rows(probs / noise)
-    return tokens, logprobs_of(logits, tokens, [p.logprobs for p in params])
+    return tokens, logprobs_of(logits, tokens, [None if i in dead else p.logprobs for i, p in enumerate(params)])
 
 
 def logprobs_of(logits: torch.Tensor, tokens: list[int], top: list[int | None],
