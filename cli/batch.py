@@ -18,7 +18,7 @@ import orjson
 
 from meshserve.shared import tool_calls
 from meshserve.shared.limits import RequestLimits
-from meshserve.shared.reasoning import split_answer
+from meshserve.shared.reasoning import constraint_tags, prompt_state, split_answer
 from meshserve.shared.openai_protocol import (ChatCompletionRequest, OpenAIError, chat_choice, chat_logprobs,
                                               chat_response, completion_choice, completion_logprobs,
                                               completion_response, join_logprobs, new_id, parse_request,
@@ -77,6 +77,9 @@ def _prepare(llm: LLM, item: dict, served: str, reasoning: str | None = None):
         except Exception as e:  # a template that raises is the caller's doing
             raise OpenAIError(f"could not apply the chat template: {e}", param="messages") from None
         sampling = req.to_sampling(llm.engine.max_model_len - len(prompt), llm.tokenizer, llm.generation_defaults)
+        if sampling.constraint is not None and reasoning:
+            sampling = sampling.model_copy(update=constraint_tags(reasoning, prompt_state(llm.tokenizer, prompt),
+                                                                  llm.tokenizer))
         prompts, texts = [prompt], [""]
     else:
         prompts, texts = zip(*(req.prompt_ids(p, llm.tokenizer) for p in req.prompts))
@@ -116,7 +119,8 @@ def _body(llm: LLM, kind: str, served: str, req, cs: list[Completion], texts: li
         if kind == "chat":
             lp = chat_logprobs(c.token_ids, c.logprobs, dec) if want_logprobs else None
             mode = req.tool_mode()
-            thought, answer = split_answer(reasoning, c.text, req.include_reasoning)
+            thought, answer = split_answer(reasoning, c.text, req.include_reasoning,
+                                           reasoning and prompt_state(llm.tokenizer, c.prompt_token_ids))
             content, calls = tool_calls.read_calls(mode, answer, req.tool_choice.function["name"]
                                                    if mode == "named" else None, tool_parser)
             finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason

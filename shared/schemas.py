@@ -50,6 +50,9 @@ class Sampling(Message):
     allowed_token_ids: list[int] | None = None
     bad_words: list[list[int]] = Field(default_factory=list)  # tokenized (the engine's SamplingParams)
     constraint: tuple[str, str] | None = None  # structured output: (kind, spec), shared/engine/constraints.py
+    # where a reasoning model's constraint starts (shared/reasoning.py's constraint_tags)
+    reasoning_end: list[int] | None = None
+    reasoning_start: list[int] | None = None
     prompt_logprobs: int | None = None
 
     def check(self) -> None:

@@ -80,9 +80,15 @@ _LLAMA_DEFAULTS: dict[str, Any] = dict(
 
 
 @lru_cache(maxsize=8)
-def tiny_tokenizer_json(vocab_size: int) -> str:
-    """tokenizer.json text of a byte-level BPE with exactly ``vocab_size`` entries."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def tiny_tokenizer_json(vocab_size: int, added: tuple[str, ...] = ()) -> str:
+    """tokenizer.json text of a byte-level BPE with exactly ``vocab_size`` entries, the last ones
+    ``added`` as added (not special) tokens, as Qwen3 has <think> and </think>."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if added:
+        tk = Tokenizer.from_str(tiny_tokenizer_json(vocab_size - len(added)))
+        tk.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
+        return tk.to_str()
 
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -108,8 +114,9 @@ def make_tiny_llama(dir: str | Path, **overrides: Any) -> Path:
     ``num_hidden_layers=4``, ``vocab_size=320``, ``attention_bias=True``), except:
     ``seed`` (default 0), ``dtype`` (torch dtype to save, default float32),
     ``norm_noise`` (std of the random offset added to the RMSNorm weights, which are
-    all ones in a fresh model and would hide norm bugs; default 0.1), and
-    ``chat_template`` (default: ChatML, like SmolLM2).
+    all ones in a fresh model and would hide norm bugs; default 0.1),
+    ``chat_template`` (default: ChatML, like SmolLM2), and ``added_tokens`` (strings
+    that become one token each, past the trained vocabulary: vocab_size grows by them).
     """
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
@@ -120,7 +127,9 @@ def make_tiny_llama(dir: str | Path, **overrides: Any) -> Path:
     dtype = overrides.pop("dtype", torch.float32)
     norm_noise = overrides.pop("norm_noise", 0.1)
     chat_template = overrides.pop("chat_template", CHAT_TEMPLATE)
+    added = tuple(overrides.pop("added_tokens", ()))
     kwargs = {**_LLAMA_DEFAULTS, **overrides}
+    kwargs["vocab_size"] += len(added)
 
     config = LlamaConfig(**kwargs)
     torch.manual_seed(seed)
@@ -136,7 +145,7 @@ def make_tiny_llama(dir: str | Path, **overrides: Any) -> Path:
     model.generation_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=0)
     model.save_pretrained(dir, safe_serialization=True)
 
-    (dir / "tokenizer.json").write_text(tiny_tokenizer_json(config.vocab_size), encoding="utf-8")
+    (dir / "tokenizer.json").write_text(tiny_tokenizer_json(config.vocab_size, added), encoding="utf-8")
     tok_cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": SPECIAL_TOKENS[BOS_ID],

@@ -24,7 +24,7 @@ from meshserve.shared.openai_protocol import (ChatCompletionRequest, CompletionR
                                               completion_chunk, completion_logprobs, completion_response,
                                               join_logprobs, parse_request, prompt_fields, usage, usage_chunk,
                                               validate_body)
-from meshserve.shared.reasoning import ReasoningParser, reasoning_fields, split_answer
+from meshserve.shared.reasoning import ReasoningParser, constraint_tags, prompt_state, reasoning_fields, split_answer
 from meshserve.shared.schemas import Abort, GenerateRequest, Logprob, Message, Sampling, TokenChunk, Usage
 from meshserve.shared.tenants import Tenant, cache_salt
 from meshserve.shared.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -62,6 +62,7 @@ class Prepared:
     priority: str
     tenant: Tenant | None = None
     model: ModelEntry | None = None  # the served model it runs on (catalog.py)
+    reasoning_prompt: str | None = None  # a chat prompt's word on its reasoning (reasoning.prompt_state)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -150,7 +151,7 @@ class Gateway:
         named = body.get("model") if isinstance(body, dict) else None
         priority = self.auth.request_class(body.get("priority") if isinstance(body, dict) else None, tenant)
         model = self.catalog.entry(named if isinstance(named, str) else None, priority, tenant and tenant.name)
-        tokenizer = model.tokenizer
+        tokenizer, state = model.tokenizer, None
         req = parse_request(kind, body, tokenizer.vocab_size, self.limits)
         chat = isinstance(req, ChatCompletionRequest)
         if chat:
@@ -158,6 +159,10 @@ class Gateway:
             ids = req.truncate(self.chat_prompt_ids(req, model=model))
             self._check_length(ids, None, model, "messages")  # so that the default max_tokens is positive
             sampling = req.to_sampling(model.max_model_len - len(ids), tokenizer, model.generation_defaults)
+            if model.reasoning_parser is not None:
+                state = prompt_state(tokenizer, ids)
+                if sampling.constraint is not None:
+                    sampling = sampling.model_copy(update=constraint_tags(model.reasoning_parser, state, tokenizer))
             prompts = [Prompt(ids)]
         else:
             prompts = [self._completion_prompt(x, req, tokenizer) for x in req.prompts]
@@ -168,7 +173,7 @@ class Gateway:
             sampling.check()
         except LimitError as e:
             raise OpenAIError(str(e), param=e.param) from None
-        return Prepared(kind, req, prompts, sampling, priority, tenant, model)
+        return Prepared(kind, req, prompts, sampling, priority, tenant, model, state)
 
     @staticmethod
     def _completion_prompt(prompt: str | list[int], req: CompletionRequest, tokenizer: Tokenizer) -> Prompt:
@@ -663,7 +668,7 @@ class Generation:
     def reasoning_parser(self) -> ReasoningParser | None:
         """A fresh parser of the model's reasoning (chat only; shared/reasoning.py), or None."""
         name = self.prepared.model.reasoning_parser
-        return ReasoningParser(name) if name is not None and self.kind == "chat" else None
+        return ReasoningParser(name, self.prepared.reasoning_prompt) if name is not None and self.kind == "chat" else None
 
     def _tool_output(self, text: str) -> tuple[str | None, list[tool_calls.ToolCall]]:
         """(content, calls) of a chat choice's answer under the request's tool_choice."""
@@ -679,7 +684,7 @@ class Generation:
             lp = self._logprobs(c.token_ids, c.logprobs, 0)
             if self.kind == "chat":
                 reasoning, answer = split_answer(self.prepared.model.reasoning_parser, c.text,
-                                                 self.prepared.request.include_reasoning)
+                                                 self.prepared.request.include_reasoning, self.prepared.reasoning_prompt)
                 content, calls = self._tool_output(answer)
                 finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
                 choices.append(chat_choice(c.index, content, finish, lp, [t.openai() for t in calls] or None))

@@ -185,7 +185,8 @@ class LLMEngine:
             raise RequestError(f"no LoRA adapter {lora!r} is loaded in this engine")
         vocab = self.model.cfg.vocab_size
         for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ()),
-                          ("bad_words", [t for w in params.bad_words for t in w])):
+                          ("bad_words", [t for w in params.bad_words for t in w]),
+                          ("reasoning tags", [*(params.reasoning_end or ()), *(params.reasoning_start or ())])):
             if any(not 0 <= t < vocab for t in ids):
                 raise RequestError(f"{name} token ids must be in [0, {vocab})")
         if params.constraint is not None:
@@ -440,7 +441,7 @@ class LLMEngine:
             return "stop"
         if p.constraint is not None:
             g = self.grammars.advance(seq)
-            if g.is_stopped() or g.is_error():  # complete: nothing but EOS could follow
+            if g is not None and (g.is_stopped() or g.is_error()):  # complete: nothing but EOS could follow
                 return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

@@ -112,15 +112,16 @@ class ModelRunner:
         spec = {i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
                 if s.draft is not None and s.num_computed_tokens + n > s.num_tokens}
         which = [i for i, r in enumerate(rows) if r >= 0 and i not in spec]
-        constrained = [i for i in which if batch.seqs[i].params.constraint is not None]
         masks = None
         # Masks depend only on the tokens so far (and, verifying, the proposed ones): computed while
         # the model runs. A proposal has one mask per position, each after the tokens before it.
-        matchers = [self.grammars.advance(batch.seqs[i]) for i in constrained]
+        now = {i: self.grammars.mask_of(batch.seqs[i]) for i in which if batch.seqs[i].params.constraint is not None}
+        constrained = [i for i in which if now.get(i) is not None]  # not while it is reasoning
         ahead = {i: self.grammars.lookahead(batch.seqs[i], batch.seqs[i].draft.tokens) for i in sorted(spec)
                  if batch.seqs[i].params.constraint is not None}
-        if matchers or ahead:
-            masks = self._masker.submit(self.grammars.fill, matchers + [m for ms in ahead.values() for m in ms])
+        if constrained or ahead:
+            masks = self._masker.submit(self.grammars.fill, [now[i] for i in constrained]
+                                        + [m for ms in ahead.values() for m in ms])
         adapters = [self.loras[s.lora] if s.lora else None for s in batch.seqs]
         lora = LoRABatch.of(list(zip(adapters, batch.num_tokens)), ids.device)  # None: no row has an adapter
         extra = {k: v for k, v in (("lora", lora), ("stop", stop)) if v is not None}

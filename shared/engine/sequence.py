@@ -38,6 +38,11 @@ class SamplingParams:
     # Structured output: (kind, spec), kind one of constraints.KINDS; the grammar's token mask is
     # applied last, so every output is in its language.
     constraint: tuple[str, str] | None = None
+    # A reasoning model's reasoning goes free: the constraint starts after reasoning_end (token ids)
+    # in the output; with reasoning_start (Qwen3's <think>) only if the output opens with it, else
+    # at once. None: at the first token.
+    reasoning_end: list[int] | None = None
+    reasoning_start: list[int] | None = None
     # The prompt's own logprobs (echo): None: off; k: each prompt token's (the first has none) plus
     # its top k. Such a prompt is computed in full, never taken from the prefix cache.
     prompt_logprobs: int | None = None
@@ -114,7 +119,9 @@ class Sequence:
         # they are handed out with the first output; None when not asked for (or already given).
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self.grammar = None  # the constraint's matcher (constraints.py), built on first use ...
+        self.grammar_from = 0  # ... for the output from this index (after the reasoning, if any) ...
         self.grammar_tokens = 0  # ... and how many output tokens it has consumed
+        self.grammar_phase = None  # constraints.Phase: where the constraint starts
         self.after: "Sequence | None" = None  # a sibling (n > 1): admitted once this one's prompt is cached
         # Speculative decoding: this step's proposal, set before the step is scheduled and cleared
         # after it (nothing of it survives a step, so nothing crosses a handoff or a preemption).
