@@ -42,6 +42,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from meshserve.shared.limits import Priority
 from meshserve.shared.model.config import Quantization
+from meshserve.shared.reasoning import PARSERS as REASONING_PARSERS
+from meshserve.shared.tool_calls import PARSERS as TOOL_CALL_PARSERS
 
 
 class ManifestError(ValueError):
@@ -101,10 +103,10 @@ class ServedModel(BaseModel):
     speculative: SpeculativeEntry | Literal[False] | None = None  # None: the workers' flags
     # How its chat answers split into reasoning and answer (shared/reasoning.py); None: the gateway's
     # --reasoning-parser, else none
-    reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = None
+    reasoning_parser: Literal[REASONING_PARSERS] | None = None
     # How calls are read from its answers under tool_choice auto (shared/tool_calls.py); None: the
     # gateway's --tool-call-parser, else hermes
-    tool_call_parser: Literal["hermes", "llama3_json"] | None = None
+    tool_call_parser: Literal[TOOL_CALL_PARSERS] | None = None
 
     @property
     def id(self) -> str:

@@ -8,17 +8,24 @@
   `--tool-call-parser`, per model): `hermes` (the default), `<tool_call>{"name": ..., "arguments":
   {...}}</tool_call>` blocks (Qwen 2.5 and 3, Hermes, SmolLM3 ...), text outside them the message's
   content; `llama3_json` (Llama 3.1-3.3), an answer that is one or more JSON objects `{"name": ...,
-  "parameters": {...}}` (separated by `;`), after the `<|python_tag|>` the detokenizer drops.
+  "parameters": {...}}` (separated by `;`), after the `<|python_tag|>` the detokenizer drops;
+  `mistral` (Mistral's v3 tokenizer format), an answer that is a JSON array of `{"name": ...,
+  "arguments": {...}}`, after the `[TOOL_CALLS]` the detokenizer drops; `pythonic` (Llama 3.2
+  and 4, ToolACE ...), an answer that is a Python list of calls with literal keyword arguments,
+  `[get_weather(city="Paris", days=2)]`, read by `ast`, never evaluated.
+  The last three: an answer that opens otherwise, or does not read as calls, is content.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import uuid
 from dataclasses import dataclass, field
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-PARSERS = ("hermes", "llama3_json")
+PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+MISTRAL_TAG = "[TOOL_CALLS]"  # kept when the request asks for special tokens
 DEFAULT_PARSER = "hermes"
 
 
@@ -110,10 +117,47 @@ def _llama3_calls(text: str) -> list[ToolCall] | None:
         calls.append(call)
 
 
+def _mistral_calls(text: str) -> list[ToolCall] | None:
+    """The calls of a mistral answer: one JSON array of call objects (or one object); None otherwise."""
+    text = text.strip().removeprefix(MISTRAL_TAG)
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    calls = [_call_of(c) for c in (obj if isinstance(obj, list) else [obj])]
+    return calls if calls and all(calls) else None
+
+
+def _pythonic_calls(text: str) -> list[ToolCall] | None:
+    """The calls of a pythonic answer: a list of `name(key=literal, ...)`; None otherwise. Only
+    literals are read (ast.literal_eval): nothing the model wrote is run."""
+    try:
+        tree = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError:
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    calls = []
+    for node in tree.elts:
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
+                and all(k.arg is not None for k in node.keywords)):
+            return None
+        try:
+            args = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            return None
+        calls.append(ToolCall(node.func.id, json.dumps(args, ensure_ascii=False)))
+    return calls
+
+
+# The parsers whose calls are the whole answer: the character such an answer opens with, and its reader.
+WHOLE_ANSWER = {"llama3_json": ("{", _llama3_calls), "mistral": ("[", _mistral_calls), "pythonic": ("[", _pythonic_calls)}
+
+
 class AutoParser:
     """Reads a streamed "auto" output: content goes on as it comes, except a tail that could be the
-    start of a call (hermes: `<tool_call>`; llama3_json: an answer whose first non-blank character is
-    `{`); once a call opens, the rest is held and read at the end."""
+    start of a call (hermes: `<tool_call>`; the others: an answer whose first non-blank character
+    opens their calls, WHOLE_ANSWER); once a call opens, the rest is held and read at the end."""
 
     def __init__(self, parser: str | None = None):
         self.parser = parser or DEFAULT_PARSER
@@ -128,8 +172,8 @@ class AutoParser:
         self.text += delta
         if self.in_calls:
             return ""
-        if self.parser == "llama3_json":
-            return self._feed_llama3()
+        if self.parser in WHOLE_ANSWER:
+            return self._feed_whole()
         at = self.text.find(OPEN, self.emitted)
         if at >= 0:
             self.in_calls = True
@@ -144,12 +188,15 @@ class AutoParser:
         self.emitted = end
         return out
 
-    def _feed_llama3(self) -> str:
+    def _feed_whole(self) -> str:
         if self.emitted == 0:
             head = self.text.lstrip()
+            opening = WHOLE_ANSWER[self.parser][0]
+            if self.parser == "mistral" and MISTRAL_TAG.startswith(head[:len(MISTRAL_TAG)]):
+                head = head[len(MISTRAL_TAG):] if head.startswith(MISTRAL_TAG) else ""
             if not head:
                 return ""  # blank so far: it may still open a call
-            if head.startswith("{"):
+            if head.startswith(opening):
                 self.in_calls = True
                 return ""
         out, self.emitted = self.text[self.emitted:], len(self.text)
@@ -160,8 +207,8 @@ class AutoParser:
         if not self.in_calls:
             rest, self.emitted = self.text[self.emitted:], len(self.text)
             return rest, []
-        if self.parser == "llama3_json":
-            calls = _llama3_calls(self.text)
+        if self.parser in WHOLE_ANSWER:
+            calls = WHOLE_ANSWER[self.parser][1](self.text)
             self.emitted = len(self.text)
             return ("", calls) if calls else (self.text, [])
         calls, content, pos = [], "", self.emitted

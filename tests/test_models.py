@@ -46,11 +46,12 @@ def test_manifest_parses_and_refuses_what_it_does_not_know(tmp_path, tiny_llama)
     assert [c.pick("c", u).version for u in (0.0, 0.24, 0.25, 0.99)] == ["a", "a", "b", "b"]
     f.write_text(f"- {{name: a, path: {tiny_llama}, speculative: {{method: draft, model: ./d, "
                  f"num_speculative_tokens: 2}}}}\n- {{name: b, path: {tiny_llama}, speculative: false, "
-                 f"reasoning_parser: deepseek_r1}}\n")
+                 f"reasoning_parser: deepseek_r1, tool_call_parser: pythonic}}\n")
     (tmp_path / "d").mkdir()
     s = load_manifest(f)
     assert s.models[0].speculative.model == str(tmp_path / "d") and s.models[1].speculative is False
     assert s.models[0].reasoning_parser is None and s.models[1].reasoning_parser == "deepseek_r1"
+    assert s.models[1].tool_call_parser == "pythonic"
     assert s.models[0].speculative.model_dump(exclude_none=True) == {"method": "draft", "model": str(tmp_path / "d"),
                                                                      "num_speculative_tokens": 2}
     for text, words in ((f"- {{name: a, path: {tiny_llama}, compute_share: 3}}", "compute_share: unknown key"),
@@ -67,7 +68,8 @@ def test_manifest_parses_and_refuses_what_it_does_not_know(tmp_path, tiny_llama)
                         (f"- {{name: a, path: {tiny_llama}, speculative: {{method: ngram, k: 3}}}}", "k: unknown key"),
                         (f"- {{name: a, path: {tiny_llama}, speculative: {{method: draft, model: nope}}}}",
                          "unknown model"),
-                        (f"- {{name: a, path: {tiny_llama}, reasoning_parser: granite}}", "reasoning_parser")):
+                        (f"- {{name: a, path: {tiny_llama}, reasoning_parser: granite}}", "reasoning_parser"),
+                        (f"- {{name: a, path: {tiny_llama}, tool_call_parser: granite}}", "tool_call_parser")):
         f.write_text(text)
         with pytest.raises(ManifestError, match=words):
             load_manifest(f)

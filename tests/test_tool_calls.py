@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import pytest
 
 from meshserve.shared import tool_calls
 
@@ -74,3 +75,34 @@ def test_llama3_json_reads_an_answer_of_json_calls_whole_and_streamed():
     assert content is None and calls[0].name == "f"
     # hermes (the default) reads no such calls
     assert tool_calls.read_calls("auto", '{"name": "f", "parameters": {"x": 2}}')[1] == []
+
+
+@pytest.mark.parametrize("parser,text", [
+    ("mistral", ' [TOOL_CALLS][{"name": "f", "arguments": {"x": 1, "s": "a"}}, {"name": "g", "arguments": {}}]'),
+    ("mistral", '[{"name": "f", "arguments": {"x": 1, "s": "a"}}, {"name": "g", "arguments": {}}]'),
+    ("pythonic", '\n[f(x=1, s="a"), g()]'),
+])
+def test_mistral_and_pythonic_read_an_answer_of_calls_whole_and_streamed(parser, text):
+    """`mistral` (a JSON array after [TOOL_CALLS], which the detokenizer usually drops) and
+    `pythonic` (a Python list of calls with literal keyword arguments): held from an opening `[`,
+    read at the end, in pieces of any size as whole."""
+    want = [("f", {"x": 1, "s": "a"}), ("g", {})]
+    content, calls = tool_calls.parse_auto(text, parser)
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == want
+    for size in range(1, len(text) + 1):
+        p, shown = tool_calls.AutoParser(parser), ""
+        for i in range(0, len(text), size):
+            shown += p.feed(text[i:i + size])
+        rest, streamed = p.finish()
+        assert shown + rest == "" and [(c.name, json.loads(c.arguments)) for c in streamed] == want, size
+
+
+@pytest.mark.parametrize("parser", ["mistral", "pythonic"])
+def test_an_answer_that_is_not_calls_is_content(parser):
+    """Text first streams at once; an opening `[` that does not read as calls comes back whole as
+    content; pythonic runs nothing (a call in an argument, a name, an attribute are not literals)."""
+    p = tool_calls.AutoParser(parser)
+    assert p.feed("See") == "See" and p.feed(" [1]") == " [1]" and p.finish() == ("", [])
+    for text in ("[1, 2]", "[link](http://x)", "[]", '[{"nam": 1}]', "[f(1)]", "[f(x=__import__('os'))]",
+                 "[f(x=y)]", "[os.system(x='ls')]", "[f(**k)]"):
+        assert tool_calls.parse_auto(text, parser) == (text, []), text
