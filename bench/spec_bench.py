@@ -6,6 +6,11 @@ side by side, for bf16 and int8 weights, on two workloads:
   editing, extraction), where prompt lookup finds what comes next;
 - chat: an ordinary chat question, where it rarely does.
 
+Three ways, side by side: no speculation, prompt lookup, and OpenAI's Predicted Outputs on an
+engine that does not speculate otherwise (`prediction`: the copy workload's prediction is the text
+to repeat, as an editor sends the file being edited; the chat workload gets the same text, a
+prediction that is wrong, for what one costs).
+
     meshserve bench-spec [--model M] [--variants bfloat16,bfloat16+int8] [--prompt-tokens 128]
                          [--tokens 128] [--k 4] [--batch-sizes 1] [--json OUT]
 
@@ -34,28 +39,32 @@ CHAT_ASK = ("I am planning a week of walking along the coast in the north of Sco
             "the tides and finding a place to sleep? ")
 
 
-def prompts(tokenizer, n: int) -> dict[str, list[int]]:
-    """The two workloads' prompts, n tokens each (the text cut to fit, the chat template around it)."""
+def prompts(tokenizer, n: int) -> dict[str, tuple[list[int], list[int]]]:
+    """The two workloads' prompts, n tokens each (the text cut to fit, the chat template around it),
+    each with its prediction: the text the copy workload repeats."""
     def encode(text: str) -> list[int]:
         return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
 
-    def chat(ask: str, body: str) -> list[int]:
+    def chat(ask: str, body: str) -> tuple[list[int], str]:
         words = body.split(" ")
         lo, hi = 0, len(words)
         while lo < hi:  # the longest body whose prompt has at most n tokens
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if len(encode(ask + " ".join(words[:mid]))) <= n else (lo, mid - 1)
-        return encode(ask + " ".join(words[:lo]))
+        return encode(ask + " ".join(words[:lo])), " ".join(words[:lo])
 
-    return {"copy": chat(COPY_ASK, TEXT), "chat": chat(CHAT_ASK, "Thank you! " * n)}
+    copy, text = chat(COPY_ASK, TEXT)
+    predicted = tokenizer.encode(text, add_special_tokens=False)
+    return {"copy": (copy, predicted), "chat": (chat(CHAT_ASK, "Thank you! " * n)[0], predicted)}
 
 
-def run(llm, prompt: list[int], n: int, streams: int = 1) -> dict:
+def run(llm, prompt: list[int], n: int, streams: int = 1, prediction: list[int] | None = None) -> dict:
     from meshserve.shared.engine.sequence import SamplingParams
 
     eng = llm.engine
-    before = dict(eng.stats["spec_decode"])
-    cs = [llm.add(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)) for _ in range(streams)]
+    before = dict(eng.stats["spec_decode"]) if eng.speculator else {}
+    cs = [llm.add(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, prediction=prediction))
+          for _ in range(streams)]
     t0 = time.perf_counter()
     while eng.has_unfinished():
         llm.outputs.process(eng.step())
@@ -104,16 +113,17 @@ def main(argv: list[str] | None = None) -> int:
         dtype, _, quantization = variant.partition("+")
         spec = SpeculativeConfig("ngram", num_speculative_tokens=a.k, prompt_lookup_max=a.prompt_lookup_max,
                                  disable_by_batch_size=max(batch_sizes))
-        for name, cfg in (("none", EngineConfig()), ("ngram", EngineConfig(speculative=spec))):
+        for name, cfg in (("none", EngineConfig()), ("ngram", EngineConfig(speculative=spec)),
+                          ("prediction", EngineConfig())):
             llm = LLM(a.model, dtype, config=cfg, quantization=quantization or None)
             ps = prompts(llm.tokenizer, a.prompt_tokens)
-            run(llm, ps["chat"][:16], 8)  # warm up
-            for workload, prompt in ps.items():
+            run(llm, ps["chat"][0][:16], 8)  # warm up
+            for workload, (prompt, predicted) in ps.items():
                 for b in batch_sizes if workload == "copy" else [1]:
                     key = f"{variant}/{workload}/{name}" + (f"/batch{b}" if b > 1 else "")
-                    r = run(llm, prompt, a.tokens, b)
+                    r = run(llm, prompt, a.tokens, b, predicted if name == "prediction" else None)
                     r["prompt_tokens"] = len(prompt)
-                    base = res["runs"].get(key.replace("/ngram", "/none"))
+                    base = res["runs"].get(key.replace(f"/{name}", "/none"))
                     if base is not None:
                         r["same_output_as_none"] = r["token_ids"] == base["token_ids"]
                         r["speedup"] = base["ms_per_token"] / r["ms_per_token"] if b == 1 else \

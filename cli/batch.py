@@ -22,7 +22,7 @@ from meshserve.shared.reasoning import constraint_tags, prompt_state, split_answ
 from meshserve.shared.openai_protocol import (ChatCompletionRequest, OpenAIError, chat_choice, chat_logprobs,
                                               chat_response, completion_choice, completion_logprobs,
                                               completion_response, join_logprobs, new_id, parse_request,
-                                              prompt_fields, usage)
+                                              prediction_usage, prompt_fields, usage)
 
 if TYPE_CHECKING:
     from meshserve.shared.engine.llm import LLM, Completion
@@ -110,8 +110,11 @@ def _body(llm: LLM, kind: str, served: str, req, cs: list[Completion], texts: li
     """texts: each prompt's text as echo returns it; reasoning, tool_parser: how chat answers are read
     (shared/reasoning.py, shared/tool_calls.py)."""
     firsts = cs[::req.n]  # each prompt's first choice
+    predicted = llm.tokenizer.encode(req.prediction.text(), add_special_tokens=False) \
+        if kind == "chat" and req.prediction is not None else None
     u = usage(sum(len(c.prompt_token_ids) for c in firsts), sum(len(c.token_ids) for c in cs),
-              sum(c.num_cached_tokens for c in firsts))
+              sum(c.num_cached_tokens for c in firsts),
+              prediction_usage(predicted, [c.token_ids for c in cs]) if predicted else None)
     dec = req.token_text(llm.tokenizer)  # what names a token in logprobs
     choices, extras = [], []  # the latter: vLLM's fields of each choice's prompt
     for i, c in enumerate(cs):

@@ -93,6 +93,36 @@ class StructuredOutputs(BaseModel):
     json_object: bool | None = None
 
 
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(BaseModel):
+    """OpenAI's Predicted Outputs: the answer expected (say the file being edited), proposed to the
+    model for speculative verification: answers come faster where they match it, and are the same."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+def prediction_usage(prediction: list[int], outputs: list[list[int]]) -> dict:
+    """OpenAI's completion_tokens_details of a predicted answer: of the prediction's tokens, those
+    that appear in each output (in order: the longest matching blocks) and those that do not."""
+    from difflib import SequenceMatcher
+
+    accepted = sum(b.size for out in outputs
+                   for b in SequenceMatcher(None, prediction, out, autojunk=False).get_matching_blocks())
+    return {"accepted_prediction_tokens": accepted, "rejected_prediction_tokens": len(prediction) * len(outputs) - accepted}
+
+
 def _refuse(message: str, param: str) -> OpenAIError:
     return OpenAIError(f"{param}: {message}", param=param)
 
@@ -466,6 +496,7 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: str | dict[str, Any] | None = None
     # vLLM's: with a reasoning parser (shared/reasoning.py), false leaves the reasoning out
     include_reasoning: bool = True
+    prediction: Prediction | None = None
 
     def check_reasoning(self, parser: str | None) -> None:
         """include_reasoning: false needs the model's reasoning parser (its reasoning is otherwise content)."""
@@ -539,8 +570,11 @@ class ChatCompletionRequest(_SamplingFields):
         elif mode == "named":
             constraint = check_constraint("json_schema", json.dumps(tool_calls.named_schema(
                 self.tool_dicts(), self.tool_choice.function["name"])), "tools")
-        return self._sampling(self.max_completion_tokens or self.max_tokens, lp, default_max, tokenizer,
-                              defaults=defaults, constraint=constraint)
+        sampling = self._sampling(self.max_completion_tokens or self.max_tokens, lp, default_max, tokenizer,
+                                  defaults=defaults, constraint=constraint)
+        if self.prediction is not None:
+            sampling.prediction = tokenizer.encode(self.prediction.text(), add_special_tokens=False) or None
+        return sampling
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.template() for m in self.messages]
@@ -584,11 +618,14 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, details: dict | None = None) -> dict:
+    """details: completion_tokens_details (prediction_usage's), when there are any."""
     u = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
          "total_tokens": prompt_tokens + completion_tokens}
     if cached_tokens:
         u["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    if details:
+        u["completion_tokens_details"] = details
     return u
 
 

@@ -53,6 +53,7 @@ class Sampling(Message):
     # where a reasoning model's constraint starts (shared/reasoning.py's constraint_tags)
     reasoning_end: list[int] | None = None
     reasoning_start: list[int] | None = None
+    prediction: list[int] | None = None  # OpenAI's Predicted Outputs, tokenized: proposed, never forced
     prompt_logprobs: int | None = None
 
     def check(self) -> None:

@@ -507,3 +507,56 @@ def test_a_batch_of_prompts_is_each_prompt_alone(mesh):
         c.completions.create(model=mesh.model, prompt=["Hello", "x " * 300], max_tokens=4)
     with pytest.raises(openai.BadRequestError, match="choices in one request"):
         c.completions.create(model=mesh.model, prompt=["Hello"] * 20, max_tokens=4, n=8)
+
+
+def test_a_predicted_output_changes_no_token(mesh):
+    """OpenAI's Predicted Outputs: the answer is the same with a prediction as without (its tokens
+    are only proposed for verification; the mesh's model speculates not, so the workers do it for
+    these requests alone), whole and streamed; usage says how many of the prediction's tokens the
+    answer has, in order, and how many not. Completions have no such field."""
+    import httpx
+
+    from meshserve.shared.openai_protocol import prediction_usage
+
+    c, tok = mesh.client, mesh.tokenizer
+    body = dict(model=mesh.model, messages=chat(), max_tokens=16, temperature=0)
+    plain = c.chat.completions.create(**body, extra_body={"return_token_ids": True})
+    text, ids = plain.choices[0].message.content, plain.choices[0].model_extra["token_ids"]
+    assert plain.usage.completion_tokens_details is None
+
+    def drafted() -> float:
+        lines = httpx.get(mesh.url + "/metrics").text.splitlines()
+        return sum(float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith("meshserve:spec_decode_num_draft_tokens_total"))
+
+    before = drafted()
+    for prediction in (tok.decode(ids), tok.decode(ids[:10]) + " and then something else",
+                       [{"type": "text", "text": text[:5]}, {"type": "text", "text": text[5:]}]):
+        r = c.chat.completions.create(**body, prediction={"type": "content", "content": prediction})
+        assert r.choices[0].message.content == text
+        whole = prediction if isinstance(prediction, str) else text
+        want = prediction_usage(tok.encode(whole, add_special_tokens=False), [ids])
+        assert r.usage.completion_tokens_details.model_dump(exclude_none=True) == want
+    chunks = list(c.chat.completions.create(**body, stream=True, stream_options={"include_usage": True},
+                                            prediction={"type": "content", "content": text}))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
+    assert chunks[-1].usage.completion_tokens_details.model_dump(exclude_none=True) == \
+        prediction_usage(tok.encode(text, add_special_tokens=False), [ids])
+    deadline = time.monotonic() + 30
+    while drafted() <= before and time.monotonic() < deadline:  # counters come with the heartbeats
+        time.sleep(0.2)
+    assert drafted() > before
+    for call in (lambda: c.completions.create(model=mesh.model, prompt="hi", max_tokens=2,
+                                              extra_body={"prediction": {"type": "content", "content": "x"}}),
+                 lambda: c.chat.completions.create(**body, prediction={"type": "text", "content": "x"})):
+        with pytest.raises(openai.BadRequestError) as e:
+            call()
+        assert "prediction" in str(e.value.body)
+
+
+def test_prediction_usage_counts_the_tokens_the_answer_has_in_order():
+    from meshserve.shared.openai_protocol import prediction_usage
+
+    assert prediction_usage([1, 2, 3, 4], [[1, 2, 9, 4]]) == {"accepted_prediction_tokens": 3,
+                                                              "rejected_prediction_tokens": 1}
+    assert prediction_usage([1, 2], [[2, 1], [1, 2]]) == {"accepted_prediction_tokens": 3,
+                                                         "rejected_prediction_tokens": 1}

@@ -14,7 +14,7 @@ from oracle import hf_greedy
 
 from meshserve.shared.engine.llm import LLM
 from meshserve.shared.engine.llm_engine import EngineConfig, LLMEngine
-from meshserve.shared.engine.ngram_proposer import NgramProposer
+from meshserve.shared.engine.ngram_proposer import NgramProposer, PredictionProposer
 from meshserve.shared.engine.rejection_sampler import verify
 from meshserve.shared.engine.scheduler import SchedulerConfig
 from meshserve.shared.engine.sequence import Draft, SamplingParams, Sequence
@@ -200,6 +200,49 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
     assert ng.lookup([1, 2, 3, 4], 2) is None  # no earlier occurrence of any suffix
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         NgramProposer(3, 2)
+
+
+def test_a_predicted_output_is_proposed_and_changes_no_token(models):
+    """OpenAI's `prediction` on an engine that speculates not: its tokens are proposed (the engine
+    makes a speculator for it) and verified, so each output equals Transformers' greedy one whether
+    the prediction is the answer, the answer with an edit, something else, or longer than the answer;
+    sibling requests without one propose nothing. Every block comes back."""
+    target, _, prompts, ref = models
+    eng = spec_engine(target, None, blocks=64)
+    assert eng.speculator is None
+    preds = [ref[0], ref[1][:5] + [7, 8, 9] + ref[1][8:], [5] * 30, ref[3] + ref[4], None, None, None]
+    params = [SamplingParams(max_tokens=MAX_NEW, temperature=0, prediction=p) for p in preds]
+    assert eng.generate(prompts, params) == ref
+    st = eng.stats["spec_decode"]
+    assert 0 < st["num_accepted_tokens"] <= st["num_draft_tokens"] and st["num_verification_steps"] > 0
+    assert eng.block_pool.num_free == eng.block_pool.num_blocks
+    # alone, the exact prediction is all accepted: a token and its k proposed ones per step
+    eng = spec_engine(target, None, blocks=64)
+    eng.generate([prompts[0]], [SamplingParams(max_tokens=MAX_NEW, temperature=0, prediction=ref[0])])
+    st = eng.stats["spec_decode"]
+    assert st["num_accepted_tokens"] == st["num_draft_tokens"] and st["num_verification_steps"] < MAX_NEW // 2
+
+
+def test_the_prediction_proposer_follows_the_output_through_an_edit():
+    """The first tokens are the prediction's; then what follows the output's longest suffix (of two
+    tokens at least) in the prediction, at the occurrence at or after where the last proposal began
+    (the prediction repeats itself); an output that left the prediction gets none until it rejoins."""
+    pred = [1, 2, 3, 9, 1, 2, 3, 4, 5, 6, 10, 11]
+    prop = PredictionProposer()
+
+    def seq(out):
+        s = Sequence("r", [100, 101], SamplingParams(prediction=pred))
+        s.token_ids += out
+        return s
+
+    assert prop.lookup(seq([]), 3).tokens == [1, 2, 3]
+    assert prop.lookup(seq([1, 2, 3]), 3).tokens == [9, 1, 2]
+    assert prop.lookup(seq([1, 2, 3, 9, 1, 2, 3]), 2).tokens == [4, 5]  # "1 2 3" again: the later one
+    assert prop.lookup(seq([1, 2, 3, 9, 1, 2, 3, 4, 7]), 2) is None  # an edit: 7 is not in it
+    assert prop.lookup(seq([1, 2, 3, 9, 1, 2, 3, 4, 7, 5]), 2) is None  # one token in both is no sign
+    assert prop.lookup(seq([1, 2, 3, 9, 1, 2, 3, 4, 7, 5, 6]), 2).tokens == [10, 11]  # rejoined
+    prop.retain(set())
+    assert prop.cursor == {}
 
 
 def check_mesh_speculates(m, prompts: list, texts: list[str], num_tokens: list[int] | None = None) -> dict:

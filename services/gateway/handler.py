@@ -22,8 +22,8 @@ from meshserve.shared import tool_calls
 from meshserve.shared.openai_protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, chat_choice,
                                               chat_chunk, chat_logprobs, chat_response, completion_choice,
                                               completion_chunk, completion_logprobs, completion_response,
-                                              join_logprobs, parse_request, prompt_fields, usage, usage_chunk,
-                                              validate_body)
+                                              join_logprobs, parse_request, prediction_usage, prompt_fields, usage,
+                                              usage_chunk, validate_body)
 from meshserve.shared.reasoning import ReasoningParser, constraint_tags, prompt_state, reasoning_fields, split_answer
 from meshserve.shared.schemas import Abort, GenerateRequest, Logprob, Message, Sampling, TokenChunk, Usage
 from meshserve.shared.tenants import Tenant, cache_salt
@@ -644,7 +644,10 @@ class Generation:
             raise
 
     def usage(self) -> dict:
-        return usage(self.prepared.num_prompt_tokens, len(self.token_ids), self.num_cached_tokens)
+        """With a prediction, how much of it the answer took, once the answer is whole."""
+        predicted = self.prepared.sampling.prediction
+        details = prediction_usage(predicted, [c.token_ids for c in self.choices]) if predicted and self.done else None
+        return usage(self.prepared.num_prompt_tokens, len(self.token_ids), self.num_cached_tokens, details)
 
     def _logprobs(self, token_ids: list[int], logprobs: list[Logprob | None] | None,
                   text_offset: int) -> dict | None:

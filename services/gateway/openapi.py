@@ -35,12 +35,20 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int
 
 
+class CompletionTokensDetails(BaseModel):
+    accepted_prediction_tokens: int
+    rejected_prediction_tokens: int
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = Field(default=None, description="present when "
                                                               "part of the prompt came from the prefix cache")
+    completion_tokens_details: CompletionTokensDetails | None = Field(
+        default=None, description="present when the chat request had a `prediction`: how many of its tokens "
+                                  "the answer has (in order), and how many not")
 
 
 # -- /v1/completions

@@ -186,7 +186,8 @@ class LLMEngine:
         vocab = self.model.cfg.vocab_size
         for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ()),
                           ("bad_words", [t for w in params.bad_words for t in w]),
-                          ("reasoning tags", [*(params.reasoning_end or ()), *(params.reasoning_start or ())])):
+                          ("reasoning tags", [*(params.reasoning_end or ()), *(params.reasoning_start or ())]),
+                          ("prediction", params.prediction or ())):
             if any(not 0 <= t < vocab for t in ids):
                 raise RequestError(f"{name} token ids must be in [0, {vocab})")
         if params.constraint is not None:
@@ -212,6 +213,7 @@ class LLMEngine:
             raise RequestError(f"the request needs {n + params.max_tokens} tokens of KV cache; "
                                f"the pool holds {cap * self.config.block_size}"
                                + (f" ({self.block_limit_why})" if cap < self.block_pool.num_blocks else ""))
+        self._propose_prediction(params)
         seq = self.new_sequence(request_id, prompt_token_ids, params, arrival_time, output_token_ids, priority, lora,
                                 cache_salt)
         self.requests[request_id] = seq
@@ -234,6 +236,13 @@ class LLMEngine:
                     torch.empty(self.model.cfg.vocab_size).exponential_(generator=seq.generator)
         return seq
 
+    def _propose_prediction(self, params: SamplingParams) -> None:
+        """A request with a predicted output on an engine that speculates not: from now on it has a
+        speculator that proposes predictions only (speculative.py)."""
+        if params.prediction and self.speculator is None:
+            self.speculator = Speculator(None, self.max_model_len, self.config.block_size, grammars=self.grammars)
+            self.scheduler.max_draft_tokens = self.speculator.config.num_speculative_tokens
+
     def detach(self, request_id: str) -> tuple[Sequence, list[int], list[int]]:
         """Takes a running sequence out of this engine with its KV blocks (prefill -> decode handoff).
         Returns (sequence, block ids, block ids this engine keeps sharing)."""
@@ -247,6 +256,7 @@ class LLMEngine:
         those the engine it comes from keeps in its prefix cache). Its grammar, if any, is rebuilt
         from its output tokens at its first step; its prompt logprobs went out from where it was prefilled."""
         seq.prompt_logprobs = None
+        self._propose_prediction(seq.params)
         self.kv_cache_manager.adopt(seq, block_ids, shared_ids, num_computed_tokens, num_cached_tokens)
         self.requests[seq.request_id] = seq
         self.scheduler.adopt(seq)

@@ -1,4 +1,4 @@
-"""Prompt lookup (n-gram) proposals: no second model. When a sequence's last n tokens appeared
+"""Prompt lookup (n-gram) proposals, and proposals from a request's predicted output: no second model. When a sequence's last n tokens appeared
 before in its prompt or output, the tokens that followed them then are proposed to follow now.
 It pays where outputs copy from the prompt (editing, extraction, code, quoting) and costs nearly
 nothing where they do not (no match, no proposal).
@@ -29,8 +29,7 @@ class NgramProposer:
         """Up to k tokens that followed the latest earlier occurrence of the longest suffix n-gram."""
         ids = np.asarray(token_ids, dtype=np.int64)
         for n in range(min(self.max_n, len(ids) - 1), self.min_n - 1, -1):
-            windows = sliding_window_view(ids[:-1], n)  # every n-gram that has a token after it
-            hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
+            hits = _hits(ids[:-1], ids[-n:])
             if len(hits):
                 full = hits[hits + n + k <= len(ids)]
                 start = int(full[-1] if len(full) else hits[0]) + n
@@ -39,3 +38,49 @@ class NgramProposer:
 
     def retain(self, request_ids) -> None:
         """Nothing is kept per sequence."""
+
+
+def _hits(corpus: np.ndarray, pattern: np.ndarray) -> np.ndarray:
+    """Where `pattern` occurs in `corpus` (start indexes, in order)."""
+    if len(pattern) > len(corpus):
+        return np.empty(0, dtype=np.int64)
+    return np.flatnonzero((sliding_window_view(corpus, len(pattern)) == pattern).all(axis=1))
+
+
+class PredictionProposer:
+    """Proposals from a request's predicted output (OpenAI's Predicted Outputs: `prediction`, say the
+    code being edited): the output's first tokens are the prediction's first; after that, the
+    tokens that follow the output's longest suffix n-gram (MIN_N to MAX_N tokens) in the
+    prediction, at the occurrence nearest the place the last proposal was taken from (code repeats
+    short n-grams). Where the output leaves the prediction (an edit), no proposal until it rejoins:
+    one common token in both is no sign of that (a wrong prediction then proposes all the time,
+    and every proposal is rejected)."""
+
+    MIN_N, MAX_N = 2, 8
+
+    def __init__(self):
+        self.cursor: dict[str, int] = {}  # request id -> where in its prediction the last proposal began
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft | None]:
+        return [self.lookup(s, k) for s, k in zip(seqs, ks)]
+
+    def lookup(self, seq: Sequence, k: int) -> Draft | None:
+        pred, out = seq.params.prediction, seq.output_token_ids
+        start = 0 if not out else None
+        if out:
+            p, o = np.asarray(pred, dtype=np.int64), np.asarray(out[-self.MAX_N:], dtype=np.int64)
+            cursor = self.cursor.get(seq.request_id, 0)
+            for n in range(len(o), min(self.MIN_N, len(o)) - 1, -1):
+                ends = _hits(p[:-1], o[-n:]) + n  # where each occurrence's next token is
+                if len(ends):
+                    ahead = ends[ends >= cursor]
+                    start = int(ahead[0] if len(ahead) else ends[-1])
+                    break
+        if start is None or start >= len(pred):
+            return None
+        self.cursor[seq.request_id] = start
+        return Draft(list(pred[start:start + k]))
+
+    def retain(self, request_ids) -> None:
+        for rid in [r for r in self.cursor if r not in request_ids]:
+            del self.cursor[rid]

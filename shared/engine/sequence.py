@@ -43,6 +43,9 @@ class SamplingParams:
     # at once. None: at the first token.
     reasoning_end: list[int] | None = None
     reasoning_start: list[int] | None = None
+    # OpenAI's Predicted Outputs: the output expected, tokenized; proposed for speculative
+    # verification (speculative.py), so it changes the speed, never the tokens.
+    prediction: list[int] | None = None
     # The prompt's own logprobs (echo): None: off; k: each prompt token's (the first has none) plus
     # its top k. Such a prompt is computed in full, never taken from the prefix cache.
     prompt_logprobs: int | None = None

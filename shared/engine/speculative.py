@@ -7,7 +7,9 @@ rejection_sampler.py), and the engine keeps the accepted tokens and rolls the re
 (num_computed_tokens, and the blocks past the tokens freed). Proposals live for one step only.
 
 - Proposers: prompt lookup (`method="ngram"`, ngram_proposer.py) or a draft model with the same
-  vocabulary (`method="draft"`, draft_proposer.py).
+  vocabulary (`method="draft"`, draft_proposer.py); and, for a request that brings a predicted
+  output (OpenAI's `prediction`), that prediction, in every class and on every model (the engine
+  makes a Speculator for it on the first such request when the model has none).
 - Per request class: only the classes in `classes` speculate (default interactive and normal:
   a background batch runs where throughput, not latency, matters).
 - Turned down when the batch is large: above `disable_by_batch_size` running sequences nobody
@@ -110,14 +112,19 @@ class Payoff:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, block_size: int, draft_model=None,
+    def __init__(self, config: SpeculativeConfig | None, max_model_len: int, block_size: int, draft_model=None,
                  grammars=None):
-        config.validate()
-        self.config, self.max_model_len, self.grammars = config, max_model_len, grammars
-        self.levels = {priority_level(c) for c in config.classes}
-        if config.method == "ngram":
-            from .ngram_proposer import NgramProposer
+        """config None: only requests with a predicted output propose (the model speculates not)."""
+        from .ngram_proposer import NgramProposer, PredictionProposer
 
+        self.prediction = PredictionProposer()
+        self.config = config or SpeculativeConfig(classes=())
+        self.config.validate()
+        self.max_model_len, self.grammars = max_model_len, grammars
+        self.levels = {priority_level(c) for c in self.config.classes}
+        if config is None:
+            self.proposer = None
+        elif config.method == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         else:
             if draft_model is None:
@@ -140,22 +147,35 @@ class Speculator:
         model's fast path (the fused step, on the tiles a plain step runs, so every row keeps its
         bits); proposals are cut to fit it, since a verification off that path costs more than
         its tokens give and could change a greedy token (None: no such path)."""
-        self.proposer.retain(live_ids)
+        for proposer in (self.proposer, self.prediction):
+            if proposer is not None:
+                proposer.retain(live_ids)
         if len(running) > self.config.disable_by_batch_size or not self.payoff.proposes():
             return []
-        seqs = [s for s in running if s.priority in self.levels and s.num_output_tokens
+        seqs = [s for s in running if (s.params.prediction or s.priority in self.levels) and s.num_output_tokens
                 and s.num_tokens - s.num_computed_tokens == 1 and self._room(s) > 0]
         ks = [self._room(s) for s in seqs]
         if max_rows is not None and seqs:
             per = (max_rows - len(running)) // len(seqs)
             seqs, ks = [s for s in seqs if per > 0], [min(k, per) for k in ks if per > 0]
         out = []
-        for s, d in zip(seqs, self.proposer.propose(seqs, ks) if seqs else []):
+        for s, d in zip(seqs, self._proposals(seqs, ks)):
             if d is not None and s.params.constraint is not None:
                 d = d.truncate(self.grammars.valid_prefix(s, d.tokens))
             if d is not None and d.tokens:
                 s.draft = d
                 out.append(s)
+        return out
+
+    def _proposals(self, seqs: list["Sequence"], ks: list[int]) -> list:
+        """Each sequence's proposal: from its predicted output when it has one, else the model's proposer."""
+        by_prediction = [bool(s.params.prediction) for s in seqs]
+        out = [None] * len(seqs)
+        for proposer, mine in ((self.prediction, True), (self.proposer, False)):
+            rows = [i for i, p in enumerate(by_prediction) if p == mine]
+            if proposer is not None and rows:
+                for i, d in zip(rows, proposer.propose([seqs[i] for i in rows], [ks[i] for i in rows])):
+                    out[i] = d
         return out
 
     def observe_step(self, seconds: float, tokens: int, verified: bool) -> None:

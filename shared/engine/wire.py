@@ -21,7 +21,7 @@ def sampling_params(s: Sampling, stop: list[str] | None = None, skip_special_tok
                           frequency_penalty=s.frequency_penalty, min_tokens=s.min_tokens,
                           allowed_token_ids=s.allowed_token_ids, bad_words=[list(w) for w in s.bad_words],
                           constraint=None if s.constraint is None else tuple(s.constraint),
-                          reasoning_end=s.reasoning_end, reasoning_start=s.reasoning_start,
+                          reasoning_end=s.reasoning_end, reasoning_start=s.reasoning_start, prediction=s.prediction,
                           prompt_logprobs=s.prompt_logprobs)
 
 
