@@ -216,6 +216,12 @@ def test_a_predicted_output_is_proposed_and_changes_no_token(models):
     st = eng.stats["spec_decode"]
     assert 0 < st["num_accepted_tokens"] <= st["num_draft_tokens"] and st["num_verification_steps"] > 0
     assert eng.block_pool.num_free == eng.block_pool.num_blocks
+    # where the prediction proposes nothing (a wrong one), the model's own prompt lookup still does
+    spec = SpeculativeConfig("ngram", num_speculative_tokens=3, disable_by_batch_size=64)
+    looked = spec_engine(target, spec, blocks=64)
+    assert looked.generate(prompts[4:], [SamplingParams(max_tokens=MAX_NEW, temperature=0, prediction=[5] * 30)]
+                           * 3) == ref[4:]
+    assert looked.stats["spec_decode"]["num_accepted_tokens"] > 0
     # alone, the exact prediction is all accepted: a token and its k proposed ones per step
     eng = spec_engine(target, None, blocks=64)
     eng.generate([prompts[0]], [SamplingParams(max_tokens=MAX_NEW, temperature=0, prediction=ref[0])])
@@ -224,8 +230,8 @@ def test_a_predicted_output_is_proposed_and_changes_no_token(models):
 
 
 def test_the_prediction_proposer_follows_the_output_through_an_edit():
-    """The first tokens are the prediction's; then what follows the output's longest suffix (of two
-    tokens at least) in the prediction, at the occurrence at or after where the last proposal began
+    """What follows the output's longest suffix (of two tokens at least, but for the first token
+    alone) in the prediction, at the occurrence at or after where the last proposal began
     (the prediction repeats itself); an output that left the prediction gets none until it rejoins."""
     pred = [1, 2, 3, 9, 1, 2, 3, 4, 5, 6, 10, 11]
     prop = PredictionProposer()
@@ -235,7 +241,7 @@ def test_the_prediction_proposer_follows_the_output_through_an_edit():
         s.token_ids += out
         return s
 
-    assert prop.lookup(seq([]), 3).tokens == [1, 2, 3]
+    assert prop.lookup(seq([1]), 3).tokens == [2, 3, 9]  # the first token, alone
     assert prop.lookup(seq([1, 2, 3]), 3).tokens == [9, 1, 2]
     assert prop.lookup(seq([1, 2, 3, 9, 1, 2, 3]), 2).tokens == [4, 5]  # "1 2 3" again: the later one
     assert prop.lookup(seq([1, 2, 3, 9, 1, 2, 3, 4, 7]), 2) is None  # an edit: 7 is not in it

@@ -1,5 +1,7 @@
-"""Prompt lookup (n-gram) proposals, and proposals from a request's predicted output: no second model. When a sequence's last n tokens appeared
-before in its prompt or output, the tokens that followed them then are proposed to follow now.
+"""Proposals with no second model: prompt lookup (n-gram), and a request's predicted output.
+
+Prompt lookup: when a sequence's last n tokens appeared before in its prompt or output, the tokens
+that followed them then are proposed to follow now.
 It pays where outputs copy from the prompt (editing, extraction, code, quoting) and costs nearly
 nothing where they do not (no match, no proposal).
 
@@ -49,8 +51,8 @@ def _hits(corpus: np.ndarray, pattern: np.ndarray) -> np.ndarray:
 
 class PredictionProposer:
     """Proposals from a request's predicted output (OpenAI's Predicted Outputs: `prediction`, say the
-    code being edited): the output's first tokens are the prediction's first; after that, the
-    tokens that follow the output's longest suffix n-gram (MIN_N to MAX_N tokens) in the
+    code being edited): the tokens that follow the output's longest suffix n-gram (MIN_N to MAX_N
+    tokens; the first output token alone while it is the only one) in the
     prediction, at the occurrence nearest the place the last proposal was taken from (code repeats
     short n-grams). Where the output leaves the prediction (an edit), no proposal until it rejoins:
     one common token in both is no sign of that (a wrong prediction then proposes all the time,
@@ -65,21 +67,17 @@ class PredictionProposer:
         return [self.lookup(s, k) for s, k in zip(seqs, ks)]
 
     def lookup(self, seq: Sequence, k: int) -> Draft | None:
+        """seq has an output (its first token comes from its prompt's step, which verifies nothing)."""
         pred, out = seq.params.prediction, seq.output_token_ids
-        start = 0 if not out else None
-        if out:
-            p, o = np.asarray(pred, dtype=np.int64), np.asarray(out[-self.MAX_N:], dtype=np.int64)
-            cursor = self.cursor.get(seq.request_id, 0)
-            for n in range(len(o), min(self.MIN_N, len(o)) - 1, -1):
-                ends = _hits(p[:-1], o[-n:]) + n  # where each occurrence's next token is
-                if len(ends):
-                    ahead = ends[ends >= cursor]
-                    start = int(ahead[0] if len(ahead) else ends[-1])
-                    break
-        if start is None or start >= len(pred):
-            return None
-        self.cursor[seq.request_id] = start
-        return Draft(list(pred[start:start + k]))
+        p, o = np.asarray(pred, dtype=np.int64), np.asarray(out[-self.MAX_N:], dtype=np.int64)
+        cursor = self.cursor.get(seq.request_id, 0)
+        for n in range(len(o), min(self.MIN_N, len(o)) - 1, -1):
+            ends = _hits(p[:-1], o[-n:]) + n  # where each occurrence's next token is
+            if len(ends):
+                ahead = ends[ends >= cursor]
+                start = self.cursor[seq.request_id] = int(ahead[0] if len(ahead) else ends[-1])
+                return Draft(list(pred[start:start + k]))
+        return None
 
     def retain(self, request_ids) -> None:
         for rid in [r for r in self.cursor if r not in request_ids]:

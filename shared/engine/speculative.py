@@ -8,8 +8,8 @@ rejection_sampler.py), and the engine keeps the accepted tokens and rolls the re
 
 - Proposers: prompt lookup (`method="ngram"`, ngram_proposer.py) or a draft model with the same
   vocabulary (`method="draft"`, draft_proposer.py); and, for a request that brings a predicted
-  output (OpenAI's `prediction`), that prediction, in every class and on every model (the engine
-  makes a Speculator for it on the first such request when the model has none).
+  output (OpenAI's `prediction`), that prediction first, in every class and on every model (the
+  engine makes a Speculator for it on the first such request when the model has none).
 - Per request class: only the classes in `classes` speculate (default interactive and normal:
   a background batch runs where throughput, not latency, matters).
 - Turned down when the batch is large: above `disable_by_batch_size` running sequences nobody
@@ -168,11 +168,13 @@ class Speculator:
         return out
 
     def _proposals(self, seqs: list["Sequence"], ks: list[int]) -> list:
-        """Each sequence's proposal: from its predicted output when it has one, else the model's proposer."""
-        by_prediction = [bool(s.params.prediction) for s in seqs]
+        """Each sequence's proposal: from its predicted output when it has one and it proposes, else
+        from the model's proposer (for the classes that speculate)."""
         out = [None] * len(seqs)
-        for proposer, mine in ((self.prediction, True), (self.proposer, False)):
-            rows = [i for i, p in enumerate(by_prediction) if p == mine]
+        for proposer, rows in ((self.prediction, [i for i, s in enumerate(seqs) if s.params.prediction]),
+                               (self.proposer, None)):
+            if rows is None:  # what the prediction left
+                rows = [i for i, s in enumerate(seqs) if out[i] is None and s.priority in self.levels]
             if proposer is not None and rows:
                 for i, d in zip(rows, proposer.propose([seqs[i] for i in rows], [ks[i] for i in rows])):
                     out[i] = d
