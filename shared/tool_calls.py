@@ -159,8 +159,10 @@ class AutoParser:
     start of a call (hermes: `<tool_call>`; the others: an answer whose first non-blank character
     opens their calls, WHOLE_ANSWER); once a call opens, the rest is held and read at the end."""
 
-    def __init__(self, parser: str | None = None):
-        self.parser = parser or DEFAULT_PARSER
+    def __init__(self, parser: str | None = None, parallel: bool = True):
+        """parallel: the request's parallel_tool_calls; false keeps only an answer's first call (as
+        vLLM does: the model's answer is not cut, the calls after the first are dropped)."""
+        self.parser, self.parallel = parser or DEFAULT_PARSER, parallel
         if self.parser not in PARSERS:
             raise ValueError(f"unknown tool-call parser {self.parser!r}; known: {', '.join(PARSERS)}")
         self.text = ""
@@ -204,6 +206,10 @@ class AutoParser:
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """(content not sent yet, the calls). Calls that do not parse stay content."""
+        rest, calls = self._finish()
+        return rest, calls if self.parallel else calls[:1]
+
+    def _finish(self) -> tuple[str, list[ToolCall]]:
         if not self.in_calls:
             rest, self.emitted = self.text[self.emitted:], len(self.text)
             return rest, []
@@ -232,25 +238,26 @@ class AutoParser:
         return (content.strip() if calls else content), calls
 
 
-def parse_auto(text: str, parser: str | None = None) -> tuple[str, list[ToolCall]]:
+def parse_auto(text: str, parser: str | None = None, parallel: bool = True) -> tuple[str, list[ToolCall]]:
     """(content, calls) of a whole "auto" output."""
-    p = AutoParser(parser)
+    p = AutoParser(parser, parallel)
     head = p.feed(text)
     rest, calls = p.finish()
     content = head + rest
     return (content.strip() if calls else content), calls
 
 
-def read_calls(mode: str, text: str, named: str | None = None,
-               parser: str | None = None) -> tuple[str | None, list[ToolCall]]:
+def read_calls(mode: str, text: str, named: str | None = None, parser: str | None = None,
+               parallel: bool = True) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a whole chat output under tool_choice mode ("none", "auto", "required",
-    "named" with the function's name); parser: how "auto" reads them (PARSERS; None: hermes)."""
+    "named" with the function's name); parser: how "auto" reads them (PARSERS; None: hermes);
+    parallel: parallel_tool_calls ("required"'s grammar allows one call without it)."""
     if mode == "named":
         return None, [ToolCall(named, text)]
     if mode == "required":
         calls = parse_required(text)
         return (None if calls else text), calls
     if mode == "auto":
-        content, calls = parse_auto(text, parser)
+        content, calls = parse_auto(text, parser, parallel)
         return (content or None) if calls else content, calls
     return text, []

@@ -185,6 +185,15 @@ def test_tool_calls(mesh):
     jsonschema.validate(args, TOOL["function"]["parameters"])
     calls, content, finish = _reassemble(c.chat.completions.create(stream=True, **kw))
     assert finish == "tool_calls" and content.strip() == "Sure." and json.loads(calls[0]["arguments"]) == args
+    # two calls: both, or with parallel_tool_calls false only the first (vLLM's rule), whole and streamed
+    two = hermes + r'\n<tool_call>\n\{"name": "weather", "arguments": \{"city": "Oslo", "days": 3\}\}\n</tool_call>'
+    kw["extra_body"], kw["max_tokens"] = {"guided_regex": two}, 180
+    assert [json.loads(t.function.arguments)["city"] for t in c.chat.completions.create(**kw).choices[0]
+            .message.tool_calls][1:] == ["Oslo"]
+    one = c.chat.completions.create(**kw, parallel_tool_calls=False).choices[0].message.tool_calls
+    assert [json.loads(t.function.arguments) for t in one] == [args]
+    calls, content, finish = _reassemble(c.chat.completions.create(stream=True, parallel_tool_calls=False, **kw))
+    assert finish == "tool_calls" and [json.loads(x["arguments"]) for x in calls.values()] == [args]
     # the history with an assistant call and the tool's answer is accepted
     history = chat() + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Rome", "days": 2}'}}]},

@@ -106,3 +106,18 @@ def test_an_answer_that_is_not_calls_is_content(parser):
     for text in ("[1, 2]", "[link](http://x)", "[]", '[{"nam": 1}]', "[f(1)]", "[f(x=__import__('os'))]",
                  "[f(x=y)]", "[os.system(x='ls')]", "[f(**k)]"):
         assert tool_calls.parse_auto(text, parser) == (text, []), text
+
+
+@pytest.mark.parametrize("parser,text", [
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>\n<tool_call>{"name": "g", "arguments": {}}'
+               '</tool_call>'),
+    ("llama3_json", '{"name": "f", "parameters": {"x": 1}}; {"name": "g", "parameters": {}}'),
+    ("pythonic", "[f(x=1), g()]"),
+])
+def test_parallel_tool_calls_false_keeps_the_first_call(parser, text):
+    """parallel_tool_calls: false under auto returns an answer's first call only, whole and streamed."""
+    assert [c.name for c in tool_calls.read_calls("auto", text, parser=parser)[1]] == ["f", "g"]
+    content, calls = tool_calls.read_calls("auto", text, parser=parser, parallel=False)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"x": 1})]
+    p = tool_calls.AutoParser(parser, parallel=False)
+    assert p.feed(text) == "" and [c.name for c in p.finish()[1]] == ["f"]

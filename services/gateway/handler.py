@@ -676,7 +676,8 @@ class Generation:
     def _tool_output(self, text: str) -> tuple[str | None, list[tool_calls.ToolCall]]:
         """(content, calls) of a chat choice's answer under the request's tool_choice."""
         named = self.prepared.request.tool_choice.function["name"] if self.tool_mode == "named" else None
-        return tool_calls.read_calls(self.tool_mode, text, named, self.prepared.model.tool_call_parser)
+        return tool_calls.read_calls(self.tool_mode, text, named, self.prepared.model.tool_call_parser,
+                                     self.prepared.request.parallel_tool_calls)
 
     async def body(self) -> dict:
         """The whole (non-streaming) response."""
@@ -740,7 +741,8 @@ class _ChunkState:
         self.sent_prompt = False
         self.reasoning = gen.reasoning_parser()  # its model's reasoning parser: reasoning deltas apart
         self.answer = ""  # with one: the text after the reasoning, so far
-        self.auto = tool_calls.AutoParser(gen.prepared.model.tool_call_parser) if gen.tool_mode == "auto" else None
+        self.auto = tool_calls.AutoParser(gen.prepared.model.tool_call_parser, gen.prepared.request.parallel_tool_calls) \
+            if gen.tool_mode == "auto" else None
         self.named_call = (tool_calls.ToolCall(gen.prepared.request.tool_choice.function["name"], "")
                            if gen.tool_mode == "named" else None)
 
