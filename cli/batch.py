@@ -74,6 +74,8 @@ def _prepare(llm: LLM, item: dict, served: str, reasoning: str | None = None):
         req.check_reasoning(reasoning)
         try:
             prompt = req.truncate(req.prompt_ids(llm.tokenizer))
+        except OpenAIError:
+            raise
         except Exception as e:  # a template that raises is the caller's doing
             raise OpenAIError(f"could not apply the chat template: {e}", param="messages") from None
         sampling = req.to_sampling(llm.engine.max_model_len - len(prompt), llm.tokenizer, llm.generation_defaults)

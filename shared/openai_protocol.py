@@ -497,6 +497,10 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM's: with a reasoning parser (shared/reasoning.py), false leaves the reasoning out
     include_reasoning: bool = True
     prediction: Prediction | None = None
+    # Variables for the chat templates that read them (TEMPLATE_READS): a template that does not
+    # would ignore them, so they are refused there.
+    documents: list[dict[str, str]] | None = None  # vLLM's: RAG documents (Command R, Granite, ...)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None  # OpenAI's (gpt-oss)
 
     def check_reasoning(self, parser: str | None) -> None:
         """include_reasoning: false needs the model's reasoning parser (its reasoning is otherwise content)."""
@@ -541,11 +545,20 @@ class ChatCompletionRequest(_SamplingFields):
     def render(self, tokenizer) -> str:
         """The prompt's text: the messages through the chat template (the request's own, else the
         model's), as Transformers' apply_chat_template(tokenize=False) renders them. Raises
-        ValueError for a template that fails or a final message it does not show."""
+        ValueError for a template that fails or a final message it does not show, OpenAIError for
+        a TEMPLATE_READS variable the template does not read."""
+        from .tokenizer import template_variables
+
         messages = self.template_messages()
+        given = {name: getattr(self, name) for name in TEMPLATE_READS if getattr(self, name) is not None}
+        if given:
+            reads = template_variables(self.chat_template or tokenizer.chat_template or "")
+            for name in given:
+                if name not in reads:
+                    raise _refuse("this model's chat template does not read it, so it would be ignored", name)
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=self.add_generation_prompt,
                                              tools=self.tool_dicts(), chat_template=self.chat_template,
-                                             **(self.chat_template_kwargs or {}))
+                                             **{**(self.chat_template_kwargs or {}), **given})
         return continue_final(text, messages[-1]["content"]) if self.continue_final_message else text
 
     def tool_mode(self) -> Literal["none", "auto", "required", "named"]:
@@ -581,6 +594,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "chat_template"})
+TEMPLATE_READS = ("documents", "reasoning_effort")  # the request's fields its chat template must read
 
 
 def continue_final(text: str, final: str) -> str:

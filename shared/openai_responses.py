@@ -153,8 +153,8 @@ def _refuse(req: ResponsesRequest) -> None:
         if getattr(req, name):
             raise no(name, "not supported: this server keeps no responses, conversations or prompts; "
                            "send the whole conversation as `input`")
-    if req.reasoning and any(v is not None for v in req.reasoning.values()):
-        raise no("reasoning", "reasoning options are not supported")
+    if req.reasoning and any(v is not None for k, v in req.reasoning.items() if k != "effort"):
+        raise no("reasoning", "only reasoning.effort is supported (for a chat template that reads reasoning_effort)")
     if req.truncation == "auto":
         raise no("truncation", "only 'disabled' is supported (a too-long input is a 400)")
     if req.background:
@@ -211,6 +211,8 @@ def chat_body(req: ResponsesRequest) -> dict:
         body["model"] = req.model
     if req.max_output_tokens is not None:
         body["max_completion_tokens"] = req.max_output_tokens
+    if (req.reasoning or {}).get("effort") is not None:
+        body["reasoning_effort"] = req.reasoning["effort"]
     for name in ("temperature", "top_p"):
         if getattr(req, name) is not None:
             body[name] = getattr(req, name)

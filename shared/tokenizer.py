@@ -78,14 +78,24 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
+@lru_cache(maxsize=64)
+def template_variables(source: str) -> frozenset[str]:
+    """The variables a chat template reads (those it does not set itself)."""
+    import jinja2.meta
+
+    env = _compile_template(source).environment
+    return frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
+
+
 def render_chat_template(template: str, messages: list[dict], *, add_generation_prompt: bool = True,
-                         tools: list[dict] | None = None, **variables: Any) -> str:
+                         tools: list[dict] | None = None, documents: list[dict] | None = None,
+                         **variables: Any) -> str:
     """Render a Hugging Face chat template (jinja2) the way ``apply_chat_template(tokenize=False)`` does."""
     msgs = [{k: v for k, v in m.items() if v is not None} for m in _plain(list(messages))]
     return _compile_template(template).render(
         messages=msgs,
         tools=_plain(tools),
-        documents=None,
+        documents=_plain(documents),
         add_generation_prompt=add_generation_prompt,
         **_plain(variables),
     )

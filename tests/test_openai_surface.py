@@ -191,7 +191,8 @@ def test_responses_streamed(client, mesh, tokenizer):  # noqa: F811
     ("background", True),
     ("conversation", "conv_1"),
     ("truncation", "auto"),
-    ("reasoning", {"effort": "high"}),
+    ("reasoning", {"effort": "high"}),  # this model's chat template does not read reasoning_effort
+    ("reasoning", {"summary": "auto"}),
     ("include", ["file_search_call.results"]),
     ("max_tokens", 5),
     ("messages", [{"role": "user", "content": "hi"}]),

@@ -569,3 +569,22 @@ def test_prediction_usage_counts_the_tokens_the_answer_has_in_order():
                                                               "rejected_prediction_tokens": 1}
     assert prediction_usage([1, 2], [[2, 1], [1, 2]]) == {"accepted_prediction_tokens": 3,
                                                          "rejected_prediction_tokens": 1}
+
+
+def test_template_variables_are_honoured_where_the_template_reads_them(mesh):
+    """`documents` (vLLM's) and `reasoning_effort` (OpenAI's) reach a chat template that reads them
+    (here the request's own); one that does not would ignore them, so they are refused by name."""
+    c, tok = mesh.client, mesh.tokenizer
+    template = ("{% for d in documents or [] %}[doc {{ d.title }}: {{ d.text }}]{% endfor %}"
+                "{% if reasoning_effort is defined %}(effort {{ reasoning_effort }}){% endif %}"
+                "{% for m in messages %}{{ m.content }}{% endfor %}")
+    extra = {"chat_template": template, "documents": [{"title": "a", "text": "the sky is green"}],
+             "reasoning_effort": "low"}
+    r = httpx.post(mesh.url + "/tokenize", json={"model": mesh.model, "messages": chat("hi"), **extra})
+    assert r.status_code == 200 and tok.decode(r.json()["tokens"]) == "[doc a: the sky is green](effort low)hi"
+    out = c.chat.completions.create(model=mesh.model, messages=chat("hi"), max_tokens=2, extra_body=extra)
+    assert out.usage.prompt_tokens == r.json()["count"]
+    for name, value in (("documents", extra["documents"]), ("reasoning_effort", "high")):
+        with pytest.raises(openai.BadRequestError) as e:  # the model's template reads neither
+            c.chat.completions.create(model=mesh.model, messages=chat("hi"), max_tokens=2, extra_body={name: value})
+        assert e.value.body["param"] == name and "does not read it" in e.value.body["message"]

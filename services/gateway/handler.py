@@ -201,6 +201,8 @@ class Gateway:
         tokenizer = (model or self.check_model(req.model)).tokenizer
         try:
             return req.prompt_ids(tokenizer, add_special_tokens)
+        except OpenAIError:
+            raise
         except Exception as e:  # noqa: BLE001 - a template that raises is the caller's doing
             raise OpenAIError(f"could not apply the chat template: {e}", param="messages") from None
 
