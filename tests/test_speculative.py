@@ -205,17 +205,19 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
 def test_a_predicted_output_is_proposed_and_changes_no_token(models):
     """OpenAI's `prediction` on an engine that speculates not: its tokens are proposed (the engine
     makes a speculator for it) and verified, so each output equals Transformers' greedy one whether
-    the prediction is the answer, the answer with an edit, something else, or longer than the answer;
-    sibling requests without one propose nothing. Every block comes back."""
+    the prediction is the answer, the answer with an edit, something else, or longer than the answer,
+    beside requests without one, with and without preemption. Every block comes back."""
     target, _, prompts, ref = models
-    eng = spec_engine(target, None, blocks=64)
-    assert eng.speculator is None
-    preds = [ref[0], ref[1][:5] + [7, 8, 9] + ref[1][8:], [5] * 30, ref[3] + ref[4], None, None, None]
+    preds = [ref[0], ref[1][:5] + [7, 8, 9] + ref[1][8:], [5] * 30, ref[3] + ref[4], None, ref[5], None]
     params = [SamplingParams(max_tokens=MAX_NEW, temperature=0, prediction=p) for p in preds]
-    assert eng.generate(prompts, params) == ref
-    st = eng.stats["spec_decode"]
-    assert 0 < st["num_accepted_tokens"] <= st["num_draft_tokens"] and st["num_verification_steps"] > 0
-    assert eng.block_pool.num_free == eng.block_pool.num_blocks
+    for blocks in (64, 24):  # 24 blocks of 8 tokens cannot hold them all: some are preempted
+        eng = spec_engine(target, None, blocks=blocks)
+        assert eng.speculator is None
+        assert eng.generate(prompts, params) == ref
+        st = eng.stats["spec_decode"]
+        assert 0 < st["num_accepted_tokens"] <= st["num_draft_tokens"] and st["num_verification_steps"] > 0
+        assert eng.block_pool.num_free == eng.block_pool.num_blocks
+    assert eng.stats["num_preemptions"] > 0
     # where the prediction proposes nothing (a wrong one), the model's own prompt lookup still does
     spec = SpeculativeConfig("ngram", num_speculative_tokens=3, disable_by_batch_size=64)
     looked = spec_engine(target, spec, blocks=64)
