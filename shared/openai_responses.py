@@ -6,8 +6,12 @@ the gateway runs that through the chat path, and the chat response or chunks are
 a Response object or the Responses streaming events. So the two endpoints share validation,
 sampling and generation, and differ only in their framing.
 
+Function tools are chat's tools: a Responses function tool becomes a chat tool, `function_call` and
+`function_call_output` input items the assistant's tool calls and the tools' answers, and the chat
+answer's tool calls `function_call` output items.
+
 Fields are in three groups (docs/openai-api.md lists them): translated, inert (accepted, they
-change nothing here: `user`, `metadata`, ...), and refused with a 400 naming them (`tools`,
+change nothing here: `user`, `metadata`, ...), and refused with a 400 naming them (hosted tools,
 `previous_response_id`, `store: true`, ...): nothing that would change the output is ignored.
 Any other field is passed on to the chat request, so the chat sampling options (`top_k`, `seed`,
 `stop`, `priority`, ...) work here too and are refused there when they are not honoured.
@@ -50,13 +54,34 @@ class ContentPart(BaseModel):
 
 
 class InputItem(BaseModel):
-    """An input item: a message (the only kind supported; tool calls and outputs are refused)."""
+    """An input item: a message; a function call the model made before (`function_call`) and its
+    result (`function_call_output`); the model's earlier reasoning (`reasoning`). Other item types
+    are refused."""
 
     model_config = ConfigDict(extra="allow")
 
-    type: str = Field(default="message", description="message (other item types are refused)")
+    type: str = Field(default="message", description="message, function_call, function_call_output or reasoning")
     role: Literal["user", "assistant", "system", "developer"] | None = None
     content: str | list[ContentPart] | None = None
+    call_id: str | None = None  # function_call and function_call_output
+    name: str | None = None  # function_call
+    arguments: str | None = None  # function_call: JSON text
+    output: str | list[ContentPart] | None = None  # function_call_output
+
+
+class FunctionTool(BaseModel):
+    """A Responses function tool (the only kind: hosted tools are refused)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def chat(self) -> dict:
+        return {"type": "function", "function": self.model_dump(exclude={"type"}, exclude_none=True)}
 
 
 class TextFormat(BaseModel):
@@ -96,9 +121,10 @@ class ResponsesRequest(BaseModel):
     text: TextConfig | None = None
     stream: bool = False
     stream_options: ResponsesStreamOptions | None = None
+    tools: list[dict[str, Any]] | None = None  # function tools (FunctionTool); hosted ones are refused
+    tool_choice: str | dict[str, Any] | None = None  # none, auto, required or {"type": "function", "name"}
+    parallel_tool_calls: bool | None = None
     # refused when they ask for something (see _refuse)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
@@ -109,8 +135,7 @@ class ResponsesRequest(BaseModel):
     context_management: list[dict[str, Any]] | None = None
     moderation: dict[str, Any] | None = None
     # inert: accepted, they change nothing here
-    parallel_tool_calls: bool | None = None
-    max_tool_calls: int | None = None
+    max_tool_calls: int | None = None  # of hosted tools, which this server has none of
     metadata: dict[str, str] | None = None
     user: str | None = None
     safety_identifier: str | None = None
@@ -119,12 +144,12 @@ class ResponsesRequest(BaseModel):
     prompt_cache_retention: str | None = None
 
 
-INERT = ("parallel_tool_calls", "max_tool_calls", "metadata", "user", "safety_identifier", "service_tier",
-         "prompt_cache_key", "prompt_cache_retention", "stream_options", "store (false)", "tool_choice (none/auto)",
-         "truncation (disabled)")
-REFUSED = ("tools", "tool_choice (required or a function)", "previous_response_id", "conversation", "prompt",
-           "reasoning", "truncation (auto)", "background (true)", "store (true)", "context_management", "moderation",
-           "include (anything but message.output_text.logprobs)", "text.verbosity", *CHAT_ONLY)
+INERT = ("max_tool_calls", "metadata", "user", "safety_identifier", "service_tier",
+         "prompt_cache_key", "prompt_cache_retention", "stream_options", "store (false)", "truncation (disabled)")
+REFUSED = ("tools (but function tools)", "tool_choice (but none, auto, required or a function)", "previous_response_id",
+           "conversation", "prompt", "reasoning (but effort)", "truncation (auto)", "background (true)", "store (true)",
+           "context_management", "moderation", "include (anything but message.output_text.logprobs)",
+           "text.verbosity", *CHAT_ONLY)
 
 
 def parse_responses_request(body: Any) -> ResponsesRequest:
@@ -145,10 +170,20 @@ def _refuse(req: ResponsesRequest) -> None:
     def no(param: str, why: str) -> OpenAIError:
         return OpenAIError(f"{param}: {why}", param=param)
 
-    if req.tools:
-        raise no("tools", "tools are not supported on /v1/responses; use /v1/chat/completions")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise no("tool_choice", "only 'none' or 'auto' (with no tools) are supported")
+    for i, tool in enumerate(req.tools or []):
+        if tool.get("type") != "function":
+            raise no(f"tools.{i}.type", f"only function tools are supported, not {tool.get('type')!r} "
+                                         "(this server runs no hosted tools)")
+        try:
+            FunctionTool.model_validate(tool)
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise no(".".join(str(x) for x in (f"tools.{i}", *err.get("loc", ()))), err["msg"]) from None
+    if isinstance(req.tool_choice, dict) and (req.tool_choice.get("type") != "function" or
+                                              not isinstance(req.tool_choice.get("name"), str)):
+        raise no("tool_choice", "a choice of a tool must be {\"type\": \"function\", \"name\": ...}")
+    if isinstance(req.tool_choice, str) and req.tool_choice not in ("none", "auto", "required"):
+        raise no("tool_choice", "one of none, auto, required, or a function")
     for name in ("previous_response_id", "conversation", "prompt", "context_management", "moderation"):
         if getattr(req, name):
             raise no(name, "not supported: this server keeps no responses, conversations or prompts; "
@@ -172,29 +207,62 @@ def _refuse(req: ResponsesRequest) -> None:
             raise no(name, f"not a Responses API field; {hint}")
 
 
+def _text(parts: str | list[ContentPart] | None, param: str, types: tuple[str, ...]) -> str:
+    """A content's text: a string, or text parts of these types (others are refused, naming them)."""
+    if not isinstance(parts, list):
+        return parts or ""
+    for j, part in enumerate(parts):
+        if part.type not in types or part.text is None:
+            raise OpenAIError(f"{param}.{j}: content of type {part.type!r} is not supported (only "
+                              f"{' and '.join(types)})", param=f"{param}.{j}.type")
+    return "".join(p.text for p in parts)
+
+
 def _messages(req: ResponsesRequest) -> list[dict]:
+    """The input as chat messages: a run of function_call items is one assistant message's tool
+    calls (joining the assistant's text message just before it), a function_call_output a tool
+    message, a reasoning item the next assistant message's reasoning_content (templates that keep
+    reasoning read it there)."""
     messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
     if isinstance(req.input, str):
         return messages + [{"role": "user", "content": req.input}]
     if not req.input:
         raise OpenAIError("input: must not be empty", param="input")
+    thought: str | None = None  # a reasoning item's text, for the next assistant message
     for i, item in enumerate(req.input):
-        if item.type != "message":
-            raise OpenAIError(f"input.{i}.type: items of type {item.type!r} are not supported (only messages)",
-                              param=f"input.{i}.type")
-        if item.role is None:
-            raise OpenAIError(f"input.{i}.role: a message needs a role", param=f"input.{i}.role")
-        if isinstance(item.content, list):
-            texts = []
-            for j, part in enumerate(item.content):
-                if part.type not in ("input_text", "output_text") or part.text is None:
-                    raise OpenAIError(f"input.{i}.content.{j}: content of type {part.type!r} is not supported "
-                                      "(only input_text and output_text)", param=f"input.{i}.content.{j}.type")
-                texts.append(part.text)
-            content = "".join(texts)
+        where = f"input.{i}"
+        if item.type == "reasoning":
+            thought = (thought or "") + _text(item.content, f"{where}.content", ("reasoning_text",))
+            continue
+        if item.type == "function_call":
+            if not (item.call_id and item.name and item.arguments is not None):
+                raise OpenAIError(f"{where}: a function_call needs call_id, name and arguments", param=where)
+            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            last = messages[-1] if messages else None
+            if last is None or last["role"] != "assistant" or thought is not None:
+                last = {"role": "assistant", "content": None}
+                messages.append(last)
+            last.setdefault("tool_calls", []).append(call)
+        elif item.type == "function_call_output":
+            if not item.call_id:
+                raise OpenAIError(f"{where}.call_id: a function_call_output needs the call's call_id",
+                                  param=f"{where}.call_id")
+            messages.append({"role": "tool", "tool_call_id": item.call_id,
+                             "content": _text(item.output, f"{where}.output", ("input_text", "output_text"))})
+            continue
+        elif item.type == "message":
+            if item.role is None:
+                raise OpenAIError(f"{where}.role: a message needs a role", param=f"{where}.role")
+            messages.append({"role": item.role,
+                             "content": _text(item.content, f"{where}.content", ("input_text", "output_text"))})
         else:
-            content = item.content or ""
-        messages.append({"role": item.role, "content": content})
+            raise OpenAIError(f"{where}.type: items of type {item.type!r} are not supported (only message, "
+                              "function_call, function_call_output and reasoning)", param=f"{where}.type")
+        if thought is not None and messages[-1]["role"] == "assistant":
+            messages[-1]["reasoning_content"], thought = thought, None
+    if thought is not None:
+        raise OpenAIError("input: a reasoning item must come before the assistant's message or function call it "
+                          "led to", param="input")
     return messages
 
 
@@ -211,6 +279,13 @@ def chat_body(req: ResponsesRequest) -> dict:
         body["model"] = req.model
     if req.max_output_tokens is not None:
         body["max_completion_tokens"] = req.max_output_tokens
+    if req.tools:
+        body["tools"] = [FunctionTool.model_validate(t).chat() for t in req.tools]
+    if req.tool_choice is not None:
+        body["tool_choice"] = req.tool_choice if isinstance(req.tool_choice, str) else \
+            {"type": "function", "function": {"name": req.tool_choice["name"]}}
+    if req.parallel_tool_calls is not None:
+        body["parallel_tool_calls"] = req.parallel_tool_calls
     if (req.reasoning or {}).get("effort") is not None:
         body["reasoning_effort"] = req.reasoning["effort"]
     for name in ("temperature", "top_p"):
@@ -252,6 +327,11 @@ def message_item(item_id: str, status: str, content: list[dict]) -> dict:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
+def function_call_item(item_id: str, status: str, call_id: str, name: str, arguments: str) -> dict:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
 def reasoning_item(item_id: str, status: str, text: str) -> dict:
     """A model's reasoning (its reasoning parser's, docs/openai-api.md), as OpenAI returns an open
     model's: the text whole, no summary."""
@@ -259,7 +339,7 @@ def reasoning_item(item_id: str, status: str, text: str) -> dict:
             "content": [{"type": "reasoning_text", "text": text}]}
 
 
-STATUS = {"stop": "completed", "length": "incomplete"}
+STATUS = {"stop": "completed", "tool_calls": "completed", "length": "incomplete"}
 
 
 def status_of(finish_reason: str | None) -> str:
@@ -279,7 +359,7 @@ def response_object(rid: str, created_at: int, req: ResponsesRequest, model: str
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
         "temperature": req.temperature, "top_p": req.top_p, "top_logprobs": req.top_logprobs,
         "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
-        "tool_choice": req.tool_choice or "auto", "tools": [], "truncation": "disabled",
+        "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "truncation": "disabled",
         "previous_response_id": None, "reasoning": None, "store": False, "background": False,
         "text": {"format": fmt}, "metadata": req.metadata or {}, "user": req.user, "usage": usage,
         "completed_at": int(time.time()) if status in ("completed", "incomplete") else None,

@@ -183,9 +183,59 @@ def test_responses_streamed(client, mesh, tokenizer):  # noqa: F811
     assert final.status == "completed" and final.output_text == tokenizer.decode(mesh.script)
 
 
+WEATHER = {"type": "function", "name": "weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+CALL = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_responses_function_tools(client, mesh, tokenizer, base):  # noqa: F811
+    """Function tools on /v1/responses are chat's: the model's call (here Hermes-style, scripted) is a
+    `function_call` output item, whole and streamed (its arguments in one delta); the function's
+    output goes back as a `function_call_output` item, which reaches the chat template as the
+    assistant's tool call and the tool's message. (Text before calls, several calls and
+    parallel_tool_calls: test_request_options_mesh.py, whose model has room for them.)"""
+    mesh.script = tokenizer.encode(CALL, add_special_tokens=False)
+    r = client.responses.create(model=SERVED, input="Weather in Paris?", tools=[WEATHER])
+    (item,) = r.output
+    assert (item.type, item.name, json.loads(item.arguments), item.status) == ("function_call", "weather",
+                                                                                {"city": "Paris"}, "completed")
+    assert item.call_id.startswith("call_") and item.id.startswith("fc_") and r.status == "completed"
+    assert r.tools[0].name == "weather"
+    events = list(client.responses.create(model=SERVED, input="Weather in Paris?", tools=[WEATHER], stream=True))
+    assert [e.type for e in events] == ["response.created", "response.in_progress", "response.output_item.added",
+                                        "response.function_call_arguments.delta",
+                                        "response.function_call_arguments.done", "response.output_item.done",
+                                        "response.completed"]
+    assert events[4].arguments == events[3].delta == item.arguments and events[-1].response.output[0].name == "weather"
+    with client.responses.stream(model=SERVED, input="Weather?", tools=[WEATHER]) as stream:
+        for _ in stream:
+            pass
+        assert stream.get_final_response().output[0].arguments == item.arguments
+    doc = httpx.get(f"{base}/openapi.json").json()  # the document describes these bodies and events too
+    body = {"input": "Weather?", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "weather"}}
+    _validator(doc, "ResponseObject").validate(httpx.post(f"{base}/v1/responses", json=body, timeout=20).json())
+    with httpx.stream("POST", f"{base}/v1/responses", json={**body, "stream": True}, timeout=20) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                _validator(doc, "ResponseEvent").validate(json.loads(line[6:]))
+    # the call and its output, sent back: the chat messages a chat request with the same turns has
+    turns = [{"role": "user", "content": "Weather in Paris?"},
+             {"type": "function_call", "call_id": item.call_id, "name": "weather", "arguments": item.arguments},
+             {"type": "function_call_output", "call_id": item.call_id, "output": "sunny"}]
+    client.responses.create(model=SERVED, input=turns, tools=[WEATHER])
+    chat = [turns[0], {"role": "assistant", "content": None, "tool_calls": [
+        {"id": item.call_id, "type": "function", "function": {"name": "weather", "arguments": item.arguments}}]},
+        {"role": "tool", "tool_call_id": item.call_id, "content": "sunny"}]
+    want = httpx.post(f"{base}/tokenize", json={"model": SERVED, "messages": chat,
+                                                "tools": [{"type": "function", "function": {
+                                                    k: v for k, v in WEATHER.items() if k != "type"}}]}).json()
+    assert mesh.submits[-1].prompt_token_ids == want["tokens"]
+
+
 @pytest.mark.parametrize("field,value", [
-    ("tools", [{"type": "function", "name": "f", "parameters": {"type": "object"}}]),
-    ("tool_choice", "required"),
+    ("tools", [{"type": "web_search"}]),  # hosted tools: this server runs none
+    ("tools", [{"type": "function", "name": "f", "parameters": {"type": "object"}, "defer_loading": True}]),
+    ("tool_choice", {"type": "file_search"}),
     ("previous_response_id", "resp_123"),
     ("store", True),
     ("background", True),
@@ -209,7 +259,9 @@ def test_responses_refuses_what_it_does_not_honour(client, field, value):
 
 
 def test_responses_input_errors(base, mesh):
-    for item, param in (({"type": "function_call_output", "call_id": "c", "output": "x"}, "input.0.type"),
+    for item, param in (({"type": "item_reference", "id": "msg_1"}, "input.0.type"),
+                        ({"type": "function_call_output", "output": "x"}, "input.0.call_id"),
+                        ({"type": "function_call", "call_id": "c", "arguments": "{}"}, "input.0"),
                         ({"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]},
                          "input.0.content.0.type")):
         check_error(httpx.post(f"{base}/v1/responses", json={"input": [item]}), 400, param)

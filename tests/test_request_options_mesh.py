@@ -194,6 +194,13 @@ def test_tool_calls(mesh):
     assert [json.loads(t.function.arguments) for t in one] == [args]
     calls, content, finish = _reassemble(c.chat.completions.create(stream=True, parallel_tool_calls=False, **kw))
     assert finish == "tool_calls" and [json.loads(x["arguments"]) for x in calls.values()] == [args]
+    # /v1/responses: the message, then each call as a function_call item (one with parallel_tool_calls false)
+    kw2 = dict(model=mesh.model, input=chat(), max_output_tokens=180, tools=[{"type": "function", **TOOL["function"]}],
+               extra_body={"guided_regex": two})
+    for parallel, cities in ((True, [args["city"], "Oslo"]), (False, [args["city"]])):
+        r = c.responses.create(**kw2, parallel_tool_calls=parallel)
+        assert [o.type for o in r.output] == ["message"] + ["function_call"] * len(cities)
+        assert r.output[0].content[0].text.strip() == "Sure." and [json.loads(o.arguments)["city"] for o in r.output[1:]] == cities
     # the history with an assistant call and the tool's answer is accepted
     history = chat() + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Rome", "days": 2}'}}]},

@@ -9,7 +9,7 @@ real responses against them.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -181,6 +181,35 @@ class OutputMessage(BaseModel):
     content: list[OutputText]
 
 
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class OutputReasoning(BaseModel):
+    """A reasoning model's reasoning (with a reasoning parser), before the message."""
+
+    type: Literal["reasoning"]
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    summary: list[Any]
+    content: list[ReasoningText]
+
+
+class OutputFunctionCall(BaseModel):
+    """A call of one of the request's function tools."""
+
+    type: Literal["function_call"]
+    id: str
+    call_id: str
+    name: str
+    arguments: str = Field(description="JSON text")
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+OutputItem = Annotated[OutputMessage | OutputReasoning | OutputFunctionCall, Field(discriminator="type")]
+
+
 class InputTokensDetails(BaseModel):
     cached_tokens: int
 
@@ -211,7 +240,7 @@ class ResponseObject(BaseModel):
     completed_at: int | None
     status: Literal["in_progress", "completed", "incomplete", "failed"]
     model: str
-    output: list[OutputMessage]
+    output: list[OutputItem]
     error: ResponseError | None
     incomplete_details: dict[str, str] | None
     instructions: str | None
@@ -220,7 +249,7 @@ class ResponseObject(BaseModel):
     top_p: float | None
     top_logprobs: int | None
     parallel_tool_calls: bool
-    tool_choice: str
+    tool_choice: str | dict[str, Any]
     tools: list[Any]
     truncation: Literal["disabled"]
     previous_response_id: None
@@ -238,16 +267,21 @@ class ResponseEvent(BaseModel):
     response.created / in_progress / completed / incomplete / failed carry `response`;
     response.output_item.added / done carry `output_index` and `item`; response.content_part.added /
     done carry `item_id`, `output_index`, `content_index` and `part`; response.output_text.delta carries
-    `delta` and `logprobs`, response.output_text.done `text` and `logprobs`; error carries `code`,
-    `message`, `param`."""
+    `delta` and `logprobs`, response.output_text.done `text` and `logprobs`;
+    response.reasoning_text.delta / done carry `delta` / `text`; response.function_call_arguments.delta
+    / done carry `item_id`, `output_index` and `delta` / `arguments`; error carries `code`, `message`,
+    `param`."""
 
     type: Literal["response.created", "response.in_progress", "response.output_item.added",
                   "response.content_part.added", "response.output_text.delta", "response.output_text.done",
-                  "response.content_part.done", "response.output_item.done", "response.completed",
+                  "response.content_part.done", "response.output_item.done", "response.reasoning_text.delta",
+                  "response.reasoning_text.done", "response.function_call_arguments.delta",
+                  "response.function_call_arguments.done", "response.completed",
                   "response.incomplete", "response.failed", "error"]
     sequence_number: int
     response: ResponseObject | None = None
-    item: OutputMessage | None = None
+    item: OutputItem | None = None
+    arguments: str | None = None
     part: OutputText | None = None
     item_id: str | None = None
     output_index: int | None = None

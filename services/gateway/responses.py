@@ -1,6 +1,7 @@
 """/v1/responses on the chat path: the request is translated into a chat completions body
 (shared/openai_responses.py), submitted as any chat request is, and its chat chunks are turned
-into a Response object or the Responses streaming events."""
+into a Response object or the Responses streaming events: output items in order, the reasoning
+(with a reasoning parser), the message (when it has text, or nothing else), the function calls."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import time
 from typing import AsyncIterator
 
 from meshserve.shared.openai_protocol import OpenAIError
-from meshserve.shared.openai_responses import (ResponsesRequest, chat_body, message_item, output_text,
-                                               parse_responses_request, reasoning_item, response_object,
-                                               response_usage, status_of, wants_logprobs)
+from meshserve.shared.openai_responses import (ResponsesRequest, chat_body, function_call_item, message_item,
+                                               output_text, parse_responses_request, reasoning_item,
+                                               response_object, response_usage, status_of, wants_logprobs)
 
 from .handler import Gateway, Generation
 
@@ -29,15 +30,17 @@ class ResponsesCall:
         self.text = ""
         self.reasoning: str | None = None  # None: the answer had none
         self.logprobs: list[dict] = []
+        self.calls: list[dict] = []  # the chat answer's tool calls: {"id", "function": {"name", "arguments"}}
         self.finish_reason: str | None = None
         self.usage: dict | None = None
 
     def close(self) -> None:
         self.gen.close()
 
-    async def _deltas(self) -> AsyncIterator[tuple[str, str, list[dict]]]:
-        """(reasoning, text, logprobs) of each chat chunk, accumulated into reasoning, text,
-        logprobs, finish_reason, usage."""
+    async def _deltas(self) -> AsyncIterator[tuple[str, str, list[dict], list[dict]]]:
+        """(reasoning, text, logprobs, tool call deltas) of each chat chunk, accumulated into
+        reasoning, text, logprobs, calls, finish_reason, usage. A call's first delta has its id and
+        name (an auto answer's call comes whole; a named one's arguments as they are written)."""
         async for chunk in self.gen.chunks():
             if chunk.get("usage"):
                 self.usage = chunk["usage"]
@@ -45,13 +48,18 @@ class ResponsesCall:
                 thought = choice["delta"].get("reasoning_content") or ""
                 text = choice["delta"].get("content") or ""
                 lps = (choice.get("logprobs") or {}).get("content") or []
+                calls = choice["delta"].get("tool_calls") or []
                 if thought:
                     self.reasoning = (self.reasoning or "") + thought
                 self.text += text
                 self.logprobs += lps
+                for tc in calls:
+                    if tc["index"] == len(self.calls):
+                        self.calls.append({"id": tc["id"], "function": {"name": tc["function"]["name"], "arguments": ""}})
+                    self.calls[tc["index"]]["function"]["arguments"] += tc["function"].get("arguments") or ""
                 self.finish_reason = choice.get("finish_reason") or self.finish_reason
-                if thought or text or lps:
-                    yield thought, text, lps
+                if thought or text or lps or calls:
+                    yield thought, text, lps, calls
 
     def _part(self) -> dict:
         return output_text(self.text, self.logprobs if self.want_logprobs else None)
@@ -60,9 +68,15 @@ class ResponsesCall:
         return response_object(self.id, self.created_at, self.req, self.gen.model, status, output,
                                response_usage(self.usage), error)
 
+    def _call_item(self, k: int, status: str, arguments: str | None = None) -> dict:
+        call = self.calls[k]
+        return function_call_item(self._call_id(k), status, call["id"], call["function"]["name"],
+                                  call["function"]["arguments"] if arguments is None else arguments)
+
     def _output(self, status: str) -> list[dict]:
         thought = [] if self.reasoning is None else [reasoning_item(self.reasoning_id, status, self.reasoning)]
-        return thought + [message_item(self.item_id, status, [self._part()])]
+        message = [message_item(self.item_id, status, [self._part()])] if self.text or not self.calls else []
+        return thought + message + [self._call_item(k, status) for k in range(len(self.calls))]
 
     async def body(self) -> dict:
         """The whole Response (not streamed)."""
@@ -71,12 +85,16 @@ class ResponsesCall:
         status = status_of(self.finish_reason)
         return self._response(status, self._output(status))
 
+    def _call_id(self, k: int) -> str:
+        return f"fc_{self.gen.request.request_id}_{k}"
+
     async def events(self) -> AsyncIterator[dict]:
         """The streaming events, in OpenAI's order, each with its sequence_number: the reasoning
-        item's (when the model reasons) as its text comes, then the message's. An error after the
-        stream started is an `error` event, then `response.failed`."""
+        item's (when the model reasons) as its text comes, then the message's, then each function
+        call's with its arguments as they come. An error after the stream started is an `error`
+        event, then `response.failed`."""
         seq, index = 0, 0  # the next event's number; the output index of the item being written
-        opened = None  # the item being written: "reasoning" or "message"
+        opened = None  # the item being written: "reasoning", "message", or a call's index
 
         def event(type_: str, **fields) -> dict:
             nonlocal seq
@@ -87,32 +105,45 @@ class ResponsesCall:
             return {"item_id": self.item_id if opened == "message" else self.reasoning_id, "output_index": index,
                     "content_index": 0}
 
-        def open_(kind: str) -> list[dict]:
+        def open_(kind: str | int) -> list[dict]:
             nonlocal opened
             out = close()
             opened = kind
             if kind == "reasoning":
                 return out + [event("response.output_item.added", output_index=index,
                                     item=reasoning_item(self.reasoning_id, "in_progress", ""))]
+            if kind == "message":
+                return out + [event("response.output_item.added", output_index=index,
+                                    item=message_item(self.item_id, "in_progress", [])),
+                              event("response.content_part.added", **where(),
+                                    part=output_text("", [] if self.want_logprobs else None))]
             return out + [event("response.output_item.added", output_index=index,
-                                item=message_item(self.item_id, "in_progress", [])),
-                          event("response.content_part.added", **where(),
-                                part=output_text("", [] if self.want_logprobs else None))]
+                                item=self._call_item(kind, "in_progress", ""))]
 
         def close(status: str = "completed") -> list[dict]:
             nonlocal opened, index
-            if opened != "reasoning":
+            if opened == "reasoning":
+                item = reasoning_item(self.reasoning_id, status, self.reasoning or "")
+                out = [event("response.reasoning_text.done", **where(), text=self.reasoning or "")]
+            elif opened == "message":
+                part = self._part()
+                item = message_item(self.item_id, status, [part])
+                out = [event("response.output_text.done", **where(), text=self.text,
+                             logprobs=self.logprobs if self.want_logprobs else []),
+                       event("response.content_part.done", **where(), part=part)]
+            elif opened is not None:  # a call
+                item = self._call_item(opened, status)
+                out = [event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                             arguments=item["arguments"])]
+            else:
                 return []
-            item = reasoning_item(self.reasoning_id, status, self.reasoning or "")
-            out = [event("response.reasoning_text.done", **where(), text=self.reasoning or ""),
-                   event("response.output_item.done", output_index=index, item=item)]
             opened, index = None, index + 1
-            return out
+            return out + [event("response.output_item.done", output_index=index - 1, item=item)]
 
         yield event("response.created", response=self._response("in_progress", []))
         yield event("response.in_progress", response=self._response("in_progress", []))
         try:
-            async for thought, text, lps in self._deltas():
+            async for thought, text, lps, calls in self._deltas():
                 if thought:
                     for e in open_("reasoning") if opened != "reasoning" else []:
                         yield e
@@ -122,6 +153,12 @@ class ResponsesCall:
                         yield e
                     yield event("response.output_text.delta", **where(), delta=text,
                                 logprobs=lps if self.want_logprobs else [])
+                for tc in calls:
+                    for e in open_(tc["index"]) if opened != tc["index"] else []:
+                        yield e
+                    if tc["function"].get("arguments"):
+                        yield event("response.function_call_arguments.delta", item_id=self._call_id(tc["index"]),
+                                    output_index=index, delta=tc["function"]["arguments"])
         except OpenAIError as e:
             yield event("error", code=e.code or e.type, message=e.message, param=e.param)
             for x in close("incomplete"):
@@ -130,13 +167,11 @@ class ResponsesCall:
                 "failed", self._output("incomplete"), {"code": "server_error", "message": e.message}))
             return
         status = status_of(self.finish_reason)
-        for e in open_("message") if opened != "message" else []:
+        if not self.calls and opened != "message":  # an empty answer is still a message
+            for e in open_("message"):
+                yield e
+        for e in close(status):
             yield e
-        part = self._part()
-        yield event("response.output_text.done", **where(), text=self.text,
-                    logprobs=self.logprobs if self.want_logprobs else [])
-        yield event("response.content_part.done", **where(), part=part)
-        yield event("response.output_item.done", output_index=index, item=message_item(self.item_id, status, [part]))
         yield event("response.completed" if status == "completed" else "response.incomplete",
                     response=self._response(status, self._output(status)))
 
