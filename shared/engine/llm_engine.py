@@ -409,7 +409,7 @@ class LLMEngine:
         p = seq.params
         named = [n for n, on in (("allowed_token_ids", p.allowed_token_ids), ("bad_words", p.bad_words),
                                  ("min_tokens", seq.num_output_tokens < p.min_tokens),
-                                 ("the response format", p.constraint)) if on]
+                                 ("the response format", p.constraint)) if on] or ["the request's masks"]
         self.scheduler.finish(seq, "error")
         del self.requests[seq.request_id]
         return RequestOutput(seq.request_id, tokens, logprobs, True, "error", seq.num_prompt_tokens,
