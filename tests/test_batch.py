@@ -60,6 +60,12 @@ def test_batch_command(tiny_llama, tmp_path):
         {"custom_id": "llama3-call", "method": "POST", "url": "/v1/chat/completions",
          "body": {"messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 40, "tools": [TOOL],
                   "guided_regex": r'\{"name": "weather", "parameters": \{"city": "Paris", "days": 2\}\}'}},
+        # OpenAI's predicted outputs: the same answer, and how much of the prediction it took
+        {"custom_id": "predicted", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 12, "temperature": 0,
+                  "prediction": {"type": "content", "content": "The weather is nice and sunny today"}}},
+        {"custom_id": "unpredicted", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 12, "temperature": 0}},
         # a regex that needs a token allowed_token_ids leaves out: the line fails, saying so
         {"custom_id": "no-token", "method": "POST", "url": "/v1/completions",
          "body": {"prompt": "Hi", "max_tokens": 5, "guided_regex": "yes", "allowed_token_ids": [5, 6]}},
@@ -101,7 +107,11 @@ def test_batch_command(tiny_llama, tmp_path):
         assert by[cid]["error"]["message"]
     assert "top_p" in by["bad-param"]["response"]["body"]["error"]["message"]
     assert "allowed_token_ids and the response format together allow none" in by["no-token"]["error"]["message"]
-    assert "11 succeeded, 6 failed" in r.stderr
+    predicted = by["predicted"]["response"]["body"]
+    details = predicted["usage"]["completion_tokens_details"]
+    assert details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"] > 0
+    assert predicted["choices"][0]["message"] == by["unpredicted"]["response"]["body"]["choices"][0]["message"]
+    assert "13 succeeded, 6 failed" in r.stderr
     n = by["n"]["response"]["body"]
     assert [c["index"] for c in n["choices"]] == [0, 1, 2] and n["usage"]["completion_tokens"] == 12
     assert len({c["text"] for c in n["choices"]}) > 1  # seed, seed + 1, seed + 2
