@@ -128,6 +128,8 @@ def _body(llm: LLM, kind: str, served: str, req, cs: list[Completion], texts: li
                                            reasoning and prompt_state(llm.tokenizer, c.prompt_token_ids))
             content, calls = tool_calls.read_calls(mode, answer, req.tool_choice.function["name"]
                                                    if mode == "named" else None, tool_parser, req.parallel_tool_calls)
+            if req.echoed():
+                content = req.echoed() + (content or "")
             finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
             choices.append(chat_choice(i, content, finish, lp, [t.openai() for t in calls] or None))
             choices[-1]["message"].update(thought)

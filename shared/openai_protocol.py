@@ -165,7 +165,6 @@ INERT_FIELDS = frozenset({"metadata", "store", "service_tier", "safety_identifie
 # is refused by name.
 NOOP_VALUES: dict[str, Any] = {
     "use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True,
-    "echo": False,  # vLLM's chat echo (completions' echo is honoured)
     "modalities": ["text"],
     **dict.fromkeys(("audio", "prediction", "web_search_options", "reasoning_effort", "verbosity", "thinking",
                      "documents", "mm_processor_kwargs", "logits_processors", "kv_transfer_params", "vllm_xargs",
@@ -497,6 +496,13 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM's: with a reasoning parser (shared/reasoning.py), false leaves the reasoning out
     include_reasoning: bool = True
     prediction: Prediction | None = None
+    echo: bool = False  # vLLM's: the answer is prepended with the last message's text when that is the assistant's
+
+    def echoed(self) -> str:
+        """The text echo puts before the answer: the last message's, when it is the assistant's
+        (continue_final_message), else nothing."""
+        return self.messages[-1].text() if self.echo and self.messages[-1].role == "assistant" else ""
+
     # Variables for the chat templates that read them (TEMPLATE_READS): a template that does not
     # would ignore them, so they are refused there.
     documents: list[dict[str, str]] | None = None  # vLLM's: RAG documents (Command R, Granite, ...)

@@ -185,7 +185,8 @@ BAD = [
      "use_beam_search", None),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "high"}',
      "reasoning_effort", None),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "echo": true}', "echo", None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "length_penalty": 2.0}',
+     "length_penalty", None),
     # a model without a reasoning parser has no reasoning to leave out
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "include_reasoning": false}',
      "include_reasoning", None),

@@ -197,10 +197,12 @@ def test_tool_calls(mesh):
     # /v1/responses: the message, then each call as a function_call item (one with parallel_tool_calls false)
     kw2 = dict(model=mesh.model, input=chat(), max_output_tokens=180, tools=[{"type": "function", **TOOL["function"]}],
                extra_body={"guided_regex": two})
-    for parallel, cities in ((True, [args["city"], "Oslo"]), (False, [args["city"]])):
-        r = c.responses.create(**kw2, parallel_tool_calls=parallel)
-        assert [o.type for o in r.output] == ["message"] + ["function_call"] * len(cities)
-        assert r.output[0].content[0].text.strip() == "Sure." and [json.loads(o.arguments)["city"] for o in r.output[1:]] == cities
+    for parallel, calls in ((True, 2), (False, 1)):
+        r = c.responses.create(**kw2, parallel_tool_calls=parallel, temperature=0)
+        assert [o.type for o in r.output] == ["message"] + ["function_call"] * calls
+        cities = [json.loads(o.arguments)["city"] for o in r.output[1:]]
+        assert r.output[0].content[0].text.strip() == "Sure." and cities[0] in ("Paris", "Rome")
+        assert cities[1:] == ["Oslo"][:calls - 1]
     # the history with an assistant call and the tool's answer is accepted
     history = chat() + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Rome", "days": 2}'}}]},
@@ -362,6 +364,18 @@ def test_chat_templates_own_and_continued(mesh):
                                 .rsplit("The weather", 1)[0] + "The weather", add_special_tokens=False)
     want = c.completions.create(model=mesh.model, prompt=ids, max_tokens=6, temperature=0).choices[0].text
     assert r.choices[0].message.content == want and r.usage.prompt_tokens == len(ids)
+    # vLLM's chat echo: the continued message's text first, whole and in the first streamed chunk
+    echo = {"continue_final_message": True, "add_generation_prompt": False, "echo": True}
+    r = c.chat.completions.create(model=mesh.model, messages=msgs, max_tokens=6, temperature=0, extra_body=echo)
+    assert r.choices[0].message.content == "The weather" + want
+    chunks = [ch.choices[0].delta for ch in c.chat.completions.create(
+        model=mesh.model, messages=msgs, max_tokens=6, temperature=0, stream=True, extra_body=echo) if ch.choices]
+    assert (chunks[0].role, chunks[0].content) == ("assistant", "The weather")
+    assert "".join(d.content or "" for d in chunks) == "The weather" + want
+    plain = c.chat.completions.create(model=mesh.model, messages=msgs[:1], max_tokens=6, temperature=0,
+                                      extra_body={"echo": True})  # the last message is the user's: nothing
+    assert plain.choices[0].message.content == c.chat.completions.create(
+        model=mesh.model, messages=msgs[:1], max_tokens=6, temperature=0).choices[0].message.content
 
 
 def test_skip_special_tokens_false_shows_them(mesh):

@@ -553,6 +553,7 @@ class Generation:
         self.metrics = gw.metrics.of(prepared.model.spec.name)  # its series: the model it runs on
         self.want_logprobs = prepared.sampling.logprobs is not None
         self.echo = isinstance(prepared.request, CompletionRequest) and prepared.request.echo
+        self.chat_echo = prepared.request.echoed() if self.kind == "chat" else ""  # vLLM's chat echo
         self.tool_mode = prepared.request.tool_mode() if self.kind == "chat" else "none"
         self.choices = [Choice(self, i, r, s) for i, (r, s) in enumerate(zip(requests, streams))]
         self.error: Exception | None = None  # what ended it, when it failed
@@ -692,6 +693,8 @@ class Generation:
                 reasoning, answer = split_answer(self.prepared.model.reasoning_parser, c.text,
                                                  self.prepared.request.include_reasoning, self.prepared.reasoning_prompt)
                 content, calls = self._tool_output(answer)
+                if self.chat_echo:
+                    content = self.chat_echo + (content or "")
                 finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
                 choices.append(chat_choice(c.index, content, finish, lp, [t.openai() for t in calls] or None))
                 choices[-1]["message"].update(reasoning)
@@ -747,6 +750,7 @@ class _ChunkState:
             if gen.tool_mode == "auto" else None
         self.named_call = (tool_calls.ToolCall(gen.prepared.request.tool_choice.function["name"], "")
                            if gen.tool_mode == "named" else None)
+        self.call_opened = False  # the named call's first chunk (id, name) went out
 
     def _chunk(self, delta_or_text, finish: str | None = None, logprobs: dict | None = None) -> dict:
         g = self.gen
@@ -797,6 +801,9 @@ class _ChunkState:
                 self.offset += len(d.text)
             return out
         lp = g._logprobs(d.token_ids, d.logprobs, 0)
+        if self.first and g.chat_echo:
+            out.append(self._chunk({"role": "assistant", "content": g.chat_echo}))
+            self.first = False
         if self.reasoning is not None:
             d = self._reasoning_delta(d, out)
         role = {"role": "assistant"} if self.first else {}
@@ -809,10 +816,10 @@ class _ChunkState:
             return out
         if self.named_call is not None:  # the output is the arguments: stream them as they come
             call = self.named_call
-            if self.first:
+            if not self.call_opened:
                 out.append(self._chunk({**role, "content": None, "tool_calls": [
                     {"index": 0, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}]}))
-                self.first = False
+                self.first, self.call_opened = False, True
             if d.text:
                 out.append(self._chunk({"tool_calls": [{"index": 0, "function": {"arguments": d.text}}]}, None, lp))
             if finish:
