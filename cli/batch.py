@@ -18,7 +18,7 @@ import orjson
 
 from meshserve.shared import tool_calls
 from meshserve.shared.limits import RequestLimits
-from meshserve.shared.reasoning import constraint_tags, prompt_state, split_answer
+from meshserve.shared.reasoning import prompt_state, reasoning_setup, split_answer
 from meshserve.shared.openai_protocol import (ChatCompletionRequest, OpenAIError, chat_choice, chat_logprobs,
                                               chat_response, completion_choice, completion_logprobs,
                                               completion_response, join_logprobs, new_id, parse_request,
@@ -78,10 +78,8 @@ def _prepare(llm: LLM, item: dict, served: str, reasoning: str | None = None):
             raise
         except Exception as e:  # a template that raises is the caller's doing
             raise OpenAIError(f"could not apply the chat template: {e}", param="messages") from None
-        sampling = req.to_sampling(llm.engine.max_model_len - len(prompt), llm.tokenizer, llm.generation_defaults)
-        if sampling.constraint is not None and reasoning:
-            sampling = sampling.model_copy(update=constraint_tags(reasoning, prompt_state(llm.tokenizer, prompt),
-                                                                  llm.tokenizer))
+        sampling, _ = reasoning_setup(reasoning, llm.tokenizer, prompt, req.to_sampling(
+            llm.engine.max_model_len - len(prompt), llm.tokenizer, llm.generation_defaults))
         prompts, texts = [prompt], [""]
     else:
         prompts, texts = zip(*(req.prompt_ids(p, llm.tokenizer) for p in req.prompts))
@@ -108,28 +106,29 @@ def _add(llm: LLM, prompts: list[list[int]], params, n: int, cache_salt: str | N
 
 
 def _body(llm: LLM, kind: str, served: str, req, cs: list[Completion], texts: list[str],
-          want_logprobs: bool, reasoning: str | None = None, tool_parser: str | None = None) -> dict:
-    """texts: each prompt's text as echo returns it; reasoning, tool_parser: how chat answers are read
-    (shared/reasoning.py, shared/tool_calls.py)."""
+          params, reasoning: str | None = None, tool_parser: str | None = None) -> dict:
+    """texts: each prompt's text as echo returns it; params: the line's SamplingParams; reasoning,
+    tool_parser: how chat answers are read (shared/reasoning.py, shared/tool_calls.py)."""
     firsts = cs[::req.n]  # each prompt's first choice
-    predicted = llm.tokenizer.encode(req.prediction.text(), add_special_tokens=False) \
-        if kind == "chat" and req.prediction is not None else None
+    want_logprobs = params.logprobs is not None
     u = usage(sum(len(c.prompt_token_ids) for c in firsts), sum(len(c.token_ids) for c in cs),
               sum(c.num_cached_tokens for c in firsts),
-              prediction_usage(predicted, [c.token_ids for c in cs]) if predicted else None)
+              prediction_usage(params.prediction, [c.token_ids for c in cs]) if params.prediction else None)
     dec = req.token_text(llm.tokenizer)  # what names a token in logprobs
     choices, extras = [], []  # the latter: vLLM's fields of each choice's prompt
+    chat = kind == "chat"
+    state = prompt_state(llm.tokenizer, cs[0].prompt_token_ids) if chat and reasoning else None  # one prompt
+    echoed = req.echoed() if chat else ""
     for i, c in enumerate(cs):
         extras.append(fields := prompt_fields(req, c.prompt_token_ids, c.prompt_logprobs, llm.tokenizer.decode))
-        if kind == "chat":
+        if chat:
             lp = chat_logprobs(c.token_ids, c.logprobs, dec) if want_logprobs else None
             mode = req.tool_mode()
-            thought, answer = split_answer(reasoning, c.text, req.include_reasoning,
-                                           reasoning and prompt_state(llm.tokenizer, c.prompt_token_ids))
+            thought, answer = split_answer(reasoning, c.text, req.include_reasoning, state)
             content, calls = tool_calls.read_calls(mode, answer, req.tool_choice.function["name"]
                                                    if mode == "named" else None, tool_parser, req.parallel_tool_calls)
-            if req.echoed():
-                content = req.echoed() + (content or "")
+            if echoed:
+                content = echoed + (content or "")
             finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
             choices.append(chat_choice(i, content, finish, lp, [t.openai() for t in calls] or None))
             choices[-1]["message"].update(thought)
@@ -164,7 +163,7 @@ def run_batch(llm: LLM, inp: IO[bytes], out: IO[bytes], served: str, reasoning: 
     from meshserve.shared.engine.llm_engine import RequestError
 
     results: list[dict | None] = []
-    pending: list[tuple[int, str, object, list[Completion], list[str], bool, object]] = []
+    pending: list[tuple[int, str, object, list[Completion], list[str], object, object]] = []
     for line in inp:
         if not line.strip():
             continue
@@ -174,17 +173,17 @@ def run_batch(llm: LLM, inp: IO[bytes], out: IO[bytes], served: str, reasoning: 
             cid = item.get("custom_id")
             kind, req, prompts, texts, params = _prepare(llm, item, served, reasoning)
             cs = _add(llm, prompts, params, req.n, req.cache_salt)
-            pending.append((len(results), kind, req, cs, texts, params.logprobs is not None, cid))
+            pending.append((len(results), kind, req, cs, texts, params, cid))
             results.append(None)
         except OpenAIError as e:
             results.append(_error_result(cid, e))
         except RequestError as e:
             results.append(_error_result(cid, OpenAIError(str(e))))
     llm.run()
-    for i, kind, req, cs, texts, want_lp, cid in pending:
+    for i, kind, req, cs, texts, params, cid in pending:
         failed = next((c.error for c in cs if c.error), None)
         results[i] = _error_result(cid, OpenAIError(f"generation failed: {failed}")) if failed else \
-            _result(cid, 200, _body(llm, kind, served, req, cs, texts, want_lp, reasoning, tool_parser))
+            _result(cid, 200, _body(llm, kind, served, req, cs, texts, params, reasoning, tool_parser))
     return write_results(results, out)
 
 

@@ -54,6 +54,18 @@ def constraint_tags(parser: str | None, state: str | None, tokenizer) -> dict:
     return {"reasoning_end": end}
 
 
+def reasoning_setup(parser: str | None, tokenizer, prompt_ids: list[int], sampling):
+    """A chat request's (sampling, prompt_state's word) for a model with this reasoning parser: a
+    constrained answer's sampling gets the engine's reasoning tags (constraint_tags). No parser:
+    the sampling as it is, and None."""
+    if parser is None:
+        return sampling, None
+    state = prompt_state(tokenizer, prompt_ids)
+    if sampling.constraint is not None:
+        sampling = sampling.model_copy(update=constraint_tags(parser, state, tokenizer))
+    return sampling, state
+
+
 class ReasoningParser:
     def __init__(self, name: str, prompt: str | None = None):
         """prompt: prompt_state's word on the output's start."""

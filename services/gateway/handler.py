@@ -24,7 +24,7 @@ from meshserve.shared.openai_protocol import (ChatCompletionRequest, CompletionR
                                               completion_chunk, completion_logprobs, completion_response,
                                               join_logprobs, parse_request, prediction_usage, prompt_fields, usage,
                                               usage_chunk, validate_body)
-from meshserve.shared.reasoning import ReasoningParser, constraint_tags, prompt_state, reasoning_fields, split_answer
+from meshserve.shared.reasoning import ReasoningParser, reasoning_fields, reasoning_setup, split_answer
 from meshserve.shared.schemas import Abort, GenerateRequest, Logprob, Message, Sampling, TokenChunk, Usage
 from meshserve.shared.tenants import Tenant, cache_salt
 from meshserve.shared.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -158,11 +158,8 @@ class Gateway:
             req.check_reasoning(model.reasoning_parser)
             ids = req.truncate(self.chat_prompt_ids(req, model=model))
             self._check_length(ids, None, model, "messages")  # so that the default max_tokens is positive
-            sampling = req.to_sampling(model.max_model_len - len(ids), tokenizer, model.generation_defaults)
-            if model.reasoning_parser is not None:
-                state = prompt_state(tokenizer, ids)
-                if sampling.constraint is not None:
-                    sampling = sampling.model_copy(update=constraint_tags(model.reasoning_parser, state, tokenizer))
+            sampling, state = reasoning_setup(model.reasoning_parser, tokenizer, ids, req.to_sampling(
+                model.max_model_len - len(ids), tokenizer, model.generation_defaults))
             prompts = [Prompt(ids)]
         else:
             prompts = [self._completion_prompt(x, req, tokenizer) for x in req.prompts]

@@ -62,6 +62,7 @@ class PredictionProposer:
 
     def __init__(self):
         self.cursor: dict[str, int] = {}  # request id -> where in its prediction the last proposal began
+        self.arrays: dict[str, np.ndarray] = {}  # request id -> its prediction, made an array once
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft | None]:
         return [self.lookup(s, k) for s, k in zip(seqs, ks)]
@@ -69,7 +70,10 @@ class PredictionProposer:
     def lookup(self, seq: Sequence, k: int) -> Draft | None:
         """seq has an output (its first token comes from its prompt's step, which verifies nothing)."""
         pred, out = seq.params.prediction, seq.output_token_ids
-        p, o = np.asarray(pred, dtype=np.int64), np.asarray(out[-self.MAX_N:], dtype=np.int64)
+        p = self.arrays.get(seq.request_id)
+        if p is None:
+            p = self.arrays[seq.request_id] = np.asarray(pred, dtype=np.int64)
+        o = np.asarray(out[-self.MAX_N:], dtype=np.int64)
         cursor = self.cursor.get(seq.request_id, 0)
         for n in range(len(o), min(self.MIN_N, len(o)) - 1, -1):
             ends = _hits(p[:-1], o[-n:]) + n  # where each occurrence's next token is
@@ -80,5 +84,6 @@ class PredictionProposer:
         return None
 
     def retain(self, request_ids) -> None:
-        for rid in [r for r in self.cursor if r not in request_ids]:
-            del self.cursor[rid]
+        for kept in (self.cursor, self.arrays):
+            for rid in [r for r in kept if r not in request_ids]:
+                del kept[rid]
